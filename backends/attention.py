@@ -1,0 +1,80 @@
+"""The `kiln::unified_attention` custom op and the attention-backend registry.
+
+Every layer's attention is one call of this op. To Dynamo it is opaque (a registered custom op with a
+fake implementation), which is where the compiled graph is split into pieces; at run time it hands
+the layer's query/key/value to the selected backend together with the step's forward context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kiln.backends.forward_context import AttentionMetadata, get_forward_context
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a mixed batch of prefill chunks and decodes.
+
+    Contract for `forward`:
+      1. write `key`/`value` of the first `metadata.num_actual_tokens` tokens into `kv_cache` at
+         `metadata.slot_mapping` (slot = block_id * block_size + offset);
+      2. for each request i, let its queries be rows `query_start_loc[i]:query_start_loc[i+1]` and its
+         context `seq_lens[i]` tokens read through `block_table[i]`; query j of a request with q_len
+         queries sits at position `seq_lens[i] - q_len + j` and attends causally to positions <= it;
+      3. return `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are padding (any value).
+    Writing before reading is what makes a request's own chunk, and blocks another request of the same
+    batch just cached, visible to attention.
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a backend by name; an unknown name is a readable error listing the choices."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+    return _BACKENDS[name]()
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "torch"
+
+
+@torch.library.custom_op("kiln::unified_attention", mutates_args=())
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int, scale: float
+) -> torch.Tensor:
+    context = get_forward_context()
+    return context.backend.forward(
+        query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale
+    )
+
+
+@unified_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int, scale: float):
+    return torch.empty_like(query)

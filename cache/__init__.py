@@ -1,0 +1,20 @@
+"""Paged KV cache: block pool, per-request block tables with prefix caching, and sizing."""
+
+from __future__ import annotations
+
+from kiln.cache.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVBlock, hash_block_tokens
+from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.cache.sizing import KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockHash",
+    "BlockPool",
+    "KVBlock",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "allocate_kv_caches",
+    "gpu_kv_budget_bytes",
+    "hash_block_tokens",
+    "num_blocks_for_budget",
+]

@@ -1,0 +1,165 @@
+"""Per-request block tables over one BlockPool, with automatic prefix caching.
+
+A request's block table covers its tokens in order; token ``t`` lives in block
+``table[t // block_size]`` at offset ``t % block_size``:
+
+    tokens   |0 ........ 15|16 ....... 31|32 .. 37      |
+    table    [  block 7    ,  block 3    ,  block 12    ]
+              full, hashed   full, hashed   partial, not hashed yet
+
+Only full blocks are hashed (chained on the previous block's hash), so a hit on block ``i``
+implies the whole prefix up to and including block ``i`` matched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kiln.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+
+
+class KVCacheManager:
+    """Per-request block tables over one BlockPool, with automatic prefix caching.
+
+    Usage by the scheduler, for a request's first allocation:
+
+        blocks, num_computed_tokens = manager.get_computed_blocks(token_ids)
+        ok = manager.allocate_slots(req_id, token_ids, num_computed_tokens, num_new_tokens, blocks)
+
+    with no other allocation in between (another allocation could evict the hit blocks).
+    Later steps call ``allocate_slots`` without ``new_computed_blocks``; ``free`` releases all.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # Hash chain of each request's full blocks, so every block is hashed once.
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by some request, in [0, 1]."""
+        usable = self.block_pool.num_usable_blocks
+        return (usable - self.num_free_blocks) / usable
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate in tokens; 0.0 before any query."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVBlock], int]:
+        """Longest chain of cached full blocks matching a prefix of ``token_ids``.
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks, so at least one token is left to
+        compute (the forward pass must produce logits for the last one). Returns the blocks and
+        ``num_computed_tokens = len(blocks) * block_size``. Does not change ref counts; pass the
+        blocks to ``allocate_slots`` to take them. ``([], 0)`` with prefix caching off.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        computed_blocks: list[KVBlock] = []
+        parent_hash: BlockHash | None = None
+        for i in range(max_blocks):
+            block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent_hash = hash_block_tokens(parent_hash, block_tokens)
+            block = self.block_pool.get_cached_block(parent_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        num_computed_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_computed_tokens
+        return computed_blocks, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> bool:
+        """Grow the request's block table to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``token_ids`` holds every token known now (prompt + outputs so far);
+        ``num_computed_tokens`` includes the tokens covered by ``new_computed_blocks``, which are
+        passed only on a request's first allocation, straight from ``get_computed_blocks``.
+
+        Returns False and changes nothing if the pool is short of blocks. Otherwise takes the
+        computed blocks, then fresh ones, and caches every block that is now full within the
+        covered tokens.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        if new_computed_blocks and blocks:
+            raise ValueError(f"request {request_id!r} already has blocks; prefix hits come first")
+        num_required_tokens = num_computed_tokens + num_new_tokens
+        num_required_blocks = -(-num_required_tokens // self.block_size)
+        num_new_blocks = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
+        # Hit blocks sitting in the free queue are counted as free but are about to be taken.
+        num_hit_blocks_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.num_free_blocks - num_hit_blocks_free:
+            return False
+
+        block_hashes = self.req_to_block_hashes.get(request_id, [])
+        # Touch before taking fresh blocks so get_new_blocks cannot evict the hit blocks.
+        self.block_pool.touch(new_computed_blocks)
+        for block in new_computed_blocks:
+            assert block.block_hash is not None, "hit block was evicted before allocate_slots"
+            block_hashes.append(block.block_hash)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self.req_to_blocks[request_id] = blocks
+        self.req_to_block_hashes[request_id] = block_hashes
+
+        if self.enable_prefix_caching:
+            # NOTE: blocks are cached before the forward writes their KV. A request hitting them
+            # in the same step is safe because each layer writes the step's KV before attending.
+            # Hazard: freeing this request before that forward runs (preempting it in the same
+            # schedule call) would leave hashes on blocks whose KV was never written.
+            num_full_blocks = min(num_required_tokens, len(token_ids)) // self.block_size
+            self._cache_full_blocks(token_ids, blocks, block_hashes, num_full_blocks)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first so it is evicted first. Unknown id: no-op."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.req_to_block_hashes.pop(request_id, None)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as physical block ids; [] for an unknown request."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes if no block is in use; returns whether it did."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _cache_full_blocks(
+        self,
+        token_ids: Sequence[int],
+        blocks: list[KVBlock],
+        block_hashes: list[BlockHash],
+        num_full_blocks: int,
+    ) -> None:
+        # block_hashes[i] is the hash of blocks[i]'s content; extend the chain where it stops.
+        for i in range(len(block_hashes), num_full_blocks):
+            parent_hash = block_hashes[-1] if block_hashes else None
+            block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block_hash = hash_block_tokens(parent_hash, block_tokens)
+            self.block_pool.cache_block(blocks[i], block_hash)
+            block_hashes.append(block_hash)

@@ -1,0 +1,92 @@
+"""`kiln` command line: `kiln generate` (prompts in, completions and tokens/s out)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+from kiln.backends import available_backends
+from kiln.engine.config import LOAD_FORMATS, EngineConfig
+from kiln.engine.presets import DEFAULT_MODEL, PRESETS
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about a kiln:",
+    "def fibonacci(n):",
+    "Three facts about the moon:",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand; names follow vLLM's."""
+    d = EngineConfig()
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"a local Hugging Face model directory or a built-in preset ({', '.join(PRESETS)}); "
+                             f"default {DEFAULT_MODEL} with dummy weights")  # fmt: skip
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    parser.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                        help="dummy = random weights (presets always use them)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="override KV cache sizing")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    parser.add_argument("--attention-backend", default=None, choices=available_backends())
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kiln.engine import LLM, SamplingParams  # noqa: PLC0415  (keeps `kiln --help` fast)
+
+    prompts = args.prompt or DEFAULT_PROMPTS
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    if llm.uses_dummy_weights:
+        print(f"NOTE: {args.model} runs with DUMMY (random) weights: the text below is noise, the speed is real.")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for output in outputs:
+        prompt = output.prompt if output.prompt is not None else output.prompt_token_ids
+        print(f"\n>>> {prompt!r}\n{output.outputs[0].text!r}")
+    print(f"\n{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s "
+          f"({llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')})")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: an LLM engine built on torch.compile.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts offline and report tokens/s")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four sample prompts")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Incremental detokenization and stop strings.
+
+Decoding the whole output after every token costs O(n^2); instead we decode a short window and emit
+only the text it adds. A window ending in U+FFFD is an incomplete UTF-8 character (a multi-byte
+character split across tokens): we wait for the next token rather than emit half of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 5  # prompt tokens decoded along, so the first output token gets its leading space right
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0  # window start: decoded for context only
+        self.read_offset = len(self.token_ids)  # text up to here has been emitted
+        self.text = ""
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly complete text (maybe empty)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is held back, incomplete characters included."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def find_stop_string(text: str, new_text_len: int, stop: Sequence[str]) -> tuple[str, int] | None:
+    """The first stop string that ends within the last `new_text_len` characters of `text`.
+
+    Returns (stop string, index where it starts) or None. Only the tail is searched: a stop string
+    can straddle the boundary between earlier text and the new piece, never lie wholly before it.
+    """
+    best: tuple[str, int] | None = None
+    for s in stop:
+        start = max(0, len(text) - new_text_len - len(s) + 1)
+        index = text.find(s, start)
+        if index >= 0 and (best is None or index < best[1]):
+            best = (s, index)
+    return best

@@ -1,0 +1,183 @@
+"""The engine core: model, KV cache, scheduler and runner, advanced one `step()` at a time.
+
+Offline `LLM` drives it in-process; the server (later) drives the same class in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.backends import default_backend_name, get_attention_backend
+from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.engine.config import EngineConfig
+from kiln.engine.model_runner import ModelRunner
+from kiln.engine.model_source import ModelSource, resolve_model
+from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
+from kiln.engine.outputs import Logprob
+from kiln.engine.request import Request
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+
+logger = logging.getLogger("kiln")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.source: ModelSource = resolve_model(config.model)
+        model_config = self.source.model_config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device, _checkpoint_dtype(self.source.hf_config))
+        self.load_format = config.load_format
+        if self.load_format == "auto":
+            self.load_format = "dummy" if self.source.is_preset else "safetensors"
+        if self.source.is_preset and self.load_format != "dummy":
+            raise ValueError(f"preset {config.model!r} has no checkpoint: use load_format='dummy'")
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
+            )
+        torch.manual_seed(config.seed)
+        self.model = build_model(model_config, self.dtype, self.device, max_model_len)
+        if self.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_checkpoint(self.model, self.source.model_dir)
+        self.model_config = model_config
+        self.backend = get_attention_backend(config.attention_backend or default_backend_name(self.device))
+        self.kv_spec = KVCacheSpec(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, self.dtype
+        )
+        num_blocks = self._num_kv_blocks(max_model_len)
+        usable_tokens = (num_blocks - 1) * config.block_size
+        if usable_tokens < max_model_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {usable_tokens} tokens, fewer than max_model_len={max_model_len}; "
+                    "lower max_model_len or give the KV cache more memory"
+                )
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, usable_tokens)
+            max_model_len = usable_tokens
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = self._make_runner(self.kv_caches, max_model_len)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+        )
+        self.startup_seconds = time.perf_counter() - start
+        logger.info(
+            "engine ready in %.1fs: %s (%s, %s, %s weights), %d KV blocks of %d tokens, max_model_len %d",
+            self.startup_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
+            self.load_format, num_blocks, config.block_size, max_model_len,
+        )  # fmt: skip
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate against the model and queue; raises ValueError for a request that can never run."""
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        params.verify_vocab(vocab)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.model_config.eos_token_ids, max_tokens, generator
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch)
+        new_tokens, finished = self.scheduler.update_from_output(batch, result.sampled_token_ids)
+        logprobs_of = {r.request_id: lp for r, lp in zip(batch.requests, result.logprobs) if lp is not None}
+        outputs = {}
+        for request, token in new_tokens:
+            lp = logprobs_of.get(request.request_id)
+            outputs[request.request_id] = EngineCoreOutput(
+                request.request_id, [token], None if lp is None else [lp],
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )  # fmt: skip
+        for request in finished:
+            out = outputs[request.request_id]
+            out.finish_reason = request.status.finish_reason
+            out.stop_reason = request.stop_reason
+        return list(outputs.values())
+
+    # ---- start-up -------------------------------------------------------------------------------------
+
+    def _make_runner(self, kv_caches: list[torch.Tensor], max_model_len: int) -> ModelRunner:
+        return ModelRunner(
+            self.model, kv_caches, self.backend, self.config.block_size, self.config.max_num_batched_tokens,
+            self.config.max_num_seqs, max_model_len, self.model_config.vocab_size,
+            self.model_config.eos_token_ids, self.device,
+        )  # fmt: skip
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            return num_blocks_for_budget(self.kv_spec, config.kv_cache_memory_bytes)
+        if self.device.type != "cuda":
+            return num_blocks_for_budget(self.kv_spec, CPU_DEFAULT_KV_BYTES)
+        peak = self._profile_peak_memory(max_model_len)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
+        return num_blocks_for_budget(self.kv_spec, budget)
+
+    def _profile_peak_memory(self, max_model_len: int) -> int:
+        """Peak GPU memory of a forward pass and sampling at the full token budget, minus the small
+        KV cache made for the run (the real one is sized from what is left)."""
+        from kiln.engine.profiling import profile_forward  # noqa: PLC0415  (GPU start-up only)
+
+        return profile_forward(self, max_model_len)
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None

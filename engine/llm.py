@@ -1,0 +1,151 @@
+"""Offline inference: `LLM(model).generate(prompts, params)`, driving the engine core in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kiln.engine.engine_core import EngineCore, EngineCoreOutput
+from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Sequence:
+    """One of the `n` completions of a prompt, as it accumulates."""
+
+    output: CompletionOutput
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None  # only when stop strings need the text as it grows
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+class LLM:
+    """`LLM(model=PATH_OR_PRESET, dtype=..., device=..., enforce_eager=..., max_num_seqs=..., ...)`.
+
+    Keyword arguments are `EngineConfig` fields (vLLM's names).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        source = self.engine.source
+        tokenizer_path = self.config.tokenizer or (None if source.is_preset else source.model_dir)
+        self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+        self._ids = itertools.count()
+
+    @property
+    def uses_dummy_weights(self) -> bool:
+        return self.engine.load_format == "dummy"
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+
+        results: list[RequestOutput] = []
+        sequences: dict[str, tuple[RequestOutput, _Sequence]] = {}
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                results.append(self._add(prompt, params, sequences))
+            self._run(sequences, use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(list(sequences))
+            raise
+        return results
+
+    def _add(self, prompt: Prompt, params: SamplingParams, sequences: dict) -> RequestOutput:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        request_id = str(next(self._ids))
+        result = RequestOutput(request_id, text, token_ids)
+        for index in range(params.n):
+            child_id = f"{request_id}-{index}"
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = dataclasses.replace(params, seed=params.seed + index)
+            self.engine.add_request(child_id, token_ids, child_params)
+            detokenizer = (
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if params.stop else None
+            )
+            output = CompletionOutput(index, "", [])
+            result.outputs.append(output)
+            sequences[child_id] = (result, _Sequence(output, params, detokenizer))
+        return result
+
+    def _run(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], use_tqdm: bool) -> None:
+        unfinished = {result.request_id: len(result.outputs) for result, _ in sequences.values()}
+        bar = tqdm(total=len(unfinished), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_generated = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                result, seq = sequences[out.request_id]
+                num_generated += len(out.new_token_ids)
+                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                if self._update(out, seq):
+                    unfinished[result.request_id] -= 1
+                    if unfinished[result.request_id] == 0:
+                        result.finished = True
+                        bar.update(1)
+            bar.set_postfix_str(f"{num_generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        bar.close()
+
+    def _update(self, out: EngineCoreOutput, seq: _Sequence) -> bool:
+        """Fold one step's tokens into the sequence; True when it has finished."""
+        output = seq.output
+        output.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            seq.logprobs.extend(out.new_logprobs)
+            output.logprobs = seq.logprobs
+            output.cumulative_logprob = sum(lp[t].logprob for lp, t in zip(seq.logprobs, output.token_ids))
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add_tokens(out.new_token_ids)
+            if finish_reason is not None:
+                delta += seq.detokenizer.flush()
+            hit = find_stop_string(seq.detokenizer.text, len(delta), seq.params.stop) if delta else None
+            if hit is not None:
+                stop, index = hit
+                end = index + len(stop) if seq.params.include_stop_str_in_output else index
+                output.text = seq.detokenizer.text[:end]
+                if finish_reason is None:
+                    self.engine.abort_requests([out.request_id])
+                finish_reason, stop_reason = "stop", stop
+            else:
+                output.text = seq.detokenizer.text
+        elif finish_reason is not None:
+            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if finish_reason is None:
+            return False
+        if seq.logprobs:
+            for entry in seq.logprobs:
+                for token_id, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([token_id])
+        output.finish_reason, output.stop_reason = finish_reason, stop_reason
+        return True

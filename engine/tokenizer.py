@@ -1,0 +1,51 @@
+"""Tokenizers: a model directory's own, or the built-in one that presets use.
+
+The built-in tokenizer is a byte-level BPE trained in a few milliseconds on the text below, so a
+preset needs no download. Its vocabulary is far smaller than a preset's: ids it does not know decode
+to nothing, which is fine for dummy weights, whose output is noise anyway.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+BUILTIN_EOS = "<|endoftext|>"
+
+_CORPUS = """\
+Kiln serves language models. A request arrives over HTTP, is tokenized, and waits for the scheduler.
+Each step the scheduler fills a budget of tokens with the requests that are running, then with new
+ones, and the model runner sends the batch through the network on the GPU. The attention layers read
+keys and values from a paged cache: blocks of sixteen tokens, handed out from a pool and shared when
+two prompts begin with the same words. The sampler picks the next token of every request at once,
+greedy or at random, and the detokenizer turns tokens back into text, one piece at a time.
+The quick brown fox jumps over the lazy dog. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2026.
+Questions, answers; lists, tables: and code, like def f(x): return x * 2 + 1.
+"""
+
+
+@lru_cache(maxsize=4)
+def builtin_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE; deterministic for a given vocab_size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BUILTIN_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BUILTIN_EOS)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a local model directory (never fetched from a hub)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
