@@ -1,0 +1,116 @@
+"""Loading from a local Hugging Face directory: sharded checkpoints, EOS ids, and readable errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.model_source import resolve_model
+from kiln.engine.models.loader import WeightLoadError
+
+
+def copy_dir(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_same_weights(tiny_llama_dir, tmp_path):
+    """Split model.safetensors into two shards with an index; the model must come out identical."""
+    sharded = copy_dir(tiny_llama_dir, tmp_path / "sharded")
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, sharded / fname)
+        weight_map.update(dict.fromkeys(part, fname))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = LLM(str(tiny_llama_dir), max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
+    b = LLM(str(sharded), max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_eos_ids_from_generation_config(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9)
+
+
+def test_missing_directory_is_clear():
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a built-in preset"):
+        resolve_model("/no/such/model")
+
+
+def test_file_instead_of_directory(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        resolve_model(str(f))
+
+
+def test_unknown_architecture_is_named(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        resolve_model(str(d))
+
+
+def test_missing_tensor_names_file_and_tensor(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightLoadError, match=r"missing 1 tensors: model\.layers\.1\.self_attn\.qkv_proj"):
+        LLM(str(d), max_model_len=128)
+
+
+def test_mismatched_tensor_names_file_and_tensor(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has shape"):
+        LLM(str(d), max_model_len=128)
+
+
+def test_unexpected_tensor_is_named(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightLoadError, match="extra.weight"):
+        LLM(str(d), max_model_len=128)
+
+
+def test_no_weights(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no \\*.safetensors"):
+        LLM(str(d), max_model_len=128)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes_load(tiny_llama_dir, dtype):
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, max_model_len=128)
+    assert next(llm.engine.model.parameters()).dtype == getattr(torch, dtype)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_preset_runs_with_dummy_weights():
+    llm = LLM("qwen3-0.6b", max_model_len=64, num_kv_blocks=16)
+    assert llm.uses_dummy_weights
+    config = llm.engine.model_config
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.qk_norm) == (28, 1024, 8, True)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
