@@ -63,7 +63,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     for output in outputs:
         prompt = output.prompt if output.prompt is not None else output.prompt_token_ids
-        print(f"\n>>> {prompt!r}\n{output.outputs[0].text!r}")
+        completion = output.outputs[0]
+        # NOTE: a preset's built-in tokenizer knows few of the model's ids; unknown ones decode to nothing.
+        shown = repr(completion.text) if completion.text.strip() else f"(token ids) {completion.token_ids}"
+        print(f"\n>>> {prompt!r}\n{shown}")
     print(f"\n{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s "
           f"({llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')})")  # fmt: skip
     return 0

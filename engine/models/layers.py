@@ -14,6 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear without the random init: weights come from a checkpoint or the dummy initialiser, and
+    initialising billions of values only to overwrite them costs seconds at start-up."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add: `norm(x + residual)`, returning the new residual too."""
 

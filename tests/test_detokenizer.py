@@ -1,0 +1,39 @@
+"""Incremental detokenization equals a one-shot decode, and never emits half a character."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kiln.engine.tokenizer import builtin_tokenizer
+
+TEXTS = [
+    "Hello world, the quick brown fox.",
+    "héllo wörld — ünïcödé",
+    "emoji 🔥🚀 mixed 漢字かな text 👩‍👩‍👧",
+    "   spaces   and\nnewlines\t\ttabs",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode(text):
+    tokenizer = builtin_tokenizer(512)
+    ids = tokenizer.encode(text)
+    split = 2
+    while "\ufffd" in tokenizer.decode(ids[:split]):  # keep the prompt/output boundary between characters
+        split += 1
+    prompt, output = ids[:split], ids[split:]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.add_tokens([t]) for t in output]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(output)
+    assert all("\ufffd" not in p for p in pieces)
+    # byte-level BPE splits multi-byte characters across tokens: some steps must have held text back
+    if any(ord(c) > 127 for c in text):
+        assert "" in pieces[:-1]
+
+
+def test_find_stop_string_only_in_new_tail():
+    assert find_stop_string("abc STOP def", 4, ["STOP"]) is None  # wholly before the new text
+    assert find_stop_string("abc STOP", 2, ["STOP"]) == ("STOP", 4)  # straddles the boundary
+    assert find_stop_string("xx AB CD", 5, ["CD", "AB"]) == ("AB", 3)  # the earliest wins
