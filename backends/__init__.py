@@ -1,6 +1,6 @@
 """Attention: the `kiln::unified_attention` op, the forward context it reads, and the backends."""
 
-from kiln.backends import torch_attention  # noqa: F401  (registers the "torch" backend)
+from kiln.backends import torch_attention, triton_attention  # noqa: F401  (register the backends)
 from kiln.backends.attention import (
     AttentionBackend,
     available_backends,

@@ -62,7 +62,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "torch"
+    return "triton" if device.type == "cuda" else "torch"
 
 
 @torch.library.custom_op("kiln::unified_attention", mutates_args=())

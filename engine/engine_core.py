@@ -16,6 +16,7 @@ from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches, gpu_kv_b
 from kiln.engine.config import EngineConfig
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.model_source import ModelSource, resolve_model
+from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
@@ -61,6 +62,8 @@ class EngineCore:
             init_dummy_weights(self.model, config.seed)
         else:
             load_checkpoint(self.model, self.source.model_dir)
+        # Until the compiled path lands every GPU run is eager, so the Triton kernels are always on there.
+        use_fused_kernels(self.model, self.device.type == "cuda")
         self.model_config = model_config
         self.backend = get_attention_backend(config.attention_backend or default_backend_name(self.device))
         self.kv_spec = KVCacheSpec(

@@ -102,7 +102,8 @@ def main() -> int:
     if args.hf:
         results.append(bench_hf(args, prompts, output_lens))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\nthroughput: {args.model} ({args.dtype}), {args.num_seqs} seqs, lengths U[{args.min_len}, {args.max_len}], "
+    print(f"\nthroughput: {args.model} ({args.dtype}), {args.num_seqs} seqs, "
+          f"lengths U[{args.min_len}, {args.max_len}], "
           f"{'eager' if args.enforce_eager else 'compiled'}, {device}, torch {torch.__version__}")  # fmt: skip
     print(f"{'engine':<48} {'output tokens':>14} {'seconds':>9} {'tokens/s':>10}")
     for r in results:

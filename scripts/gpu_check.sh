@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
-# Usage (on the device): bash scripts/gpu_check.sh [tests] [throughput] ...
+# Usage (on the device): bash scripts/gpu_check.sh [tests] [attention] [throughput:MODEL] ...
 set -u
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-steps=${*:-tests throughput}
+steps=${*:-tests attention throughput:qwen3-0.6b throughput:llama-3.2-1b}
 summary="$OUT/summary.txt"
-: > "$summary"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+{ date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 } | tee -a "$summary"
 
 for step in $steps; do
   case $step in
     tests)
-      timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 3
+      timeout 240 python3 -m pytest -q -m gpu tests --durations=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary" ;;
-    throughput)
-      for model in qwen3-0.6b llama-3.2-1b; do
-        timeout 400 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
-          --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput_$model.log" | tail -n 4
-        tail -n 3 "$OUT/throughput_$model.log" >> "$summary"
-      done ;;
+    attention)
+      timeout 200 python3 scripts/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
+      grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
+    throughput:*)
+      model=${step#throughput:}
+      timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
+        --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput_$model.log" | tail -n 4
+      tail -n 4 "$OUT/throughput_$model.log" >> "$summary" ;;
   esac
 done
 echo; echo "==== summary ===="; cat "$summary"

@@ -7,6 +7,10 @@ import torch
 from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import get_attention_backend
+from kiln.backends.triton_attention import decode_num_splits, split_kv_decode, write_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
 
 CASES = [
     # (query_lens, context_lens): decodes (q=1), fresh prefills (ctx=0), chunks continuing a prefill
@@ -31,16 +35,66 @@ def test_torch_backend_matches_reference(query_lens, context_lens, num_heads, nu
     torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
 
 
+@pytest.mark.parametrize("query_lens,context_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (4, 2, 80)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size):
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
+    )
+    scale = head_dim**-0.5
+    out = get_attention_backend("triton").forward(q, k, v, kv_cache, metadata, scale)
+    ref = reference_attention(q, history, query_lens, scale)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
+def test_split_kv_decode(num_splits, num_heads, num_kv_heads, head_dim):
+    """Some splits get no pages at all (short contexts): the reduction must ignore them."""
+    query_lens, context_lens = [1, 1, 1, 1], [3, 40, 100, 17]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    write_kv(kv_cache, k, v, metadata.slot_mapping)
+    out = torch.empty_like(q)
+    split_kv_decode(q, kv_cache, metadata, head_dim**-0.5, out, num_splits)
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+
+
+def test_kv_write_skips_negative_slots():
+    kv_cache = torch.zeros(2, 4, 16, 2, 64, device=DEVICE)
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    write_kv(kv_cache, key, key + 1, torch.tensor([17, -1, 63], device=DEVICE))
+    flat = kv_cache.reshape(2, -1, 2, 64)
+    torch.testing.assert_close(flat[0, [17, 63]], key[[0, 2]])
+    torch.testing.assert_close(flat[1, [17, 63]], key[[0, 2]] + 1)
+    assert flat[:, [i for i in range(64) if i not in (17, 63)]].abs().sum() == 0
+
+
+def test_decode_num_splits_fills_the_gpu():
+    assert decode_num_splits(1, 8, 132) == 64  # capped
+    assert decode_num_splits(64, 8, 132) == 2
+    assert decode_num_splits(256, 8, 132) == 1
+
+
 def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch"):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch.*triton"):
         get_attention_backend("flash")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_torch_backend_on_gpu(dtype):
-    query_lens, context_lens = [1] * 30 + [64, 200], [700] * 30 + [0, 300]
+@pytest.mark.parametrize("query_lens,context_lens", [
+    ([1] * 30 + [64, 200], [700] * 30 + [0, 300]),  # mixed: unified kernel
+    ([1] * 8, [8000, 1, 31, 16, 4000, 17, 2, 300]),  # decode only: split-KV
+])  # fmt: skip
+def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, context_lens):
     q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, dtype, "cuda")
-    out = get_attention_backend("torch").forward(q, k, v, kv_cache, metadata, 128**-0.5)
+    out = get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5)
     ref = reference_attention(q, history, query_lens, 128**-0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)

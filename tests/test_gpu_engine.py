@@ -29,7 +29,6 @@ def test_preset_batch_on_gpu(preset):
     prompts = [[i + 1] * (10 + 37 * i) for i in range(12)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-    # greedy is deterministic whether a prompt runs alone or in a batch (up to bf16 batch effects at ties)
-    alone = llm.generate(prompts[3:4], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert alone[0].outputs[0].token_ids[:5] == outs[3].outputs[0].token_ids[:5]
+    again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.backends import fused_kernels
+
 
 class Linear(nn.Linear):
     """nn.Linear without the random init: weights come from a checkpoint or the dummy initialiser, and
@@ -27,7 +29,20 @@ class Embedding(nn.Embedding):
         pass
 
 
-class RMSNorm(nn.Module):
+class FusedKernelsMixin:
+    """Layers with two forms: plain torch (CPU, and under torch.compile so Inductor fuses it) and a
+    hand-written Triton kernel (eager on the GPU). `use_fused_kernels(model, True)` switches them."""
+
+    fused = False
+
+
+def use_fused_kernels(model: nn.Module, enabled: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, FusedKernelsMixin):
+            module.fused = enabled
+
+
+class RMSNorm(FusedKernelsMixin, nn.Module):
     """RMSNorm with an optional fused residual add: `norm(x + residual)`, returning the new residual too."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -38,6 +53,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return fused_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -48,9 +65,12 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+class SiluAndMul(FusedKernelsMixin, nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_kernels.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -79,7 +99,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(in_band, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FusedKernelsMixin, nn.Module):
     """Neox-style RoPE (rotate halves) from a precomputed cos/sin table indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
@@ -92,6 +112,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return (fused_kernels.rotary_embedding(query, positions, self.cos_sin),
+                    fused_kernels.rotary_embedding(key, positions, self.cos_sin))  # fmt: skip
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import kiln.backends.attention  # noqa: F401  (registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from kiln.engine.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class Attention(nn.Module):
@@ -49,9 +49,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,106 @@
+"""Fused eager kernels in Triton: RMSNorm with the residual add, neox RoPE, SiLU-and-mul.
+
+They serve `--enforce-eager` on the GPU, where each would otherwise be several kernel launches and
+several trips through memory. Under torch.compile the layers use their plain-torch forms instead, and
+Inductor fuses those itself. Each kernel rounds as the plain-torch form does (float32 math, the same
+casts), so outputs agree to within a few ulps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr, eps, stride_x, stride_r,
+                     stride_o, stride_ro, N: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+    w = tl.load(weight_ptr + offs, mask=mask)
+    y = (x32 * rstd).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`norm(x)` or, with a residual, `(norm(x + residual), x + residual)`; rows of any leading shape."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    residual_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            out, x2, r2, residual_out, weight, eps, x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+        )  # fmt: skip
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_sin_ptr, stride_x_t, stride_x_h, stride_o_t, stride_o_h,
+                 NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HALF_P)
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    x_base = x_ptr + token * stride_x_t + offs_h[:, None] * stride_x_h + offs_d[None, :]
+    x1 = tl.load(x_base, mask=mask, other=0.0)
+    x2 = tl.load(x_base + HALF, mask=mask, other=0.0)
+    cos = cos.to(x1.dtype)[None, :]
+    sin = sin.to(x1.dtype)[None, :]
+    o_base = out_ptr + token * stride_o_t + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_base, x1 * cos - x2 * sin, mask=mask)
+    tl.store(o_base + HALF, x2 * cos + x1 * sin, mask=mask)
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE of x [T, heads, D] from a float32 table cos_sin [max_pos, D] (cos half, sin half)."""
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rope_kernel[(num_tokens,)](
+            out, x, positions, cos_sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            HEADS_P=triton.next_power_of_2(num_heads),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + offs, silu * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] -> silu(x[:, :N]) * x[:, N:]."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    if x2.shape[0]:
+        grid = (x2.shape[0], triton.cdiv(n, block))
+        _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,267 @@
+"""Paged attention in Triton: a KV-write kernel, one unified kernel for any mix of prefill chunks and
+decodes, and a split-KV (flash-decoding) path for decode-only batches.
+
+Every kernel reads its per-step metadata from device tensors and launches a grid that depends only on
+the (padded) token count, the request count and constants: no host sync, nothing data-dependent,
+so the op can be captured in a CUDA graph.
+
+Paged K/V addressing, shared by all kernels (row = num_kv_heads * head_dim elements)::
+
+    position p of request s  ->  page = block_table[s, p // BLOCK_SIZE]
+                                 slot = page * BLOCK_SIZE + p % BLOCK_SIZE
+                                 K[p, h, :] = k_cache[slot * row + h * head_dim : ... + head_dim]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.backends.attention import AttentionBackend, register_backend
+from kiln.backends.forward_context import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_write_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, v_offset, stride_key, stride_value,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # NOTE: a negative slot means "write nowhere" (padding that has no scratch slot)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(key_ptr + token * stride_key + offs, mask=mask)
+        v = tl.load(value_ptr + token * stride_value + offs, mask=mask)
+        tl.store(cache_ptr + slot * ROW + offs, k, mask=mask)
+        tl.store(cache_ptr + v_offset + slot * ROW + offs, v, mask=mask)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value: [T, num_kv_heads, head_dim] with each token's heads contiguous."""
+    num_tokens = slot_mapping.shape[0]
+    row = kv_cache.shape[-1] * kv_cache.shape[-2]
+    assert key.stride(1) == key.shape[2] and key.stride(2) == 1 and value.stride(1) == value.shape[2]
+    _kv_write_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping, kv_cache[0].numel(), key.stride(0), value.stride(0),
+        ROW=row, BLOCK=triton.next_power_of_2(row),
+    )  # fmt: skip
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Request i owns query blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): enough for its
+    queries, disjoint and increasing, so a binary search over qsl finds the owner of `q_block`."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
+                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
+                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE_N: tl.constexpr):  # fmt: skip
+    """One online-softmax step over keys [start_n, start_n + TILE_N): row r may see key n when
+    n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    n_ok = offs_n < visible_end
+    page = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    base = slot * ROW + kv_head * HEAD_DIM
+    k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, k) * qk_scale
+    allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_reqs, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
+    NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
+    sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group."""
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q < q_len:
+        offs_m = tl.arange(0, BLOCK_Q * GROUP)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        d_ok = offs_d < HEAD_DIM
+        q_pos = local_block * BLOCK_Q + offs_m // GROUP
+        head = kv_head * Q_PER_KV + offs_m % GROUP
+        row_ok = (q_pos < q_len) & (offs_m % GROUP < Q_PER_KV)
+        q_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len
+        causal_limit = context_len + q_pos
+        visible_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+
+        m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
+        table_row = block_table_ptr + req * stride_block_table
+        for start_n in range(0, visible_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+                                         visible_end, causal_limit, offs_d, d_ok, qk_scale,
+                                         NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_split_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_block_table,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
+    pages; writes the unnormalised partial output with its running max and sum (log2 units)."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    pages_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), NUM_SPLITS)
+    start = split * pages_per_split * BLOCK_SIZE
+    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
+
+    offs_m = tl.arange(0, GROUP)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < Q_PER_KV
+    head = kv_head * Q_PER_KV + offs_m
+    q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full([GROUP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
+    no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+    table_row = block_table_ptr + req * stride_block_table
+    for start_n in range(start, end, TILE_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+                                     end, no_causal, offs_d, d_ok, qk_scale,
+                                     NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+    part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, stride_o_t,
+                          stride_o_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
+    """Merge the splits of one (request, head): rescale each by 2^(max_s - max) and normalise."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    base = (req * NUM_HEADS + head) * NUM_SPLITS
+    m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(s_ok & (m > float("-inf")), tl.math.exp2(m - m_all), 0.0)
+    total = tl.sum(w * l_s, 0)
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)  # fmt: skip
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
+    """Enough splits that (requests x kv heads x splits) fills the GPU about four times over. It depends
+    only on the batch size, so a CUDA graph captured for one batch size keeps it."""
+    return max(1, min(max_splits, -(-4 * num_sms // (num_reqs * num_kv_heads))))
+
+
+def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[-2]
+    q_per_kv = num_heads // num_kv_heads
+    group = max(triton.next_power_of_2(q_per_kv), 1)
+    block_m = 64 if metadata.max_query_len > 16 else 16
+    block_q = max(block_m // group, 1)
+    num_reqs = metadata.query_start_loc.shape[0] - 1
+    grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        scale * LOG2E, num_reqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        metadata.block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2], TILE_N=32,
+    )  # fmt: skip
+
+
+def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                    num_splits: int) -> None:  # fmt: skip
+    """Decode-only batch (one query per request), flash-decoding style: partials, then a reduction."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[-2]
+    q_per_kv = num_heads // num_kv_heads
+    num_reqs = metadata.seq_lens.shape[0]
+    head_dim_p = triton.next_power_of_2(head_dim)
+    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
+    part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    part_sum = torch.empty_like(part_max)
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        part_acc, part_max, part_sum, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
+        metadata.query_start_loc, scale * LOG2E, query.stride(0), query.stride(1), metadata.block_table.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
+        GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=kv_cache.shape[2], TILE_N=64, NUM_SPLITS=num_splits,
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_reqs, num_heads)](
+        out, part_acc, part_max, part_sum, metadata.query_start_loc, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
+        SPLITS_P=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+
+
+@register_backend
+class TritonAttentionBackend(AttentionBackend):
+    """Decode-only batches take the split-KV path; anything with a prefill chunk the unified kernel."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        write_kv(kv_cache, key, value, metadata.slot_mapping[:num_tokens])
+        out = torch.empty_like(query)
+        if metadata.max_query_len == 1:
+            num_splits = decode_num_splits(metadata.seq_lens.shape[0], kv_cache.shape[-2], self.num_sms)
+            split_kv_decode(query, kv_cache, metadata, scale, out, num_splits)
+        else:
+            unified_attention(query, kv_cache, metadata, scale, out)
+        return out

@@ -1,0 +1,129 @@
+"""Decode attention at Llama-3.1-8B shapes under a CUDA graph, beside torch SDPA; fused eager kernels
+beside their plain-torch forms.
+
+Attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, random non-contiguous block
+tables; batch x context grid. Bandwidth = K and V bytes read / time, against 4.3 TB/s (the H200's
+measured copy bandwidth). SDPA reads the same K/V laid out contiguously ([B, 8, ctx, 128]).
+
+    python scripts/bench_attention.py [--max-tokens 4194304]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+PEAK_BYTES_PER_S = 4.3e12
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def graph_time_ms(fn, iters: int = 50) -> float:
+    """Mean time of one replay of `fn` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench_decode(batch: int, context: int, backend) -> dict:
+    dtype, device = torch.bfloat16, "cuda"
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq + 1
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    block_table = (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).view(batch, -1)
+    block_table = block_table.to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    slot_mapping = (block_table[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)  # the new token: last slot
+    metadata = AttentionMetadata(batch, qsl.to(device), seq_lens.to(device), block_table, slot_mapping, 1, context,
+                                 qsl, seq_lens)  # fmt: skip
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k_new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v_new = torch.randn_like(k_new)
+    ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5))
+    kv_cache = None  # free it before SDPA's copy is made
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    q4 = q.unsqueeze(2)
+    sdpa_ms = graph_time_ms(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
+    )
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
+    return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
+            "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms)}  # fmt: skip
+
+
+def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
+    dtype, device = torch.bfloat16, "cuda"
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    r = torch.randn_like(x)
+    norm = RMSNorm(hidden, 1e-5).to(device, dtype)
+    rope = RotaryEmbedding(HEAD_DIM, 8192, 500000.0, None).to(device)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    pos = torch.randint(0, 8192, (num_tokens,), device=device)
+    gate_up = torch.randn(num_tokens, 2 * intermediate, dtype=dtype, device=device)
+    act = SiluAndMul()
+    cases = {
+        "rms_norm+residual": (lambda: norm(x, r), lambda: fused_kernels.rms_norm(x, norm.weight, 1e-5, r)),
+        "rope q,k": (lambda: rope(pos, q, k), lambda: (fused_kernels.rotary_embedding(q, pos, rope.cos_sin),
+                                                      fused_kernels.rotary_embedding(k, pos, rope.cos_sin))),
+        "silu_and_mul": (lambda: act(gate_up), lambda: fused_kernels.silu_and_mul(gate_up)),
+    }  # fmt: skip
+    rows = []
+    for name, (plain, fused) in cases.items():
+        rows.append({"kernel": name, "tokens": num_tokens, "torch_us": triton.testing.do_bench(plain) * 1e3,
+                     "triton_us": triton.testing.do_bench(fused) * 1e3})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    backend = get_attention_backend("triton")
+    rows = []
+    for batch in (1, 16, 64, 256):
+        for context in (256, 2048, 8192, 32768):
+            if batch * context <= args.max_tokens:
+                rows.append(bench_decode(batch, context, backend))
+                torch.cuda.empty_cache()
+    print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
+    print(f"{'batch':>5} {'context':>7} {'kiln us':>9} {'kiln util':>9} {'sdpa us':>9} {'sdpa util':>9}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
+              f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%}")  # fmt: skip
+    fused = bench_fused(1) + bench_fused(4096)
+    print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
+    for r in fused:
+        print(f"{r['kernel']:<20} {r['tokens']:>6} {r['torch_us']:>9.1f} {r['triton_us']:>9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"decode": rows, "fused": fused}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
