@@ -30,12 +30,14 @@ TINY = dict(
 
 
 def tiny_hf_config(kind: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if kind == "llama":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64, "rope_theta": 500000.0}  # fmt: skip
         return LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=False)
+    if kind == "mistral":
+        return MistralConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None)
     if kind == "qwen2":
         rope = {"rope_type": "default", "rope_theta": 1e6}
         return Qwen2Config(**TINY, rope_parameters=rope, tie_word_embeddings=True)
@@ -67,6 +69,11 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("mistral"), "mistral")
 
 
 @pytest.fixture(scope="session")

@@ -104,3 +104,13 @@ def test_triton_kernels_match_hf(tiny_model_dir, hf_reference):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         hf_reference(prompt, output.outputs[0].token_ids)
+
+
+def test_mistral_batch(tiny_mistral_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_mistral_dir, dtype=torch.float32).eval()
+    llm = LLM(str(tiny_mistral_dir), max_model_len=256, max_num_batched_tokens=16)
+    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False)):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        assert output.outputs[0].token_ids == ref
