@@ -23,7 +23,8 @@ class AttentionBackend(ABC):
       2. for each request i, let its queries be rows `query_start_loc[i]:query_start_loc[i+1]` and its
          context `seq_lens[i]` tokens read through `block_table[i]`; query j of a request with q_len
          queries sits at position `seq_lens[i] - q_len + j` and attends causally to positions <= it;
-      3. return `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are padding (any value).
+      3. write the result into `output` `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are
+         padding and may hold anything.
     Writing before reading is what makes a request's own chunk, and blocks another request of the same
     batch just cached, visible to attention.
     """
@@ -39,7 +40,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        output: torch.Tensor,  # [T, num_heads, head_dim], written in place
+    ) -> None: ...
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -65,16 +67,17 @@ def default_backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-@torch.library.custom_op("kiln::unified_attention", mutates_args=())
+# NOTE: the op writes into an `output` the caller allocated. Under piecewise CUDA graphs that buffer is
+# allocated inside the captured piece before it, so every tensor crossing a piece boundary has a fixed
+# address from replay to replay; a returned tensor would be a fresh eager allocation each step.
+@torch.library.custom_op("kiln::unified_attention", mutates_args=("output",))
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int, scale: float
-) -> torch.Tensor:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+) -> None:
     context = get_forward_context()
-    return context.backend.forward(
-        query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale
-    )
+    context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output)
 
 
 @unified_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int, scale: float):
-    return torch.empty_like(query)
+def _(query, key, value, output, layer_index: int, scale: float) -> None:
+    return None

@@ -35,10 +35,9 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
-        output = torch.zeros_like(query)
         starts = metadata.query_start_loc_cpu
         query_lens = (starts[1:] - starts[:-1]).tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
@@ -50,7 +49,6 @@ class TorchAttentionBackend(AttentionBackend):
                 start = int(starts[i])
                 k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i])
                 output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale)
-        return output
 
     def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor) -> None:
         """All single-query requests at once: gather their blocks padded to the longest context."""

@@ -255,13 +255,11 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key, value, metadata.slot_mapping[:num_tokens])
-        out = torch.empty_like(query)
         if metadata.max_query_len == 1:
             num_splits = decode_num_splits(metadata.seq_lens.shape[0], kv_cache.shape[-2], self.num_sms)
-            split_kv_decode(query, kv_cache, metadata, scale, out, num_splits)
+            split_kv_decode(query, kv_cache, metadata, scale, output, num_splits)
         else:
-            unified_attention(query, kv_cache, metadata, scale, out)
-        return out
+            unified_attention(query, kv_cache, metadata, scale, output)

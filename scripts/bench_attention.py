@@ -60,7 +60,8 @@ def bench_decode(batch: int, context: int, backend) -> dict:
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k_new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     v_new = torch.randn_like(k_new)
-    ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5))
+    out = torch.empty_like(q)
+    ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
     kv_cache = None  # free it before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)

@@ -28,7 +28,8 @@ def test_torch_backend_matches_reference(query_lens, context_lens, num_heads, nu
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu"
     )
     scale = head_dim**-0.5
-    out = get_attention_backend("torch").forward(q, k, v, kv_cache, metadata, scale)
+    out = torch.zeros_like(q)
+    get_attention_backend("torch").forward(q, k, v, kv_cache, metadata, scale, out)
     torch.testing.assert_close(out.double(), reference_attention(q, history, query_lens, scale), atol=1e-5, rtol=1e-5)
     # the new K/V landed in the cache at their slots
     flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
@@ -43,7 +44,8 @@ def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, n
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
     )
     scale = head_dim**-0.5
-    out = get_attention_backend("triton").forward(q, k, v, kv_cache, metadata, scale)
+    out = torch.zeros_like(q)
+    get_attention_backend("triton").forward(q, k, v, kv_cache, metadata, scale, out)
     ref = reference_attention(q, history, query_lens, scale)
     torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
     flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
@@ -95,6 +97,7 @@ def test_unknown_backend_is_rejected():
 ])  # fmt: skip
 def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, context_lens):
     q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, dtype, "cuda")
-    out = get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5)
+    out = torch.zeros_like(q)
+    get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5, out)
     ref = reference_attention(q, history, query_lens, 128**-0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)

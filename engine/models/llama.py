@@ -40,7 +40,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = torch.ops.kiln.unified_attention(q, k, v.contiguous(), self.layer_index, self.scale)
+        out = torch.empty_like(q)
+        torch.ops.kiln.unified_attention(q, k, v.contiguous(), out, self.layer_index, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
