@@ -52,6 +52,7 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
     backend: AttentionBackend
+    cudagraph_size: int | None = None  # set: compiled pieces replay (or capture) their graph for this size
 
 
 _forward_context: ForwardContext | None = None
@@ -65,6 +66,10 @@ def set_forward_context(context: ForwardContext) -> Iterator[None]:
         yield
     finally:
         _forward_context = previous
+
+
+def current_cudagraph_size() -> int | None:
+    return None if _forward_context is None else _forward_context.cudagraph_size
 
 
 def get_forward_context() -> ForwardContext:

@@ -9,6 +9,8 @@ import sys
 import time
 
 from kiln.backends import available_backends
+from kiln.compile import CUDAGRAPH_MODES
+from kiln.compile.cache import DISABLE_ENV
 from kiln.engine.config import LOAD_FORMATS, EngineConfig
 from kiln.engine.presets import DEFAULT_MODEL, PRESETS
 
@@ -42,6 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
     parser.add_argument("--attention-backend", default=None, choices=available_backends())
+    parser.add_argument("--compile-cache-dir", default=None, help="default ~/.cache/kiln/compile "
+                        f"(set {DISABLE_ENV}=1 to disable the cache)")  # fmt: skip
+    parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
+    parser.add_argument("--cudagraph-capture-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        default=None, help="comma-separated token counts (default: 1,2,4,8,...)")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -72,6 +79,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_precompile(args: argparse.Namespace) -> int:
+    """Fill the compile cache for this model and these flags, then exit: a deployment's warm-up job."""
+    from kiln.engine.engine_core import EngineCore  # noqa: PLC0415
+
+    config = engine_config_from_args(args)
+    if config.enforce_eager:
+        print("kiln: error: precompile with --enforce-eager has nothing to compile", file=sys.stderr)
+        return 2
+    # Weights do not change what is compiled: random ones skip reading the checkpoint.
+    core = EngineCore(dataclasses.replace(config, load_format="dummy"))
+    stats = core.startup_stats
+    print(f"compile cache: {stats['compile_cache_dir']}")
+    for key, value in stats.items():
+        print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: an LLM engine built on torch.compile.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     gen.set_defaults(func=cmd_generate)
+    pre = sub.add_parser("precompile", help="fill the compile cache for a model and flags, then exit")
+    add_engine_args(pre)
+    pre.set_defaults(func=cmd_precompile)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

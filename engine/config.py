@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.compile import CUDAGRAPH_MODES
 from kiln.engine.presets import DEFAULT_MODEL
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -29,8 +30,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; on CPU the default is 1 GiB
     num_kv_blocks: int | None = None  # override the sizing (tests use it to force preemption)
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no Dynamo, no Inductor, no CUDA graphs
     attention_backend: str | None = None  # default: per device
+    compile_cache_dir: str | None = None  # default: ~/.cache/kiln/compile
+    cudagraph_mode: str = "full_and_piecewise"  # or "piecewise", "none"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: a vLLM-like list up to 2 * max_num_seqs
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -49,6 +53,11 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of {list(CUDAGRAPH_MODES)}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(s, int) or s < 1 for s in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 

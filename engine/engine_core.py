@@ -5,14 +5,25 @@ Offline `LLM` drives it in-process; the server (later) drives the same class in 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kiln.backends import default_backend_name, get_attention_backend
 from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.compile import (
+    CompileCache,
+    CompileCounters,
+    CompiledModel,
+    cache_key_inputs,
+    default_cache_root,
+    default_capture_sizes,
+)
 from kiln.engine.config import EngineConfig
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.model_source import ModelSource, resolve_model
@@ -26,6 +37,7 @@ from kiln.engine.scheduler import Scheduler
 logger = logging.getLogger("kiln")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+CUDAGRAPH_RESERVE_BYTES = 1 << 30
 
 
 @dataclass
@@ -62,10 +74,14 @@ class EngineCore:
             init_dummy_weights(self.model, config.seed)
         else:
             load_checkpoint(self.model, self.source.model_dir)
-        # Until the compiled path lands every GPU run is eager, so the Triton kernels are always on there.
-        use_fused_kernels(self.model, self.device.type == "cuda")
+        self.load_seconds = time.perf_counter() - start
+        # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the
+        # plain-torch forms itself.
+        use_fused_kernels(self.model, self.device.type == "cuda" and config.enforce_eager)
         self.model_config = model_config
         self.backend = get_attention_backend(config.attention_backend or default_backend_name(self.device))
+        self.counters = CompileCounters()
+        self.compiled = None if config.enforce_eager else self._make_compiled(max_model_len)
         self.kv_spec = KVCacheSpec(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, self.dtype
         )
@@ -83,11 +99,22 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = self._make_runner(self.kv_caches, max_model_len)
+        self.runner = self._make_runner(self.kv_caches, max_model_len, self.compiled)
+        if self.compiled is not None:
+            self.runner.warm_up(min(16, max_model_len - 1))  # the one Dynamo trace
+            if self.runner.cudagraph_mode != "none":
+                self.runner.capture_cudagraphs(self.counters)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
         self.startup_seconds = time.perf_counter() - start
+        self.startup_stats = {
+            "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
+            "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {self.runner.cudagraph_mode}",
+            "compile_cache_dir": str(self.compiled.backend.cache.directory) if self.compiled else None,
+            **self.counters.as_dict(),
+        }  # fmt: skip
+        logger.info("startup: %s", self.startup_stats)
         logger.info(
             "engine ready in %.1fs: %s (%s, %s, %s weights), %d KV blocks of %d tokens, max_model_len %d",
             self.startup_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
@@ -151,12 +178,25 @@ class EngineCore:
 
     # ---- start-up -------------------------------------------------------------------------------------
 
-    def _make_runner(self, kv_caches: list[torch.Tensor], max_model_len: int) -> ModelRunner:
+    def _make_runner(self, kv_caches: list[torch.Tensor], max_model_len: int, compiled=None) -> ModelRunner:
+        config = self.config
+        sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
         return ModelRunner(
-            self.model, kv_caches, self.backend, self.config.block_size, self.config.max_num_batched_tokens,
-            self.config.max_num_seqs, max_model_len, self.model_config.vocab_size,
-            self.model_config.eos_token_ids, self.device,
+            self.model, kv_caches, self.backend, config.block_size, config.max_num_batched_tokens,
+            config.max_num_seqs, max_model_len, self.model_config.vocab_size,
+            self.model_config.eos_token_ids, self.device, compiled, config.cudagraph_mode, sizes,
         )  # fmt: skip
+
+    def _make_compiled(self, max_model_len: int) -> CompiledModel:
+        config = self.config
+        settings = {
+            "cudagraph_mode": config.cudagraph_mode, "capture_sizes": config.cudagraph_capture_sizes,
+            "max_model_len": max_model_len, "attention_backend": self.backend.name,
+        }  # fmt: skip
+        key = cache_key_inputs(kiln_version(), self.model, dataclasses.asdict(self.model_config), self.dtype,
+                               self.device, settings)  # fmt: skip
+        root = Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_root()
+        return CompiledModel(self.model, CompileCache(root, key), self.counters)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         config = self.config
@@ -167,6 +207,10 @@ class EngineCore:
         if self.device.type != "cuda":
             return num_blocks_for_budget(self.kv_spec, CPU_DEFAULT_KV_BYTES)
         peak = self._profile_peak_memory(max_model_len)
+        if not config.enforce_eager and config.cudagraph_mode != "none":
+            # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
+            # pool is reserved here up front, and its real size is logged after capture.
+            peak += CUDAGRAPH_RESERVE_BYTES
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
         return num_blocks_for_budget(self.kv_spec, budget)
@@ -177,6 +221,13 @@ class EngineCore:
         from kiln.engine.profiling import profile_forward  # noqa: PLC0415  (GPU start-up only)
 
         return profile_forward(self, max_model_len)
+
+
+def kiln_version() -> str:
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Compile caches of the tests live in a throwaway folder, never in the user's ~/.cache.
+os.environ.setdefault("KILN_CACHE_DIR", tempfile.mkdtemp(prefix="kiln-test-cache-"))
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU; it must be chosen before any kernel is defined.
@@ -74,6 +78,11 @@ def tiny_model_dir(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_qwen3(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="session")

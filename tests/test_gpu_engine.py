@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
     prompt = list(range(3, 40))
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", max_model_len=256)
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=True, max_model_len=256)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -24,7 +24,7 @@ def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
 def test_preset_batch_on_gpu(preset):
-    llm = LLM(preset, max_model_len=2048, gpu_memory_utilization=0.5)
+    llm = LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5)
     assert llm.engine.dtype == torch.bfloat16
     prompts = [[i + 1] * (10 + 37 * i) for i in range(12)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)

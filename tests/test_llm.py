@@ -13,7 +13,7 @@ from kiln.engine import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=128)
+    return LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128)
 
 
 def test_string_and_token_prompts_in_order(llm):
@@ -92,7 +92,7 @@ def test_seed_reproducible_across_batches(llm):
 
 def test_finish_on_eos(tiny_llama_dir):
     """Make the EOS id the greedy choice: generation stops on it with finish_reason 'stop'."""
-    probe = LLM(str(tiny_llama_dir), max_model_len=128)
+    probe = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128)
     first = probe.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     eos = first[0].outputs[0].token_ids[0]
     out = probe.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[eos]),
@@ -119,6 +119,6 @@ def test_bad_requests_raise_and_leave_engine_clean(llm):
 
 
 def test_max_tokens_none_fills_context(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), max_model_len=32)
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32)
     out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12 and out[0].outputs[0].finish_reason == "length"

@@ -33,8 +33,8 @@ def test_sharded_checkpoint_loads_same_weights(tiny_llama_dir, tmp_path):
         weight_map.update(dict.fromkeys(part, fname))
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    a = LLM(str(tiny_llama_dir), max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
-    b = LLM(str(sharded), max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
+    a = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
+    b = LLM(str(sharded), enforce_eager=True, max_model_len=128).generate([[1, 2, 3]], params, use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
 
 
@@ -71,7 +71,7 @@ def test_missing_tensor_names_file_and_tensor(tiny_llama_dir, tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(WeightLoadError, match=r"missing 1 tensors: model\.layers\.1\.self_attn\.qkv_proj"):
-        LLM(str(d), max_model_len=128)
+        LLM(str(d), enforce_eager=True, max_model_len=128)
 
 
 def test_mismatched_tensor_names_file_and_tensor(tiny_llama_dir, tmp_path):
@@ -81,7 +81,7 @@ def test_mismatched_tensor_names_file_and_tensor(tiny_llama_dir, tmp_path):
     save_file(tensors, d / "model.safetensors")
     expected = r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has shape \(3, 3\)"
     with pytest.raises(WeightLoadError, match=expected):
-        LLM(str(d), max_model_len=128)
+        LLM(str(d), enforce_eager=True, max_model_len=128)
 
 
 def test_unexpected_tensor_is_named(tiny_llama_dir, tmp_path):
@@ -90,26 +90,26 @@ def test_unexpected_tensor_is_named(tiny_llama_dir, tmp_path):
     tensors["model.layers.0.extra.weight"] = torch.zeros(2)
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(WeightLoadError, match="extra.weight"):
-        LLM(str(d), max_model_len=128)
+        LLM(str(d), enforce_eager=True, max_model_len=128)
 
 
 def test_no_weights(tiny_llama_dir, tmp_path):
     d = copy_dir(tiny_llama_dir, tmp_path / "m")
     (d / "model.safetensors").unlink()
     with pytest.raises(WeightLoadError, match="no \\*.safetensors"):
-        LLM(str(d), max_model_len=128)
+        LLM(str(d), enforce_eager=True, max_model_len=128)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_dtypes_load(tiny_llama_dir, dtype):
-    llm = LLM(str(tiny_llama_dir), dtype=dtype, max_model_len=128)
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, enforce_eager=True, max_model_len=128)
     assert next(llm.engine.model.parameters()).dtype == getattr(torch, dtype)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_preset_runs_with_dummy_weights():
-    llm = LLM("qwen3-0.6b", max_model_len=64, num_kv_blocks=16)
+    llm = LLM("qwen3-0.6b", enforce_eager=True, max_model_len=64, num_kv_blocks=16)
     assert llm.uses_dummy_weights
     config = llm.engine.model_config
     assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.qk_norm) == (28, 1024, 8, True)

@@ -54,7 +54,7 @@ def hf_reference(tiny_model_dir):
 
 
 def test_batch_of_prompts(tiny_model_dir, hf_reference):
-    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_model_len=256)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     for prompt, output in zip(PROMPTS, outputs):
@@ -64,14 +64,14 @@ def test_batch_of_prompts(tiny_model_dir, hf_reference):
 
 def test_chunked_prefill(tiny_model_dir, hf_reference):
     """A 7-token budget splits every longer prompt into chunks, mixed with other requests' decodes."""
-    llm = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=7)
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=7)
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False)):
         hf_reference(prompt, output.outputs[0].token_ids)
 
 
 def test_preemption(tiny_model_dir, hf_reference):
     """12 usable blocks of 4 tokens cannot hold five requests of up to 65 tokens: some are preempted."""
-    llm = LLM(str(tiny_model_dir), max_model_len=48, num_kv_blocks=13, block_size=4)
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_model_len=48, num_kv_blocks=13, block_size=4)
     prompts = [p[:20] for p in PROMPTS]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -83,7 +83,7 @@ def test_preemption(tiny_model_dir, hf_reference):
 def test_prefix_cache_hits(tiny_model_dir, hf_reference):
     shared = list(range(100, 140))  # 40 tokens: two full blocks of 16
     prompts = [shared + [1, 2], shared + [3], shared + [4, 5, 6]]
-    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_model_len=256)
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
@@ -97,7 +97,8 @@ def test_triton_kernels_match_hf(tiny_model_dir, hf_reference):
     """The GPU path's kernels (Triton attention, fused norm/RoPE/SiLU), run in Triton's interpreter on CPU."""
     from kiln.engine.models.layers import use_fused_kernels
 
-    llm = LLM(str(tiny_model_dir), max_model_len=256, attention_backend="triton", max_num_batched_tokens=16)
+    llm = LLM(str(tiny_model_dir), enforce_eager=True, max_model_len=256, attention_backend="triton",
+              max_num_batched_tokens=16)  # fmt: skip
     use_fused_kernels(llm.engine.model, True)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = PROMPTS[:3]
@@ -108,7 +109,7 @@ def test_triton_kernels_match_hf(tiny_model_dir, hf_reference):
 
 def test_mistral_batch(tiny_mistral_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_mistral_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_mistral_dir), max_model_len=256, max_num_batched_tokens=16)
+    llm = LLM(str(tiny_mistral_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=16)
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False)):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,

@@ -1,0 +1,145 @@
+"""Kiln's Dynamo backend: split the traced graph at attention, compile each compute piece with Inductor.
+
+Dynamo calls it once, at start-up, with the whole model's FX graph (token count symbolic). It cuts the
+graph at every `kiln::unified_attention` (`split.py`), then walks the split graph with fake tensors to
+learn each piece's input shapes and hands each compute piece to Inductor's `standalone_compile` — or
+loads that piece's artifact from the disk cache. Identical middle layers have identical piece graphs
+(weights are inputs, not constants), so one artifact serves them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx.node import _get_qualified_name
+
+from kiln.compile.cache import CompileCache
+from kiln.compile.counters import CompileCounters
+from kiln.compile.cudagraph import PiecewiseCudaGraphs
+from kiln.compile.split import split_at_attention
+
+logger = logging.getLogger("kiln")
+
+
+class CompiledPiece(torch.nn.Module):
+    """A compiled compute piece in the split graph; replays a CUDA graph per size when asked to."""
+
+    def __init__(self, compiled, index: int, single_output: bool) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.index = index
+        self.graphs = PiecewiseCudaGraphs(self._run)
+        self.single_output = single_output
+
+    def _run(self, *args):
+        out = self.compiled(*args)
+        # NOTE: an artifact loaded from disk returns its outputs as a sequence even when the piece
+        # returns one tensor; the split graph expects the piece's own structure.
+        if self.single_output and isinstance(out, list | tuple):
+            (out,) = out
+        return out
+
+    def forward(self, *args):
+        return self.graphs(*args)
+
+
+class KilnBackend:
+    def __init__(self, cache: CompileCache, counters: CompileCounters) -> None:
+        self.cache = cache
+        self.counters = counters
+        self.pieces: list[CompiledPiece] = []
+        self.split_module: torch.fx.GraphModule | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
+        self.counters.dynamo_traces += 1
+        split, compute, attention = split_at_attention(gm)
+        self.counters.compute_pieces = len(compute)
+        self.counters.attention_ops = len(attention)
+        fake_mode = detect_fake_mode()
+        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        compiler = _PieceCompiler(split, compute, self)
+        with fake_mode:
+            compiler.run(*fake_args)
+        self.counters.unique_pieces = len(compiler.by_hash)
+        self.cache.write_text("split_graph.py", _readable(split, compiler.codes, len(attention)))
+        self.split_module = split
+        return split
+
+    def compile_piece(self, piece: torch.fx.GraphModule, args: list[Any]):
+        from torch._inductor import standalone_compile  # noqa: PLC0415
+
+        digest = piece_hash(piece, args)
+        with self.counters.timed("cache_load_seconds"):
+            artifact = self.cache.load(digest)
+        if artifact is not None:
+            self.counters.cache_hits += 1
+            return digest, artifact
+        with self.counters.timed("inductor_seconds"):
+            artifact = standalone_compile(piece, list(args), dynamic_shapes="from_tracing_context")
+        self.counters.inductor_compiles += 1
+        self.cache.save(digest, artifact)
+        return digest, artifact
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split graph on fake tensors; at each compute piece, compiles it for the shapes seen."""
+
+    def __init__(self, split: torch.fx.GraphModule, compute: list[str], backend: KilnBackend) -> None:
+        super().__init__(split)
+        self.compute = {name: i for i, name in enumerate(compute)}
+        self.backend = backend
+        self.by_hash: dict[str, Any] = {}
+        self.codes: dict[str, str] = {}  # each piece's code, kept for the debugging dump
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        if target in self.compute:
+            piece = getattr(self.module, target)
+            self.codes[target] = piece.code
+            digest = piece_hash(piece, args)
+            if digest not in self.by_hash:
+                self.by_hash[digest] = self.backend.compile_piece(piece, list(args))[1]
+            single = isinstance(out, torch.Tensor)
+            compiled = CompiledPiece(self.by_hash[digest], self.compute[target], single)
+            self.backend.pieces.append(compiled)
+            setattr(self.module, target, compiled)
+        return out
+
+
+def piece_hash(piece: torch.fx.GraphModule, args: list[Any]) -> str:
+    """A name-independent fingerprint of a piece: its ops and data flow, and its inputs' shapes.
+
+    Node names carry layer indices (`..._layers_modules_3_...`), so two identical layers differ only in
+    names; nodes are renumbered in order before hashing.
+    """
+    names: dict[torch.fx.Node, str] = {}
+    lines = []
+    for i, node in enumerate(piece.graph.nodes):
+        names[node] = f"n{i}"
+        target = node.target if isinstance(node.target, str) else _target_name(node.target)
+        if node.op in ("placeholder", "get_attr"):
+            target = node.op
+        rendered = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
+        lines.append(f"{node.op} {target} {rendered!r}")
+    for a in args:
+        lines.append(f"{a.dtype} {tuple(a.shape)} {a.stride()}" if isinstance(a, torch.Tensor) else repr(a))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
+
+
+def _target_name(target) -> str:
+    try:
+        return _get_qualified_name(target)
+    except Exception:
+        return str(target)
+
+
+def _readable(split: torch.fx.GraphModule, piece_codes: dict[str, str], num_attention: int) -> str:
+    parts = [f"# split graph: {len(piece_codes)} compute pieces, {num_attention} attention ops\n", split.code]
+    for name, module in split.named_children():
+        kind = "compute (Inductor)" if name in piece_codes else "attention (eager)"
+        parts.append(f"\n# ---- {name}: {kind} ----\n{piece_codes.get(name) or module.code}")
+    return "\n".join(parts)

@@ -1,0 +1,123 @@
+"""The on-disk compile cache: one folder per (kiln, torch, triton, device, model, dtype, settings, source).
+
+    ~/.cache/kiln/compile/<key>/
+        key.json          what the key was hashed from (also logged at start-up)
+        split_graph.py    the split graph and its pieces, as readable code (for debugging)
+        pieces/<hash>.bin Inductor artifacts, one per distinct compute piece
+
+Writes go to a temporary name in the same folder and are renamed into place, so a reader sees a
+whole artifact or none; two processes warming one cache both compile and the later rename wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kiln.backends.attention as unified_attention_module
+
+logger = logging.getLogger("kiln")
+
+DISABLE_ENV = "KILN_DISABLE_COMPILE_CACHE"
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "compile"
+
+
+def device_target(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return f"cpu:{platform.machine()}"
+
+
+def source_hash(model: torch.nn.Module) -> str:
+    """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes'
+    modules, the attention op, and this package."""
+    files = {Path(inspect.getfile(type(m))) for m in model.modules()}
+    files |= set(Path(__file__).parent.glob("*.py"))
+    files.add(Path(inspect.getfile(unified_attention_module)))
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key_inputs(version: str, model: torch.nn.Module, model_config: dict[str, Any], dtype: torch.dtype,
+                     device: torch.device, settings: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    import triton  # noqa: PLC0415
+
+    return {
+        "kiln": version, "torch": torch.__version__, "triton": triton.__version__,
+        "device": device_target(device), "model": model_config, "dtype": str(dtype), "settings": settings,
+        "source": source_hash(model),
+    }  # fmt: skip
+
+
+class CompileCache:
+    """Artifacts of one cache key; `directory=None` disables the cache (nothing read or written)."""
+
+    def __init__(self, root: Path | None, key_inputs: dict[str, Any]) -> None:
+        self.key_inputs = key_inputs
+        blob = json.dumps(key_inputs, sort_keys=True, default=str)
+        self.key = hashlib.sha256(blob.encode()).hexdigest()[:20]
+        self.enabled = root is not None and os.environ.get(DISABLE_ENV, "0") in ("", "0")
+        self.directory = Path(root) / self.key if root is not None else None
+        if self.enabled:
+            (self.directory / "pieces").mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.directory / "key.json", json.dumps(key_inputs, indent=1, default=str).encode())
+            logger.info("compile cache %s (key inputs: %s)", self.directory, blob)
+
+    def piece_path(self, piece_hash: str) -> Path | None:
+        return self.directory / "pieces" / f"{piece_hash}.bin" if self.enabled else None
+
+    def load(self, piece_hash: str):
+        path = self.piece_path(piece_hash)
+        if path is None or not path.exists():
+            return None
+        from torch._inductor import CompiledArtifact  # noqa: PLC0415
+
+        try:
+            return CompiledArtifact.load(path=str(path), format="binary")
+        except Exception as e:  # a corrupt or incompatible artifact is a miss, never a crash
+            logger.warning("compile cache: cannot load %s (%s); compiling instead", path.name, e)
+            return None
+
+    def save(self, piece_hash: str, artifact) -> None:
+        path = self.piece_path(piece_hash)
+        if path is None:
+            return
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            artifact.save(path=tmp, format="binary")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.enabled:
+            atomic_write_bytes(self.directory / name, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,90 @@
+"""The model's forward, traced once and compiled piecewise; plus full-forward CUDA graphs for decode."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import types
+
+import torch
+from torch import nn
+
+from kiln.compile.backend import KilnBackend
+from kiln.compile.cache import CompileCache
+from kiln.compile.counters import CompileCounters
+from kiln.compile.cudagraph import graph_pool, weak_ref
+
+# Several engines in one process (tests, benchmarks) each trace their own model: let Dynamo keep them all.
+torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
+
+
+_instances = itertools.count()
+
+
+def _private_forward(model: nn.Module):
+    """`model(input_ids, positions)` under a code object of its own.
+
+    NOTE: Dynamo caches compiled code per code object. Two engines in one process (tests, benchmarks)
+    compiling the same `forward` would share one cache, and each would fail the other's guards and
+    retrace; a distinct code object per engine keeps their entries apart.
+    """
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model(input_ids, positions)
+
+    code = forward.__code__.replace(co_name=f"kiln_forward_{next(_instances)}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+
+
+class CompiledModel:
+    """`model.forward(input_ids[T], positions[T])`, compiled for any T by one Dynamo trace.
+
+    The first call traces (T marked unbacked, so no size — 0 and 1 included — is specialised); every
+    later call runs under `fail_on_recompile`, so a batch that would need a new trace is an error,
+    never a silent compile while serving.
+    """
+
+    def __init__(self, model: nn.Module, cache: CompileCache, counters: CompileCounters) -> None:
+        self.model = model
+        self.counters = counters
+        self.backend = KilnBackend(cache, counters)
+        self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True)
+        self.traced = False
+        self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.traced:
+            return self._trace(input_ids, positions)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._forward(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        before = self.counters.inductor_seconds + self.counters.cache_load_seconds
+        start = time.perf_counter()
+        out = self._forward(input_ids, positions)
+        after = self.counters.inductor_seconds + self.counters.cache_load_seconds
+        self.counters.dynamo_seconds += time.perf_counter() - start - (after - before)
+        self.traced = True
+        return out
+
+    # ---- full CUDA graphs (decode-only batches) --------------------------------------------------------
+
+    def capture_full_graph(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record the whole forward for `size` tokens. The caller has set a forward context whose
+        metadata lives in persistent buffers, and has warmed this size up once."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool()):
+            hidden = self(input_ids[:size], positions[:size])
+        self.full_graphs[size] = (graph, weak_ref(hidden))
+        self.counters.cudagraphs_captured += 1
+
+    def replay_full_graph(self, size: int) -> torch.Tensor:
+        graph, hidden = self.full_graphs[size]
+        graph.replay()
+        return hidden

@@ -1,0 +1,39 @@
+"""Cut a Dynamo FX graph at every attention op.
+
+    [embed, norm, qkv, rope] | attention 0 | [o_proj, norm, mlp, norm, qkv, rope] | attention 1 | ... | [o_proj, norm]
+      compute piece 0                         compute piece 1                                      compute piece L
+
+Attention stays one opaque submodule between compute pieces; each compute piece is compiled alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+import kiln.backends.attention  # noqa: F401  (registers the op)
+
+ATTENTION_OPS = (torch.ops.kiln.unified_attention, torch.ops.kiln.unified_attention.default)
+
+
+def is_attention(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in ATTENTION_OPS
+
+
+def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+    """Returns the split module and the names of its compute and attention submodules, in order."""
+    partition: dict[torch.fx.Node, int] = {}
+    index = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_attention(node):
+            partition[node] = index + 1  # its own partition, between two compute pieces
+            index += 2
+        else:
+            partition[node] = index
+    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    names = [name for name, _ in split.named_children()]
+    attention = [n for n in names if any(is_attention(node) for node in getattr(split, n).graph.nodes)]
+    compute = [n for n in names if n not in attention]
+    return split, compute, attention

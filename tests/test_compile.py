@@ -1,0 +1,121 @@
+"""The compiled path on CPU (Inductor's C++ backend): split, equality with eager, the disk cache,
+and no compilation after start-up."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kiln.engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3):
+    return tiny_llama_dir if request.param == "llama" else tiny_model_dir_qwen3
+
+
+def test_compiled_equals_eager_and_never_recompiles(model_dir, tmp_path):
+    compiled = LLM(str(model_dir), max_model_len=256, compile_cache_dir=str(tmp_path))
+    eager = LLM(str(model_dir), max_model_len=256, enforce_eager=True)
+    stats = compiled.engine.startup_stats
+    num_layers = compiled.engine.model_config.num_layers
+    assert stats["dynamo_traces"] == 1
+    assert stats["compute_pieces"] == num_layers + 1 and stats["attention_ops"] == num_layers
+    assert stats["inductor_compiles"] == stats["unique_pieces"] <= 3  # identical middle layers share one
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    a = compiled.generate(PROMPTS, params, use_tqdm=False)
+    b = eager.generate(PROMPTS, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            assert all(math.isclose(lx[t].logprob, ly[t].logprob, abs_tol=1e-4) for t in lx)
+
+    # Many more shapes: single tokens, long chunks, mixed batches. The fail_on_recompile stance would
+    # raise on a new trace; the counters must not move either.
+    compiles = compiled.engine.counters.inductor_compiles
+    shapes = [[[1]], [list(range(1, 200))], [[3] * n for n in (1, 2, 5, 33, 64)], [[9] * 130, [4]]]
+    for prompts in shapes:
+        compiled.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert compiled.engine.counters.dynamo_traces == 1
+    assert compiled.engine.counters.inductor_compiles == compiles
+
+
+def _start_in_subprocess(model_dir, cache_dir, dtype="float32") -> subprocess.Popen:
+    code = (
+        "import json, sys; from kiln.engine import LLM, SamplingParams; "
+        f"llm = LLM({str(model_dir)!r}, dtype={dtype!r}, max_model_len=128, compile_cache_dir={str(cache_dir)!r}); "
+        "params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True); "
+        "out = llm.generate([[1, 2, 3]], params, use_tqdm=False); "
+        "print(json.dumps({**llm.engine.startup_stats, 'tokens': out[0].outputs[0].token_ids}))"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stats(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_disk_cache_across_processes(tiny_llama_dir, tmp_path):
+    """Two processes warming one empty cache at once both succeed; a third starts warm."""
+    cache = tmp_path / "cache"
+    first, second = _start_in_subprocess(tiny_llama_dir, cache), _start_in_subprocess(tiny_llama_dir, cache)
+    a, b = _stats(first), _stats(second)
+    assert a["tokens"] == b["tokens"]
+    assert a["inductor_compiles"] + a["cache_hits"] == a["unique_pieces"]
+    warm = _stats(_start_in_subprocess(tiny_llama_dir, cache))
+    assert warm["inductor_compiles"] == 0 and warm["cache_hits"] == warm["unique_pieces"]
+    assert warm["tokens"] == a["tokens"]
+    assert warm["compile_cache_dir"] == a["compile_cache_dir"]
+    pieces = list((cache / a["compile_cache_dir"].rsplit("/", 1)[-1] / "pieces").glob("*.bin"))
+    assert len(pieces) == a["unique_pieces"]
+    assert not list(cache.rglob("*.tmp"))  # no half-written artifacts left behind
+    split = (cache / a["compile_cache_dir"].rsplit("/", 1)[-1] / "split_graph.py").read_text()
+    assert "submod_0" in split and "attention (eager)" in split
+
+    # A different dtype or model config is a different cache entry: a miss.
+    other = _stats(_start_in_subprocess(tiny_llama_dir, cache, dtype="bfloat16"))
+    assert other["cache_hits"] == 0 and other["inductor_compiles"] > 0
+    assert other["compile_cache_dir"] != a["compile_cache_dir"]
+
+
+def test_changed_config_misses(tiny_llama_dir, tmp_path):
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_llama_dir, changed)
+    config = json.loads((changed / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (changed / "config.json").write_text(json.dumps(config))
+    cache = tmp_path / "cache"
+    a = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(cache)).engine.startup_stats
+    b = LLM(str(changed), max_model_len=128, compile_cache_dir=str(cache)).engine.startup_stats
+    assert a["compile_cache_dir"] != b["compile_cache_dir"] and b["cache_hits"] == 0
+
+
+def test_precompile_cli_warms_the_cache(tiny_llama_dir, tmp_path):
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.engine.cli", "precompile", str(tiny_llama_dir), "--max-model-len", "128",
+         "--compile-cache-dir", str(cache)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compile cache:" in result.stdout and "inductor_compiles" in result.stdout
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(cache))
+    stats = llm.engine.startup_stats
+    assert stats["inductor_compiles"] == 0 and stats["cache_hits"] == stats["unique_pieces"]
+
+
+def test_cache_can_be_disabled(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(tmp_path / "cache"))
+    assert llm.engine.startup_stats["cache_hits"] == 0 and not (tmp_path / "cache").exists()
