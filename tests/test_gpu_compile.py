@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kiln.engine import LLM, SamplingParams
 
@@ -33,7 +32,7 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
             # bf16: compare the reference's logprob of each generated token where both agree so far
             for tx, ty, lx, ly in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,
                                       y.outputs[0].logprobs):  # fmt: skip
-                assert abs(lx[tx].logprob - ly[ty].logprob) < 0.05 if tx == ty else True
                 if tx != ty:
-                    break
+                    break  # a bf16 near-tie: later tokens may legitimately differ
+                assert abs(lx[tx].logprob - ly[ty].logprob) < 0.05
     assert graphs.engine.counters.dynamo_traces == 1
