@@ -76,7 +76,8 @@ def main() -> None:
     p.add_argument("--modes", default="eager,compiled,graphs")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--capture-sizes", default=None, help="comma-separated; default: the engine's")
-    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate() at each batch")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate()")
+    p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
     p.add_argument("--json")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -94,7 +95,7 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache()
     if args.hf:
-        for batch in batches:
+        for batch in (int(b) for b in args.hf_batches.split(",")):
             tps = hf_tokens_per_s(args.model, batch)
             rows.append({"engine": "hf static+compile", "batch": batch, "tokens_per_s": tps,
                          "bw_util": float("nan"), "startup_s": float("nan")})  # fmt: skip

@@ -21,13 +21,13 @@ for step in $steps; do
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
-      timeout 300 python3 scripts/bench_latency.py --model "$model" --modes eager,graphs --batches 1,8,64 \
+      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" --modes eager,graphs --batches 1,8,64 \
         --capture-sizes 1,2,4,8,16,32,64,128 --hf --json "$OUT/latency_$model.json" 2>&1 \
         | tee "$OUT/latency_$model.log" | tail -n 12
       grep -A12 "^decode latency" "$OUT/latency_$model.log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
-      timeout 200 python3 -m pytest -q -x ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
     throughput:*)
       model=${step#throughput:}
       timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
