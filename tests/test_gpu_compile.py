@@ -13,7 +13,8 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
 def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
-    common = dict(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3)
+    # NOTE: an explicit KV budget: profiling-based sizing counts every engine alive in the process.
+    common = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28)
     graphs = LLM(str(tiny_llama_dir), compile_cache_dir=str(tmp_path), cudagraph_mode=mode,
                  cudagraph_capture_sizes=SIZES, **common)  # fmt: skip
     eager = LLM(str(tiny_llama_dir), enforce_eager=True, **common)
@@ -34,5 +35,7 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
                                       y.outputs[0].logprobs):  # fmt: skip
                 if tx != ty:
                     break  # a bf16 near-tie: later tokens may legitimately differ
-                assert abs(lx[tx].logprob - ly[ty].logprob) < 0.05
+                # the tolerance of the bf16-vs-fp32 reference test: eager runs the hand-written Triton
+                # kernels, compiled runs Inductor's, and bf16 rounds them differently
+                assert abs(lx[tx].logprob - ly[ty].logprob) < 0.1
     assert graphs.engine.counters.dynamo_traces == 1
