@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -96,6 +97,16 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio  # noqa: PLC0415
+
+    from kiln.engine.api_server import serve  # noqa: PLC0415
+
+    config = engine_config_from_args(args)
+    api_key = args.api_key or os.environ.get("KILN_API_KEY") or None
+    return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: an LLM engine built on torch.compile.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     pre = sub.add_parser("precompile", help="fill the compile cache for a model and flags, then exit")
     add_engine_args(pre)
     pre.set_defaults(func=cmd_precompile)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KILN_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds to drain in-flight requests after SIGTERM")  # fmt: skip
+    srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

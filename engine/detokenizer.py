@@ -64,3 +64,39 @@ def find_stop_string(text: str, new_text_len: int, stop: Sequence[str]) -> tuple
         if index >= 0 and (best is None or index < best[1]):
             best = (s, index)
     return best
+
+
+class TextStream:
+    """A completion's text as it streams: incremental detokenization plus stop strings.
+
+    Text that could still turn out to be the start of a stop string is held back (the last
+    `len(longest stop) - 1` characters), so a stop string is never sent, even split across tokens.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str],
+                 skip_special_tokens: bool, include_stop: bool) -> None:  # fmt: skip
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.stop = list(stop)
+        self.include_stop = include_stop
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.sent = 0  # characters of detokenizer.text already returned
+
+    def update(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str | None]:
+        """Returns (text to send now, the stop string that ended the completion or None)."""
+        delta = self.detokenizer.add_tokens(token_ids)
+        if finished:
+            delta += self.detokenizer.flush()
+        text = self.detokenizer.text
+        hit = find_stop_string(text, len(text) - max(self.sent - self.holdback, 0), self.stop) if self.stop else None
+        if hit is not None:
+            stop, index = hit
+            end = index + len(stop) if self.include_stop else index
+            out, self.sent = text[self.sent : max(end, self.sent)], max(end, self.sent)
+            return out, stop
+        end = len(text) if finished else max(len(text) - self.holdback, self.sent)
+        out, self.sent = text[self.sent : end], end
+        return out, None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text[: self.sent]

@@ -1,0 +1,128 @@
+"""The API server's handle on the engine-core process: start it, send requests, route outputs back.
+
+Outputs for each request land in that request's asyncio queue as they arrive; a handler drains all
+that is queued at once (so a slow reader gets its tokens merged, never stalls anyone). If the engine
+process dies, every open request gets `EngineDeadError` and `alive` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kiln.engine import protocol
+from kiln.engine.core_process import config_to_dict, run_engine_core
+
+logger = logging.getLogger("kiln")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngineClient:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.alive = False
+        self.ready: protocol.Ready | None = None
+        self.stats: dict[str, float] = {}
+        self._ipc_dir = tempfile.mkdtemp(prefix="kiln-ipc-")  # mode 0700: only this user can connect
+        os.chmod(self._ipc_dir, 0o700)
+        self.input_address = f"ipc://{self._ipc_dir}/input"
+        self.output_address = f"ipc://{self._ipc_dir}/output"
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, timeout: float = 3600.0) -> protocol.Ready:
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core, name="kiln-engine-core",
+            args=(config_to_dict(self.config), self.input_address, self.output_address, os.getpid()),
+        )  # fmt: skip
+        self.process.start()
+        self.context = zmq.asyncio.Context()
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.connect(self.input_address)
+        self.output = self.context.socket(zmq.PULL)
+        self.output.connect(self.output_address)
+        recv = asyncio.ensure_future(self.output.recv())
+        died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.process.join))
+        done, _ = await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if recv not in done:
+            recv.cancel()
+            self.process.kill()
+            raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode})")
+        self.ready = protocol.decode(recv.result())
+        self.alive = True
+        self._tasks = [asyncio.create_task(self._output_loop()), died]
+        died.add_done_callback(lambda _: self._on_death())
+        return self.ready
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+                    q: asyncio.Queue | None = None) -> asyncio.Queue:  # fmt: skip
+        """Several requests (the n choices of one HTTP request) may share one queue."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        q = q if q is not None else asyncio.Queue()
+        self.queues[request_id] = q
+        self.input.send(protocol.encode(protocol.AddRequest(request_id, prompt_token_ids, params)))
+        return q
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.queues.pop(rid, None)
+        if self.alive and request_ids:
+            self.input.send(protocol.encode(protocol.AbortRequests(request_ids)))
+
+    def release(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    async def _output_loop(self) -> None:
+        while True:
+            frame = await self.output.recv()
+            try:
+                message = protocol.decode(frame)
+            except protocol.ProtocolError as e:
+                logger.warning("dropped a frame from the engine: %s", e)
+                continue
+            if not isinstance(message, protocol.EngineOutputs):
+                continue
+            self.stats = message.stats
+            for out in message.outputs:
+                if (q := self.queues.get(out.request_id)) is not None:
+                    q.put_nowait(out)
+            for failure in message.failed:
+                if (q := self.queues.get(failure.request_id)) is not None:
+                    q.put_nowait(failure)
+
+    def _on_death(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        logger.error("the engine core process exited (code %s)", self.process.exitcode)
+        for q in self.queues.values():
+            q.put_nowait(EngineDeadError("the engine core process died"))
+
+    async def shutdown(self) -> None:
+        if self.alive:
+            self.input.send(protocol.encode(protocol.Shutdown()))
+        self.alive = False
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        for task in self._tasks:
+            task.cancel()
+        self.context.destroy(linger=0)
+        with contextlib.suppress(OSError):
+            for name in ("input", "output"):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)

@@ -1,0 +1,132 @@
+"""The engine core as its own process: a busy loop over `EngineCore.step()`, fed and drained by two IO
+threads so the GPU loop never waits on a socket (and a slow socket never waits on the GPU).
+
+    API server --PUSH--> [input socket] -> input thread -> queue -> busy loop -> queue -> output thread
+               <--PULL-- [output socket] <----------------------------------------------+
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import traceback
+from dataclasses import asdict, fields
+from typing import Any
+
+import zmq
+
+from kiln.engine import protocol
+from kiln.engine.config import EngineConfig
+from kiln.engine.engine_core import EngineCore, EngineCoreOutput
+from kiln.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln")
+
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def run_engine_core(config: dict[str, Any], input_address: str, output_address: str, parent_pid: int) -> None:
+    """Entry point of the engine-core process. Sends `Ready` (or dies with the reason on stderr)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    context = zmq.Context()
+    inputs: queue.Queue = queue.Queue()
+    outputs: queue.Queue = queue.Queue()
+    core = EngineCore(EngineConfig(**config))
+    threading.Thread(target=_input_thread, args=(context, input_address, inputs), daemon=True).start()
+    threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True).start()
+    outputs.put(protocol.Ready(core.max_model_len, core.model_config.vocab_size, core.num_kv_blocks,
+                               _jsonable(core.startup_stats)))  # fmt: skip
+    _busy_loop(core, inputs, outputs, parent_pid)
+    outputs.put(None)
+    logger.info("engine core stopped")
+
+
+def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int) -> None:
+    while True:
+        failed: list[protocol.RequestFailed] = []
+        handled = False
+        block = not core.has_unfinished_requests()
+        while True:
+            try:
+                message = inputs.get(block=block, timeout=1.0 if block else None)
+            except queue.Empty:
+                if os.getppid() != parent_pid:  # the API server is gone: nobody to serve
+                    return
+                if block:
+                    continue
+                break
+            block = False
+            if isinstance(message, protocol.Shutdown):
+                return
+            _handle(core, message, failed)
+            handled = True
+        step_outputs = _step(core, failed)
+        if step_outputs or failed or handled:  # an abort alone changes the stats /metrics shows
+            outputs.put(protocol.EngineOutputs([_to_wire(o) for o in step_outputs], failed, _stats(core)))
+
+
+def _handle(core: EngineCore, message: Any, failed: list[protocol.RequestFailed]) -> None:
+    if isinstance(message, protocol.AbortRequests):
+        core.abort_requests(message.request_ids)
+    elif isinstance(message, protocol.AddRequest):
+        try:
+            params = SamplingParams(**{k: v for k, v in message.params.items() if k in _PARAM_FIELDS})
+            core.add_request(message.request_id, message.prompt_token_ids, params)
+        except (ValueError, TypeError) as e:
+            failed.append(protocol.RequestFailed(message.request_id, str(e)))
+
+
+def _step(core: EngineCore, failed: list[protocol.RequestFailed]) -> list[EngineCoreOutput]:
+    try:
+        return core.step()
+    except Exception:
+        # NOTE: a step that raises poisons only the requests in it; the engine keeps serving the rest.
+        logger.error("step failed:\n%s", traceback.format_exc())
+        victims = [r.request_id for r in core.scheduler.running]
+        core.abort_requests(victims)
+        failed.extend(protocol.RequestFailed(rid, "internal error while running the request") for rid in victims)
+        return []
+
+
+def _to_wire(out: EngineCoreOutput) -> protocol.RequestOutput:
+    logprobs = None
+    if out.new_logprobs is not None:
+        logprobs = [[[tid, lp.logprob, lp.rank] for tid, lp in entry.items()] for entry in out.new_logprobs]
+    return protocol.RequestOutput(out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.stop_reason,
+                                  out.num_cached_tokens)  # fmt: skip
+
+
+def _stats(core: EngineCore) -> dict[str, float]:
+    kv = core.kv_cache_manager
+    return {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting), "kv_usage": kv.usage,
+            "free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_cache_queries,
+            "prefix_hits": kv.prefix_cache_hits, "preemptions": core.scheduler.num_preemptions}  # fmt: skip
+
+
+def _input_thread(context: zmq.Context, address: str, inputs: queue.Queue) -> None:
+    socket = context.socket(zmq.PULL)
+    socket.bind(address)
+    while True:
+        frame = socket.recv()
+        try:
+            inputs.put(protocol.decode(frame))
+        except protocol.ProtocolError as e:
+            logger.warning("dropped a frame on the input socket: %s", e)
+
+
+def _output_thread(context: zmq.Context, address: str, outputs: queue.Queue) -> None:
+    socket = context.socket(zmq.PUSH)
+    socket.bind(address)
+    while (message := outputs.get()) is not None:
+        socket.send(protocol.encode(message))
+    socket.close(linger=1000)
+
+
+def _jsonable(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if isinstance(v, int | float | str | type(None))}
+
+
+def config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    return asdict(config)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of the API server: engine gauges (read from the engine's latest stats at scrape
+time), token counters, and latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kiln_{name}", doc, labels, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
+        self.free_blocks = gauge("kv_cache_free_blocks", "Free KV-cache blocks (cached-but-unused included)")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all lookups, in tokens")
+        self.preemptions = gauge("num_preemptions", "Requests preempted since start")
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens received", labels, registry=r)
+        self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", labels, registry=r)
+        self.requests = Counter("kiln_requests", "Requests finished", labels, registry=r)
+        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Request latency, end to end", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.model = model_name
+
+    def request_started(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None:
+        # Merged outputs (several tokens in one message) share the gap evenly.
+        for _ in range(num_tokens):
+            self.itl.labels(self.model).observe(seconds / num_tokens)
+
+    def request_finished(self, seconds: float, choices: Iterable[Any]) -> None:
+        self.requests.labels(self.model).inc()
+        self.e2e.labels(self.model).observe(seconds)
+        for choice in choices:
+            self.generation_tokens.labels(self.model).inc(len(choice.token_ids))
+            if choice.first_token_time is not None:
+                self.ttft.labels(self.model).observe(max(0.0, choice.first_token_time - choice.start_time))
+
+    def render(self, stats: dict[str, float]) -> tuple[bytes, str]:
+        m = self.model
+        self.running.labels(m).set(stats.get("running", 0))
+        self.waiting.labels(m).set(stats.get("waiting", 0))
+        self.kv_usage.labels(m).set(stats.get("kv_usage", 0.0))
+        self.free_blocks.labels(m).set(stats.get("free_blocks", 0))
+        queries = stats.get("prefix_queries", 0)
+        self.hit_rate.labels(m).set(stats.get("prefix_hits", 0) / queries if queries else 0.0)
+        self.preemptions.labels(m).set(stats.get("preemptions", 0))
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,249 @@
+"""The server as real processes on real sockets: the official `openai` client, raw HTTP for bad input,
+disconnects, a dying engine, and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", self.model, "--enforce-eager", "--max-model-len",
+               "128", "--port", str(self.port), "--api-key", API_KEY, *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("server did not start")
+
+    def request(self, method: str, path: str, body: bytes | None = None, key: str | None = API_KEY):
+        req = urllib.request.Request(self.url + path, data=body, method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def get(self, path: str, key: str | None = API_KEY):
+        return self.request("GET", path, key=key)
+
+    def post(self, path: str, payload, key: str | None = API_KEY):
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", path, body, key)
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics")[1].decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def engine_pid(self) -> int:
+        # NOTE: the spawn start method also starts a resource tracker; the engine is the "spawn_main" child
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "spawn_main"], capture_output=True,
+                             text=True).stdout.split()  # fmt: skip
+        return int(out[0])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = Server(tiny_llama_dir)
+    yield s
+    s.stop()
+
+
+GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+
+
+def test_completions_with_openai_client(server):
+    client = server.client()
+    out = client.completions.create(model=server.model, prompt="Hello there", **GREEDY)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 24
+    assert out.usage.prompt_tokens + 24 == out.usage.total_tokens
+    many = client.completions.create(model=server.model, prompt=["Hello there", [5, 6, 7]], n=2, **GREEDY)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == out.choices[0].text  # greedy n=2: the same text
+    lp = client.completions.create(model=server.model, prompt="Hello there", logprobs=2, **GREEDY)
+    assert len(lp.choices[0].logprobs.tokens) == 24 and len(lp.choices[0].logprobs.top_logprobs[0]) == 2
+    assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
+    echo = client.completions.create(model=server.model, prompt="Hello there", echo=True, **GREEDY)
+    assert echo.choices[0].text == "Hello there" + out.choices[0].text
+    assert client.models.list().data[0].id == server.model
+
+
+def test_streamed_text_equals_non_streamed(server):
+    client = server.client()
+    for chat in (False, True):
+        if chat:
+            kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Tell me"}], **GREEDY)
+            full = client.chat.completions.create(**kwargs).choices[0].message.content
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kwargs))  # fmt: skip
+            pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        else:
+            kwargs = dict(model=server.model, prompt="Numbers: 1 2 3", **{**GREEDY, "max_tokens": 60})
+            full = client.completions.create(**kwargs).choices[0].text
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            pieces = [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(pieces) == full
+        # No event carries half a UTF-8 character: replacement characters appear only where the whole
+        # text has them (random byte-level tokens can form invalid sequences that never complete).
+        assert sum(p.count("\ufffd") for p in pieces) == full.count("\ufffd")
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_stop_strings_cut_exactly(server):
+    client = server.client()
+    full = client.completions.create(model=server.model, prompt="The quick", **GREEDY).choices[0].text
+    stop = full[6:9]
+    assert stop and len(full) > 9
+    expected = full[: full.index(stop)]
+    cut = client.completions.create(model=server.model, prompt="The quick", stop=[stop], **GREEDY).choices[0]
+    assert cut.text == expected and cut.finish_reason == "stop"
+    streamed = client.completions.create(model=server.model, prompt="The quick", stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+BAD = [
+    (b"{not json", 400),
+    ({"prompt": 5}, 400),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400),
+    ({"prompt": "hi", "temperature": -1}, 400),
+    ({"prompt": "hi", "top_p": 1.5}, 400),
+    ({"prompt": "hi", "n": 0}, 400),
+    ({"prompt": "hi", "logit_bias": {"999999": 5}}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": [[]]}, 400),
+    ({"prompt": "word " * 200}, 400),  # longer than the context
+    ({"prompt": "hi", "max_tokens": 500}, 400),  # more than fits
+    ({"prompt": [10**9]}, 400),
+    ({"prompt": "hi", "model": "no-such-model"}, 404),
+    ({"prompt": "hi", "stream": "yes"}, 400),
+    ({"prompt": "hi", "temperature": float("nan")}, 400),
+]
+
+
+@pytest.mark.parametrize("payload,status", BAD)
+def test_bad_input_gets_openai_error(server, payload, status):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    code, raw = server.post("/v1/completions", body)
+    assert code == status, raw
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in error["message"] and "/work" not in error["message"]
+
+
+def test_auth_size_and_chat_errors(server):
+    for path in ("/v1/models", "//v1/models", "/v1/../v1/models"):
+        assert server.get(path, key=None)[0] == 401
+        assert server.get(path, key="wrong")[0] == 401
+    assert server.get("/health", key=None)[0] == 200 and server.get("/metrics", key=None)[0] == 200
+    code, raw = server.post("/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}')
+    assert code == 413 and json.loads(raw)["error"]["message"]
+    assert server.post("/v1/chat/completions", {"messages": []})[0] == 400
+    assert server.post("/v1/chat/completions", {"messages": [{"role": "user"}]})[0] == 400
+    assert server.post("/tokenize", {"prompt": "hello"})[0] == 200
+    tokens = json.loads(server.post("/tokenize", {"prompt": "hello world"})[1])["tokens"]
+    assert json.loads(server.post("/detokenize", {"tokens": tokens})[1])["prompt"] == "hello world"
+    # still serving
+    assert server.client().completions.create(model=server.model, prompt="ok", max_tokens=2).choices
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    baseline = server.metric("kiln_kv_cache_free_blocks")
+    req = urllib.request.Request(server.url + "/v1/completions", method="POST", data=json.dumps(
+        {"prompt": "x " * 40, "max_tokens": 80, "stream": True, "ignore_eos": True}).encode())  # fmt: skip
+    req.add_header("Authorization", f"Bearer {API_KEY}")
+    resp = urllib.request.urlopen(req, timeout=60)
+    resp.readline()
+    resp.readline()
+    resp.close()  # the client goes away mid-decode
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if server.metric("kiln_num_requests_running") == 0 and server.metric("kiln_kv_cache_free_blocks") == baseline:
+            break
+        time.sleep(0.2)
+    assert server.metric("kiln_num_requests_running") == 0
+    assert server.metric("kiln_kv_cache_free_blocks") == baseline
+
+
+def test_engine_death_turns_health_503(tiny_llama_dir):
+    s = Server(tiny_llama_dir, "--max-model-len", "512")
+    try:
+        stream = s.client().completions.create(model=s.model, prompt="x", max_tokens=500, stream=True,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))
+        os.kill(s.engine_pid(), signal.SIGKILL)
+        start = time.time()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert time.time() - start < 5
+        assert s.get("/health")[0] == 503
+        assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 503
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
+
+
+def test_sigterm_drains_then_exits_zero(tiny_llama_dir):
+    import threading
+
+    s = Server(tiny_llama_dir, "--max-model-len", "512")
+    result = {}
+
+    def long_request():
+        result["out"] = s.client().completions.create(model=s.model, prompt="x", max_tokens=450,
+                                                      extra_body={"ignore_eos": True})  # fmt: skip
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    while s.metric("kiln_num_requests_running") == 0:  # the request is in the engine
+        time.sleep(0.05)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] in (503,)
+    t.join(60)
+    assert result["out"].usage.completion_tokens == 450
+    assert s.proc.wait(30) == 0
+    assert subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True).stdout == b""
