@@ -349,14 +349,18 @@ async def _stream(request, state, parsed, choices, queue, base, created, chat, t
             await send(chunk([{"index": c.index, "text": _prompt_text(state, c, texts, n), "logprobs": None,
                                "finish_reason": None} for c in choices.values()]))  # fmt: skip
         while any(c.finish_reason is None for c in choices.values()):
-            bodies = []
+            # Everything that arrived since the last event, merged into one entry per choice.
+            deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
             for item in await _next_items(queue):
                 _raise_for(item)
                 choice = choices.get(item.request_id)
                 if choice is None or choice.finish_reason is not None:
                     continue
-                start = len(choice.token_ids)
-                delta = _apply(state, choice, item)
+                text, start = deltas.get(item.request_id, ("", len(choice.token_ids)))
+                deltas[item.request_id] = (text + _apply(state, choice, item), start)
+            bodies = []
+            for rid, (delta, start) in deltas.items():
+                choice = choices[rid]
                 new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
                 if not delta and choice.finish_reason is None and not new_lp:
                     continue

@@ -1,0 +1,59 @@
+"""Wire messages round-trip through msgpack; anything else on a socket is rejected, never run."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from kiln.engine import protocol
+from kiln.engine.detokenizer import TextStream
+from kiln.engine.tokenizer import builtin_tokenizer
+
+
+def test_round_trip():
+    messages = [
+        protocol.AddRequest("r1", [1, 2, 3], {"temperature": 0.5, "logit_bias": {7: 1.5}, "stop": ["x"]}),
+        protocol.AbortRequests(["r1", "r2"]),
+        protocol.Shutdown(),
+        protocol.Ready(128, 512, 64, {"mode": "eager"}),
+        protocol.EngineOutputs([protocol.RequestOutput("r1", [5], [[[5, -0.1, 1]]], "stop", 5, 3)],
+                               [protocol.RequestFailed("r2", "bad")], {"running": 1}),  # fmt: skip
+    ]
+    for message in messages:
+        assert protocol.decode(protocol.encode(message)) == message
+
+
+class Boom:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('pickle ran')",))
+
+
+FOREIGN = [
+    pickle.dumps(Boom()),  # a pickle that would run code if anything unpickled it
+    b"",
+    b"\x93\x01\x02\x03",  # msgpack, but not [name, body]
+    b"\x92\xa4Evil\x80",  # an unknown message type
+    b"\x92\xaaAddRequest\x81\xa3bad\x01",  # a known type with a field it does not have
+]
+
+
+@pytest.mark.parametrize("frame", FOREIGN)
+def test_foreign_frames_are_rejected(frame):
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(frame)
+
+
+def test_stop_string_split_across_tokens_is_never_sent():
+    tokenizer = builtin_tokenizer(512)
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer, [], ["brown fox"], True, False)
+    sent = ""
+    for i, token in enumerate(ids):
+        delta, stop = stream.update([token], finished=i == len(ids) - 1)
+        sent += delta
+        assert "brown" not in sent  # held back until it is known not to start the stop string
+        if stop:
+            break
+    assert stop == "brown fox" and sent == "The quick "
