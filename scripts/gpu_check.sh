@@ -14,8 +14,16 @@ summary="$OUT/summary.txt"
 for step in $steps; do
   case $step in
     tests)
-      timeout 240 python3 -m pytest -q -m gpu tests --durations=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
-      echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary" ;;
+      # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
+      echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
+      timeout 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
+        | tee "$OUT/pytest_kernels.log" | tail -n 5
+      echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
+    startup)
+      timeout 900 python3 scripts/bench_startup.py --models llama-3.2-1b,llama-3.1-8b --json "$OUT/startup.json" 2>&1 \
+        | tee "$OUT/startup.log" | tail -n 8
+      tail -n 6 "$OUT/startup.log" >> "$summary" ;;
     attention)
       timeout 200 python3 scripts/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;

@@ -1,0 +1,295 @@
+"""One completion request, from token ids to the response: engine requests for each choice, outputs
+merged as they arrive, text through incremental detokenization and stop strings, then OpenAI's JSON or
+SSE shapes (with logprobs and usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from kiln.engine import protocol
+from kiln.engine.async_client import AsyncEngineClient, EngineDeadError
+from kiln.engine.detokenizer import TextStream
+from kiln.engine.metrics import ServerMetrics
+from kiln.engine.openai_requests import APIError, ParsedRequest
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class ServerState:
+    client: AsyncEngineClient
+    tokenizer: Any
+    served_model_name: str
+    api_key: str | None
+    max_model_len: int
+    metrics: ServerMetrics
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
+    draining: bool = False
+    in_flight: int = 0
+
+
+# ---- tokenization (off the event loop) -----------------------------------------------------------------
+
+
+async def encode(state: ServerState, text: str) -> list[int]:
+    return await asyncio.get_running_loop().run_in_executor(state.pool, state.tokenizer.encode, text)
+
+
+async def encode_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+    def render() -> list[int]:
+        template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+        try:
+            text = state.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                       add_generation_prompt=True)  # fmt: skip
+        except Exception as e:  # a template may reject roles or orderings
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return state.tokenizer.encode(text, add_special_tokens=False)
+
+    return await asyncio.get_running_loop().run_in_executor(state.pool, render)
+
+
+def check_model(state: ServerState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != state.served_model_name:
+        message = f"the model {str(model)[:100]!r} does not exist; this server serves {state.served_model_name!r}"
+        raise APIError(404, message, "model", type_="not_found_error", code="model_not_found")
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[list[float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    start_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+async def run_request(request: web.Request, state: ServerState, parsed: ParsedRequest, prompts: list[list[int]],
+                      texts: list[str | None], chat: bool) -> web.StreamResponse:  # fmt: skip
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type_="service_unavailable")
+    if not state.client.alive:
+        raise APIError(503, "the engine is not running", type_="service_unavailable")
+    vocab = state.client.ready.vocab_size
+    params = parsed.params
+    for ids in prompts:
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if len(ids) >= state.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {state.max_model_len}",
+                           "prompt", code="context_length_exceeded")  # fmt: skip
+        if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:
+            message = (f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
+                       f"of {state.max_model_len}")  # fmt: skip
+            raise APIError(400, message, "max_tokens", code="context_length_exceeded")
+    try:
+        params.verify_vocab(vocab)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+    base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    queue: asyncio.Queue = asyncio.Queue()
+    choices: dict[str, _Choice] = {}
+    wire = {k: v for k, v in vars(params).items() if k != "n"}
+    for i, ids in enumerate(prompts):
+        for j in range(params.n):
+            index = i * params.n + j
+            rid = f"{base}-{index}"
+            child = dict(wire, seed=None if params.seed is None else params.seed + j)
+            stream = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                params.include_stop_str_in_output)  # fmt: skip
+            choices[rid] = _Choice(index, rid, ids, stream)
+            state.client.add_request(rid, ids, child, queue)
+    state.in_flight += 1
+    state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
+    start = time.monotonic()
+    try:
+        if parsed.stream:
+            return await _stream(request, state, parsed, choices, queue, base, created, chat, texts)
+        await _collect(state, choices, queue)
+        return web.json_response(_final_body(state, parsed, choices, base, created, chat, texts))
+    finally:
+        state.in_flight -= 1
+        unfinished = [rid for rid, c in choices.items() if c.finish_reason is None]
+        state.client.abort(unfinished)  # a disconnect, an error: free the KV blocks at once
+        for rid in choices:
+            state.client.release(rid)
+        state.metrics.request_finished(time.monotonic() - start, choices.values())
+
+
+async def _next_items(queue: asyncio.Queue) -> list[Any]:
+    """Everything queued for this request: waits for one item, then drains (merging slow readers)."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _apply(state: ServerState, choice: _Choice, out: protocol.RequestOutput) -> str:
+    now = time.monotonic()
+    if choice.first_token_time is None:
+        choice.first_token_time = now
+    elif out.new_token_ids:
+        state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids))
+    choice.last_token_time = now
+    choice.token_ids.extend(out.new_token_ids)
+    if out.new_logprobs:
+        choice.logprobs.extend(out.new_logprobs)
+    finished = out.finish_reason is not None
+    delta, stop = choice.text.update(out.new_token_ids, finished)
+    if stop is not None:
+        choice.finish_reason = "stop"
+        state.client.abort([choice.request_id])
+    elif finished:
+        choice.finish_reason = out.finish_reason if out.finish_reason != "abort" else "stop"
+    return delta
+
+
+def _raise_for(item: Any) -> None:
+    if isinstance(item, EngineDeadError):
+        raise APIError(500, "the engine core died while running this request", type_="internal_error")
+    if isinstance(item, protocol.RequestFailed):
+        internal = item.message.startswith("internal error")
+        raise APIError(500 if internal else 400, item.message, type_="internal_error" if internal else
+                       "invalid_request_error")  # fmt: skip
+
+
+async def _collect(state: ServerState, choices: dict[str, _Choice], queue: asyncio.Queue) -> None:
+    while any(c.finish_reason is None for c in choices.values()):
+        for item in await _next_items(queue):
+            _raise_for(item)
+            choice = choices.get(item.request_id)
+            if choice is not None and choice.finish_reason is None:
+                _apply(state, choice, item)
+
+
+async def _stream(request, state, parsed, choices, queue, base, created, chat, texts) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        await response.write(f"data: {data}\n\n".encode())
+
+    def chunk(choice_bodies: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": base, "object": kind, "created": created, "model": state.served_model_name,
+                "choices": choice_bodies}  # fmt: skip
+        if parsed.include_usage:
+            body["usage"] = usage
+        return body
+
+    try:
+        if chat:
+            await send(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for c in choices.values()]))  # fmt: skip
+        elif parsed.echo:
+            n = parsed.params.n
+            await send(chunk([{"index": c.index, "text": _prompt_text(state, c, texts, n), "logprobs": None,
+                               "finish_reason": None} for c in choices.values()]))  # fmt: skip
+        while any(c.finish_reason is None for c in choices.values()):
+            # Everything that arrived since the last event, merged into one entry per choice.
+            deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
+            for item in await _next_items(queue):
+                _raise_for(item)
+                choice = choices.get(item.request_id)
+                if choice is None or choice.finish_reason is not None:
+                    continue
+                text, start = deltas.get(item.request_id, ("", len(choice.token_ids)))
+                deltas[item.request_id] = (text + _apply(state, choice, item), start)
+            bodies = []
+            for rid, (delta, start) in deltas.items():
+                choice = choices[rid]
+                new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
+                if not delta and choice.finish_reason is None and not new_lp:
+                    continue
+                lp = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs) if new_lp else None
+                if chat:
+                    bodies.append({"index": choice.index, "delta": {"content": delta} if delta else {},
+                                   "logprobs": lp, "finish_reason": choice.finish_reason})  # fmt: skip
+                else:
+                    bodies.append({"index": choice.index, "text": delta, "logprobs": lp,
+                                   "finish_reason": choice.finish_reason})  # fmt: skip
+            if bodies:
+                await send(chunk(bodies))
+        if parsed.include_usage:
+            await send(chunk([], _usage(choices)))
+    except APIError as e:
+        await send(e.body())
+    await send("[DONE]")
+    await response.write_eof()
+    return response
+
+
+def _prompt_text(state: ServerState, choice: _Choice, texts: list[str | None], n: int) -> str:
+    text = texts[choice.index // n]
+    return text if text is not None else state.tokenizer.decode(choice.prompt_ids)
+
+
+def _usage(choices: dict[str, _Choice]) -> dict[str, int]:
+    seen: set[int] = set()
+    prompt = 0
+    for c in choices.values():
+        if id(c.prompt_ids) not in seen:
+            seen.add(id(c.prompt_ids))
+            prompt += len(c.prompt_ids)
+    completion = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int):
+    """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
+    token and the top k (ranks 1..k)."""
+    decode = state.tokenizer.decode
+    sampled, tops = [], []
+    for token, entry in zip(token_ids, entries):
+        sampled.append(next(lp for t, lp, _ in entry if int(t) == token))
+        tops.append([(decode([int(t)]), lp) for t, lp, _ in sorted(entry, key=lambda e: e[2])[:k]])
+    texts = [decode([t]) for t in token_ids]
+    if chat:
+        return {"content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()),
+             "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top]}
+            for text, lp, top in zip(texts, sampled, tops)
+        ]}  # fmt: skip
+    tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, Any]:
+    bodies = []
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        lp = None
+        if parsed.logprobs is not None:
+            lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
+        if chat:
+            bodies.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                           "logprobs": lp, "finish_reason": c.finish_reason})  # fmt: skip
+        else:
+            text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + c.text.text
+            bodies.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+    return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": state.served_model_name, "choices": bodies, "usage": _usage(choices)}  # fmt: skip
+
+

@@ -1,0 +1,68 @@
+"""Cold and warm start, split by stage: a fresh compile cache, then the same start again.
+
+Each start is its own process (as a deployment's would be), so Inductor's in-process state cannot
+help the warm one; Inductor's own on-disk cache is pointed into the same fresh folder, so the cold
+start is cold for it too.
+
+    python scripts/bench_startup.py --models llama-3.2-1b,llama-3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+STAGES = ["load_seconds", "dynamo_seconds", "inductor_seconds", "cache_load_seconds", "capture_seconds"]
+
+
+def start_once(model: str, cache_dir: str, extra: dict) -> dict:
+    code = (
+        "import json, time; t = time.perf_counter(); from kiln.engine.engine_core import EngineCore; "
+        "from kiln.engine.config import EngineConfig; "
+        f"core = EngineCore(EngineConfig(model={model!r}, compile_cache_dir={cache_dir!r}, **{extra!r})); "
+        "print(json.dumps({**core.startup_stats, 'process_seconds': time.perf_counter() - t}))"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    stats["wall_seconds"] = time.perf_counter() - start  # imports included
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-3.2-1b")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix="kiln-startup-") as cache_dir:
+            extra = {"max_model_len": args.max_model_len}
+            cold = start_once(model, cache_dir, extra)
+            warm = start_once(model, cache_dir, extra)
+        rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
+    print(f"\n{'model':<14} {'start':<5} {'wall s':>7} " + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)
+          + f" {'compiles':>9} {'hits':>5} {'graphs':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['model']:<14} {r['start']:<5} {r['wall_seconds']:>7.1f} "
+              + " ".join(f"{r[s]:>10.1f}" for s in STAGES)
+              + f" {r['inductor_compiles']:>9} {r['cache_hits']:>5} {r['cudagraphs_captured']:>7}")  # fmt: skip
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cold, warm = (r["wall_seconds"] for r in rows if r["model"] == model)
+        print(f"{model}: warm / cold = {warm / cold:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
