@@ -165,7 +165,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def serve(config, host: str, port: int, api_key: str | None, served_model_name: str | None,
-                shutdown_timeout: float) -> int:  # fmt: skip
+                shutdown_timeout: float, max_num_queued_requests: int | None = None,
+                engine_timeout: float = 60.0) -> int:  # fmt: skip
     """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0."""
     import signal  # noqa: PLC0415
 
@@ -175,10 +176,11 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     source = resolve_model(config.model)
     tokenizer_path = config.tokenizer or (None if source.is_preset else source.model_dir)
     tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
-    client = AsyncEngineClient(config)
+    client = AsyncEngineClient(config, engine_timeout)
     ready = await client.start()
     name = served_model_name or config.model
-    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, ServerMetrics(name))
+    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, ServerMetrics(name),
+                        max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests)  # fmt: skip
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -29,8 +29,12 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, config) -> None:
+    def __init__(self, config, engine_timeout: float = 60.0) -> None:
         self.config = config
+        # NOTE: the engine sends something at least every second (outputs, or an idle heartbeat); this
+        # long without a word while requests wait means it is stuck (e.g. SIGSTOP, a hung kernel).
+        self.engine_timeout = engine_timeout
+        self.last_heard = 0.0
         self.queues: dict[str, asyncio.Queue] = {}
         self.alive = False
         self.ready: protocol.Ready | None = None
@@ -61,8 +65,10 @@ class AsyncEngineClient:
             self.process.kill()
             raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode})")
         self.ready = protocol.decode(recv.result())
+        self.stats = self.ready.stats
         self.alive = True
-        self._tasks = [asyncio.create_task(self._output_loop()), died]
+        self.last_heard = asyncio.get_running_loop().time()
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog()), died]
         died.add_done_callback(lambda _: self._on_death())
         return self.ready
 
@@ -95,6 +101,7 @@ class AsyncEngineClient:
                 continue
             if not isinstance(message, protocol.EngineOutputs):
                 continue
+            self.last_heard = asyncio.get_running_loop().time()
             self.stats = message.stats
             for out in message.outputs:
                 if (q := self.queues.get(out.request_id)) is not None:
@@ -102,6 +109,15 @@ class AsyncEngineClient:
             for failure in message.failed:
                 if (q := self.queues.get(failure.request_id)) is not None:
                     q.put_nowait(failure)
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.alive:
+            await asyncio.sleep(min(1.0, self.engine_timeout / 4))
+            if loop.time() - self.last_heard > self.engine_timeout:
+                logger.error("the engine core has not answered for %.0f s; killing it", self.engine_timeout)
+                self.process.kill()  # the process sentinel then fails every open request
+                return
 
     def _on_death(self) -> None:
         if not self.alive:

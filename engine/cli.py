@@ -104,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("KILN_API_KEY") or None
-    return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout))
+    return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout,
+                             args.max_num_queued_requests, args.engine_timeout))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to drain in-flight requests after SIGTERM")  # fmt: skip
+    srv.add_argument("--max-num-queued-requests", type=int, default=None,
+                     help="requests admitted beyond --max-num-seqs; more get 503 at once (default: no limit)")
+    srv.add_argument("--engine-timeout", type=float, default=60.0,
+                     help="seconds without a word from the engine core before it is declared stuck and killed")
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from dataclasses import asdict, fields
 from typing import Any
@@ -37,13 +38,14 @@ def run_engine_core(config: dict[str, Any], input_address: str, output_address: 
     threading.Thread(target=_input_thread, args=(context, input_address, inputs), daemon=True).start()
     threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True).start()
     outputs.put(protocol.Ready(core.max_model_len, core.model_config.vocab_size, core.num_kv_blocks,
-                               _jsonable(core.startup_stats)))  # fmt: skip
+                               _jsonable(core.startup_stats), _stats(core)))  # fmt: skip
     _busy_loop(core, inputs, outputs, parent_pid)
     outputs.put(None)
     logger.info("engine core stopped")
 
 
 def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int) -> None:
+    last_sent = time.monotonic()
     while True:
         failed: list[protocol.RequestFailed] = []
         handled = False
@@ -54,7 +56,8 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, pare
             except queue.Empty:
                 if os.getppid() != parent_pid:  # the API server is gone: nobody to serve
                     return
-                if block:
+                if block:  # idle: a heartbeat, so the server can tell an idle engine from a stuck one
+                    outputs.put(protocol.EngineOutputs([], [], _stats(core)))
                     continue
                 break
             block = False
@@ -63,8 +66,11 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, pare
             _handle(core, message, failed)
             handled = True
         step_outputs = _step(core, failed)
-        if step_outputs or failed or handled:  # an abort alone changes the stats /metrics shows
+        # An abort alone changes what /metrics shows; and a long prefill with nothing to emit still
+        # sends a word each second, so the server never mistakes a busy engine for a stuck one.
+        if step_outputs or failed or handled or time.monotonic() - last_sent > 1.0:
             outputs.put(protocol.EngineOutputs([_to_wire(o) for o in step_outputs], failed, _stats(core)))
+            last_sent = time.monotonic()
 
 
 def _handle(core: EngineCore, message: Any, failed: list[protocol.RequestFailed]) -> None:

@@ -35,6 +35,7 @@ class Ready:
     vocab_size: int
     num_kv_blocks: int
     startup_stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # as in EngineOutputs, so /metrics is right at once
 
 
 @dataclass

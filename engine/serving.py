@@ -35,8 +35,11 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
+    max_num_seqs: int = 256
+    max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
     draining: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # HTTP requests being served
+    engine_requests: int = 0  # requests (choices) they have in the engine
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -88,6 +91,10 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         raise APIError(503, "the engine is not running", type_="service_unavailable")
     vocab = state.client.ready.vocab_size
     params = parsed.params
+    new = len(prompts) * params.n
+    if (state.max_num_queued_requests is not None
+            and state.engine_requests + new > state.max_num_seqs + state.max_num_queued_requests):  # fmt: skip
+        raise APIError(503, "too many requests are queued; retry later", type_="service_unavailable")
     for ids in prompts:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
@@ -118,6 +125,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
             choices[rid] = _Choice(index, rid, ids, stream)
             state.client.add_request(rid, ids, child, queue)
     state.in_flight += 1
+    state.engine_requests += len(choices)
     state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
     start = time.monotonic()
     try:
@@ -127,6 +135,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         return web.json_response(_final_body(state, parsed, choices, base, created, chat, texts))
     finally:
         state.in_flight -= 1
+        state.engine_requests -= len(choices)
         unfinished = [rid for rid, c in choices.items() if c.finish_reason is None]
         state.client.abort(unfinished)  # a disconnect, an error: free the KV blocks at once
         for rid in choices:
