@@ -86,14 +86,17 @@ def _handle(core: EngineCore, message: Any, failed: list[protocol.RequestFailed]
 
 def _step(core: EngineCore, failed: list[protocol.RequestFailed]) -> list[EngineCoreOutput]:
     try:
-        return core.step()
+        outputs = core.step(isolate_failures=True)
     except Exception:
-        # NOTE: a step that raises poisons only the requests in it; the engine keeps serving the rest.
+        # NOTE: not one request's fault (isolation found none): fail what was running, keep serving.
         logger.error("step failed:\n%s", traceback.format_exc())
         victims = [r.request_id for r in core.scheduler.running]
         core.abort_requests(victims)
-        failed.extend(protocol.RequestFailed(rid, "internal error while running the request") for rid in victims)
-        return []
+        core.failed_requests += [(rid, "internal error while running the request") for rid in victims]
+        outputs = []
+    failed.extend(protocol.RequestFailed(rid, message) for rid, message in core.failed_requests)
+    core.failed_requests.clear()
+    return outputs
 
 
 def _to_wire(out: EngineCoreOutput) -> protocol.RequestOutput:

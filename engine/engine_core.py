@@ -32,7 +32,7 @@ from kiln.engine.models.loader import build_model, init_dummy_weights, load_chec
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("kiln")
 
@@ -107,6 +107,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
+        self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
         self.startup_seconds = time.perf_counter() - start
         self.startup_stats = {
             "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
@@ -156,11 +157,40 @@ class EngineCore:
 
     # ---- one step -------------------------------------------------------------------------------------
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, isolate_failures: bool = False) -> list[EngineCoreOutput]:
+        """One schedule, one forward pass, one update.
+
+        With `isolate_failures` (the server's mode) a step that raises is retried one request at a
+        time: a request that fails alone is aborted and reported in `failed_requests`, the rest go on.
+        Offline, the exception propagates to the caller.
+        """
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception:
+            if not isolate_failures:
+                raise
+            logger.exception("a step of %d requests failed; retrying them one by one", len(batch.requests))
+            return [out for single in self._singles(batch) for out in self._run_alone(single)]
+        return self._update(batch, result)
+
+    def _singles(self, batch: SchedulerOutput) -> list[SchedulerOutput]:
+        return [SchedulerOutput([r], [n], [ids]) for r, n, ids in zip(batch.requests, batch.num_new_tokens,
+                                                                       batch.block_ids)]  # fmt: skip
+
+    def _run_alone(self, single: SchedulerOutput) -> list[EngineCoreOutput]:
+        request = single.requests[0]
+        try:
+            return self._update(single, self.runner.execute(single))
+        except Exception as e:
+            logger.error("request %s failed: %s: %s", request.request_id, type(e).__name__, e)
+            self.scheduler.abort_request(request.request_id)
+            self.failed_requests.append((request.request_id, "internal error while running the request"))
+            return []
+
+    def _update(self, batch: SchedulerOutput, result) -> list[EngineCoreOutput]:
         new_tokens, finished = self.scheduler.update_from_output(batch, result.sampled_token_ids)
         logprobs_of = {r.request_id: lp for r, lp in zip(batch.requests, result.logprobs) if lp is not None}
         outputs = {}

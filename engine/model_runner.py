@@ -7,6 +7,7 @@ per step besides.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,9 @@ from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
 from kiln.engine.sampler import Sampler, SamplingMetadata
 from kiln.engine.scheduler import SchedulerOutput
+
+# Test-only fault injection: a step fails when any request's prompt holds this token id.
+_FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
 
 
 @dataclass
@@ -73,6 +77,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        if _FAULT_TOKEN is not None and any(_FAULT_TOKEN in r.prompt_token_ids for r in batch.requests):
+            raise RuntimeError("injected fault (KILN_TEST_FAULT_TOKEN)")
         plan = self.plan(batch)
         metadata, sample_rows = self.prepare_inputs(batch, plan)
         hidden = self.forward(metadata, plan)

@@ -189,3 +189,26 @@ def test_fuzzed_bodies_never_5xx(fuzz_server, body, chat, raw):
 def test_fuzz_left_the_server_healthy(fuzz_server):
     assert fuzz_server.get("/health")[0] == 200
     assert fuzz_server.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+
+
+def test_a_failing_request_fails_alone(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("KILN_TEST_FAULT_TOKEN", "499")  # the engine process inherits it
+    server = Server(tiny_llama_dir)
+    try:
+        baseline = server.metric("kiln_kv_cache_free_blocks")
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                good = [{"prompt": [5, 6, 7 + i], "max_tokens": 20, "ignore_eos": True} for i in range(6)]
+                bad = {"prompt": [5, 499, 7], "max_tokens": 20}
+                return await asyncio.gather(*(completion(session, server.url, b) for b in [*good[:3], bad, *good[3:]]))
+
+        results = asyncio.run(run())
+        statuses = [s for s, _ in results]
+        assert statuses == [200, 200, 200, 500, 200, 200, 200]
+        assert results[3][1]["error"]["type"] == "internal_error"
+        assert all(r["usage"]["completion_tokens"] == 20 for s, r in results if s == 200)
+        assert server.get("/health")[0] == 200
+        wait_idle(server, baseline)
+    finally:
+        server.stop()
