@@ -40,6 +40,7 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served
     engine_requests: int = 0  # requests (choices) they have in the engine
+    write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -196,7 +197,9 @@ async def _stream(request, state, parsed, choices, queue, base, created, chat, t
 
     async def send(payload: dict[str, Any] | str) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await response.write(f"data: {data}\n\n".encode())
+        # NOTE: a client that stops reading blocks this write once the socket buffers fill; after
+        # write_timeout seconds it is dropped (and its request aborted) instead of holding a seat forever.
+        await asyncio.wait_for(response.write(f"data: {data}\n\n".encode()), timeout=state.write_timeout)
 
     def chunk(choice_bodies: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": base, "object": kind, "created": created, "model": state.served_model_name,

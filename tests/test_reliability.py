@@ -212,3 +212,64 @@ def test_a_failing_request_fails_alone(tiny_llama_dir, monkeypatch):
         wait_idle(server, baseline)
     finally:
         server.stop()
+
+
+def test_disconnects_at_every_stage_free_blocks(tiny_llama_dir):
+    """Queued, mid-prefill, mid-decode, at the final token: the blocks come back every time."""
+    server = Server(tiny_llama_dir, "--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--max-model-len", "512")
+    try:
+        baseline = server.metric("kiln_kv_cache_free_blocks")
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                long = {"prompt": "x", "max_tokens": 300, "ignore_eos": True}
+                holder = asyncio.create_task(completion(session, server.url, long))  # takes the only seat
+                await asyncio.sleep(0.3)
+                queued = asyncio.create_task(stream_completion(session, server.url, long))
+                await asyncio.sleep(0.3)
+                queued.cancel()  # hangs up while waiting for a seat
+                await holder
+                prefill = {"prompt": list(range(1, 400)), "max_tokens": 5, "ignore_eos": True}  # 25 chunks of 16
+                task = asyncio.create_task(stream_completion(session, server.url, prefill))
+                await asyncio.sleep(0.05)
+                task.cancel()  # hangs up during the chunked prefill
+                await stream_completion(session, server.url, {**long, "max_tokens": 50}, cancel_after=3)  # decode
+                await stream_completion(session, server.url, {**long, "max_tokens": 1}, cancel_after=1)  # last token
+
+        asyncio.run(run())
+        wait_idle(server, baseline)
+    finally:
+        server.stop()
+
+
+def test_engine_socket_rejects_pickle_and_ipc_dir_is_private(tiny_llama_dir, tmp_path):
+    import glob
+    import pickle
+    import stat
+    import tempfile
+
+    import zmq
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ipc-*")))
+    server = Server(tiny_llama_dir)
+    try:
+        (ipc_dir,) = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ipc-*"))) - before
+        assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+        marker = tmp_path / "pwned"
+
+        class Payload:
+            def __reduce__(self):
+                return (open, (str(marker), "w"))
+
+        context = zmq.Context()
+        push = context.socket(zmq.PUSH)
+        push.connect(f"ipc://{ipc_dir}/input")
+        push.send(pickle.dumps(Payload()))
+        push.close(linger=1000)
+        context.term()
+        time.sleep(1.0)
+        assert not marker.exists()  # never unpickled
+        assert server.get("/health")[0] == 200
+        assert server.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+    finally:
+        server.stop()
