@@ -5,6 +5,7 @@ SSE shapes (with logprobs and usage)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -244,9 +245,13 @@ async def _stream(request, state, parsed, choices, queue, base, created, chat, t
         if parsed.include_usage:
             await send(chunk([], _usage(choices)))
     except APIError as e:
-        await send(e.body())
-    await send("[DONE]")
-    await response.write_eof()
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            await send(e.body())
+    except (TimeoutError, ConnectionResetError):
+        return response  # the client is gone or not reading: run_request aborts what is left
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        await send("[DONE]")
+        await response.write_eof()
     return response
 
 

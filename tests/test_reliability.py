@@ -46,7 +46,7 @@ async def completion(session, url, body) -> tuple[int, dict]:
         return resp.status, await resp.json()
 
 
-def wait_idle(server: Server, baseline_free: float, timeout: float = 30) -> None:
+def wait_idle(server: Server, baseline_free: float, timeout: float = 60) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         idle = server.metric("kiln_num_requests_running") == 0 and server.metric("kiln_num_requests_waiting") == 0

@@ -198,7 +198,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     resp.readline()
     resp.readline()
     resp.close()  # the client goes away mid-decode
-    deadline = time.time() + 20
+    deadline = time.time() + 60  # generous: CI machines are small and may be busy
     while time.time() < deadline:
         if server.metric("kiln_num_requests_running") == 0 and server.metric("kiln_kv_cache_free_blocks") == baseline:
             break
