@@ -273,3 +273,35 @@ def test_engine_socket_rejects_pickle_and_ipc_dir_is_private(tiny_llama_dir, tmp
         assert server.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
     finally:
         server.stop()
+
+
+def test_a_stalled_reader_does_not_slow_the_others(tiny_llama_dir):
+    """20 clients stream while one opens a stream and never reads: the others' time per output token
+    stays close to what it is without the stalled one, and the stalled request still finishes and
+    frees its blocks (its output sits in socket buffers, bounded by its max_tokens)."""
+    server = Server(tiny_llama_dir, "--max-model-len", "512")
+    try:
+        baseline = server.metric("kiln_kv_cache_free_blocks")
+        body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
+
+        async def tpot(with_stalled: bool) -> float:
+            async with aiohttp.ClientSession() as session:
+                stalled = None
+                if with_stalled:
+                    stalled = await session.post(server.url + "/v1/completions", headers=HEADERS,
+                                                 json={**body, "max_tokens": 400, "stream": True})  # fmt: skip
+                start = time.perf_counter()
+                results = await asyncio.gather(*(stream_completion(session, server.url, body) for _ in range(20)))
+                elapsed = time.perf_counter() - start
+                assert all(r["status"] == 200 for r in results)
+                if stalled is not None:
+                    stalled.close()
+                return elapsed / 60
+
+        alone = min(asyncio.run(tpot(False)) for _ in range(2))
+        with_stalled = asyncio.run(tpot(True))
+        # The stalled request is one more sequence in the batch (21 instead of 20) at most.
+        assert with_stalled < 1.5 * alone + 0.005, (alone, with_stalled)
+        wait_idle(server, baseline)
+    finally:
+        server.stop()
