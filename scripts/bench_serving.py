@@ -84,17 +84,18 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--vocab", type=int, default=10000)
     p.add_argument("--offline-model", default=None, help="also run the requests offline with LLM(this model)")
+    p.add_argument("--offline-only", action="store_true", help="skip HTTP (run after the server is stopped)")
     p.add_argument("--json")
     args = p.parse_args()
-    if args.model is None:
+    if args.model is None and not args.offline_only:
         import urllib.request  # noqa: PLC0415
 
         with urllib.request.urlopen(f"{args.url}/v1/models") as r:
             args.model = json.load(r)["data"][0]["id"]
     requests = make_requests(args.num_requests, args.input_len, args.output_len, args.vocab)
-    results, elapsed = asyncio.run(run_load(args, requests))
+    results, elapsed = asyncio.run(run_load(args, requests)) if not args.offline_only else ([], float("nan"))
     ok = [r for r in results if "error" not in r]
-    tokens = sum(r["tokens"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok) if not args.offline_only else sum(n for _, n in requests)
     tpot = [(r["e2e"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok]
     itl = [x for r in ok for x in r["itl"]]
     summary = {
@@ -113,7 +114,8 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate([prompt for prompt, _ in requests], params, use_tqdm=False)
         summary["offline_tokens_per_s"] = tokens / (time.perf_counter() - start)
-        summary["http_share_of_offline"] = summary["output_tokens_per_s"] / summary["offline_tokens_per_s"]
+        if not args.offline_only:
+            summary["http_share_of_offline"] = summary["output_tokens_per_s"] / summary["offline_tokens_per_s"]
     print(f"\nserving: {args.model} at {args.url}, {args.num_requests} requests, input {args.input_len}, "
           f"output {args.output_len}, rate {args.rate or 'inf'}/s, concurrency {args.concurrency}")  # fmt: skip
     for key, value in summary.items():

@@ -36,6 +36,19 @@ for step in $steps; do
     gputests:*)
       files=${step#gputests:}
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
+    serving:*)
+      model=${step#serving:}
+      kiln serve "$model" --port 8000 > "$OUT/serve_$model.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+      args="--num-requests 512 --input-len 256 --output-len 256"
+      timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --json "$OUT/serving.jsonl" | tail -n 14
+      timeout 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
+        --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
+      kill -TERM $server; wait $server
+      timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" \
+        --json "$OUT/serving.jsonl" | tail -n 4
+      tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
