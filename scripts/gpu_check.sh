@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
-# Usage (on the device): bash scripts/gpu_check.sh [tests] [attention] [throughput:MODEL] ...
+# Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
+#   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
+#   | throughput-compiled:MODEL | serving:MODEL | gputests:FILE,FILE
 set -u
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -49,6 +51,11 @@ for step in $steps; do
       timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" \
         --json "$OUT/serving.jsonl" | tail -n 4
       tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
+    throughput-compiled:*)
+      model=${step#throughput-compiled:}
+      timeout 300 python3 scripts/bench_throughput.py --model "$model" --json "$OUT/throughput.jsonl" 2>&1 \
+        | tee "$OUT/throughput_compiled_$model.log" | tail -n 4
+      tail -n 3 "$OUT/throughput_compiled_$model.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
