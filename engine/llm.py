@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from kiln.engine.config import EngineConfig
-from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kiln.engine.detokenizer import TextStream
 from kiln.engine.engine_core import EngineCore, EngineCoreOutput
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ class _Sequence:
 
     output: CompletionOutput
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None  # only when stop strings need the text as it grows
+    text: TextStream | None  # only when stop strings need the text as it grows
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
@@ -91,12 +91,13 @@ class LLM:
             if params.n > 1 and params.seed is not None:
                 child_params = dataclasses.replace(params, seed=params.seed + index)
             self.engine.add_request(child_id, token_ids, child_params)
-            detokenizer = (
-                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if params.stop else None
-            )
+            text = None
+            if params.stop:
+                text = TextStream(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                  params.include_stop_str_in_output)  # fmt: skip
             output = CompletionOutput(index, "", [])
             result.outputs.append(output)
-            sequences[child_id] = (result, _Sequence(output, params, detokenizer))
+            sequences[child_id] = (result, _Sequence(output, params, text))
         return result
 
     def _run(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], use_tqdm: bool) -> None:
@@ -123,22 +124,16 @@ class LLM:
         if out.new_logprobs is not None:
             seq.logprobs.extend(out.new_logprobs)
             output.logprobs = seq.logprobs
-            output.cumulative_logprob = sum(lp[t].logprob for lp, t in zip(seq.logprobs, output.token_ids))
+            new = sum(lp[t].logprob for lp, t in zip(out.new_logprobs, out.new_token_ids))
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + new
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add_tokens(out.new_token_ids)
-            if finish_reason is not None:
-                delta += seq.detokenizer.flush()
-            hit = find_stop_string(seq.detokenizer.text, len(delta), seq.params.stop) if delta else None
-            if hit is not None:
-                stop, index = hit
-                end = index + len(stop) if seq.params.include_stop_str_in_output else index
-                output.text = seq.detokenizer.text[:end]
+        if seq.text is not None:
+            _, stop = seq.text.update(out.new_token_ids, finished=finish_reason is not None)
+            output.text = seq.text.text
+            if stop is not None:
                 if finish_reason is None:
                     self.engine.abort_requests([out.request_id])
                 finish_reason, stop_reason = "stop", stop
-            else:
-                output.text = seq.detokenizer.text
         elif finish_reason is not None:
             output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if finish_reason is None:
