@@ -153,6 +153,11 @@ class BlockPool:
         self._cached_blocks.clear()
         return True
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the hashes of these blocks (in use or not): their KV can no longer be trusted."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

@@ -141,6 +141,11 @@ class KVCacheManager:
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def uncache(self, request_id: str) -> None:
+        """Make the request's blocks undiscoverable by prefix lookups, e.g. after a forward pass that
+        failed midway: blocks are hashed when allocated, before their KV is written."""
+        self.block_pool.uncache(self.req_to_blocks.get(request_id, ()))
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as physical block ids; [] for an unknown request."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -28,10 +28,9 @@ logger = logging.getLogger("kiln")
 class CompiledPiece(torch.nn.Module):
     """A compiled compute piece in the split graph; replays a CUDA graph per size when asked to."""
 
-    def __init__(self, compiled, index: int, single_output: bool) -> None:
+    def __init__(self, compiled, single_output: bool) -> None:
         super().__init__()
         self.compiled = compiled
-        self.index = index
         self.graphs = PiecewiseCudaGraphs(self._run)
         self.single_output = single_output
 
@@ -51,8 +50,6 @@ class KilnBackend:
     def __init__(self, cache: CompileCache, counters: CompileCounters) -> None:
         self.cache = cache
         self.counters = counters
-        self.pieces: list[CompiledPiece] = []
-        self.split_module: torch.fx.GraphModule | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
         self.counters.dynamo_traces += 1
@@ -66,23 +63,22 @@ class KilnBackend:
             compiler.run(*fake_args)
         self.counters.unique_pieces = len(compiler.by_hash)
         self.cache.write_text("split_graph.py", _readable(split, compiler.codes, len(attention)))
-        self.split_module = split
         return split
 
-    def compile_piece(self, piece: torch.fx.GraphModule, args: list[Any]):
+    def compile_piece(self, piece: torch.fx.GraphModule, args: list[Any], digest: str):
+        """The piece's Inductor artifact: from the disk cache under `digest`, or compiled and stored."""
         from torch._inductor import standalone_compile  # noqa: PLC0415
 
-        digest = piece_hash(piece, args)
         with self.counters.timed("cache_load_seconds"):
             artifact = self.cache.load(digest)
         if artifact is not None:
             self.counters.cache_hits += 1
-            return digest, artifact
+            return artifact
         with self.counters.timed("inductor_seconds"):
             artifact = standalone_compile(piece, list(args), dynamic_shapes="from_tracing_context")
         self.counters.inductor_compiles += 1
         self.cache.save(digest, artifact)
-        return digest, artifact
+        return artifact
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -90,7 +86,7 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def __init__(self, split: torch.fx.GraphModule, compute: list[str], backend: KilnBackend) -> None:
         super().__init__(split)
-        self.compute = {name: i for i, name in enumerate(compute)}
+        self.compute = set(compute)
         self.backend = backend
         self.by_hash: dict[str, Any] = {}
         self.codes: dict[str, str] = {}  # each piece's code, kept for the debugging dump
@@ -102,11 +98,8 @@ class _PieceCompiler(torch.fx.Interpreter):
             self.codes[target] = piece.code
             digest = piece_hash(piece, args)
             if digest not in self.by_hash:
-                self.by_hash[digest] = self.backend.compile_piece(piece, list(args))[1]
-            single = isinstance(out, torch.Tensor)
-            compiled = CompiledPiece(self.by_hash[digest], self.compute[target], single)
-            self.backend.pieces.append(compiled)
-            setattr(self.module, target, compiled)
+                self.by_hash[digest] = self.backend.compile_piece(piece, list(args), digest)
+            setattr(self.module, target, CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor)))
         return out
 
 

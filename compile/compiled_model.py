@@ -59,9 +59,6 @@ class CompiledModel:
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._forward(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
-
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)

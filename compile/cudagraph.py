@@ -73,6 +73,3 @@ class PiecewiseCudaGraphs:
             raise RuntimeError(f"piecewise CUDA graph for size {size} replayed with inputs at new addresses")
         graph.replay()
         return out
-
-    def num_graphs(self) -> int:
-        return len(self.graphs)

@@ -91,6 +91,8 @@ def _step(core: EngineCore, failed: list[protocol.RequestFailed]) -> list[Engine
         # NOTE: not one request's fault (isolation found none): fail what was running, keep serving.
         logger.error("step failed:\n%s", traceback.format_exc())
         victims = [r.request_id for r in core.scheduler.running]
+        for rid in victims:
+            core.kv_cache_manager.uncache(rid)
         core.abort_requests(victims)
         core.failed_requests += [(rid, "internal error while running the request") for rid in victims]
         outputs = []

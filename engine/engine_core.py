@@ -173,6 +173,9 @@ class EngineCore:
             if not isolate_failures:
                 raise
             logger.exception("a step of %d requests failed; retrying them one by one", len(batch.requests))
+            # NOTE: the failed pass may have written some of these blocks' KV and not others.
+            for request in batch.requests:
+                self.kv_cache_manager.uncache(request.request_id)
             return [out for single in self._singles(batch) for out in self._run_alone(single)]
         return self._update(batch, result)
 
@@ -186,6 +189,7 @@ class EngineCore:
             return self._update(single, self.runner.execute(single))
         except Exception as e:
             logger.error("request %s failed: %s: %s", request.request_id, type(e).__name__, e)
+            self.kv_cache_manager.uncache(request.request_id)
             self.scheduler.abort_request(request.request_id)
             self.failed_requests.append((request.request_id, "internal error while running the request"))
             return []

@@ -121,16 +121,19 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         for j in range(params.n):
             index = i * params.n + j
             rid = f"{base}-{index}"
-            child = dict(wire, seed=None if params.seed is None else params.seed + j)
             stream = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
                                 params.include_stop_str_in_output)  # fmt: skip
             choices[rid] = _Choice(index, rid, ids, stream)
-            state.client.add_request(rid, ids, child, queue)
     state.in_flight += 1
     state.engine_requests += len(choices)
     state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
     start = time.monotonic()
     try:
+        for rid, choice in choices.items():
+            j = choice.index % params.n
+            # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
+            seed = None if params.seed is None else (params.seed + j) % 2**64
+            state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
         if parsed.stream:
             return await _stream(request, state, parsed, choices, queue, base, created, chat, texts)
         await _collect(state, choices, queue)
@@ -139,7 +142,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         state.in_flight -= 1
         state.engine_requests -= len(choices)
         unfinished = [rid for rid, c in choices.items() if c.finish_reason is None]
-        state.client.abort(unfinished)  # a disconnect, an error: free the KV blocks at once
+        state.client.abort(unfinished)  # a disconnect, an error (even midway through adding): free the blocks
         for rid in choices:
             state.client.release(rid)
         state.metrics.request_finished(time.monotonic() - start, choices.values())

@@ -233,3 +233,15 @@ def test_random_allocate_free_against_model(seed: int):
         manager.free(rid)
     assert manager.num_free_blocks == usable and manager.usage == 0.0
     assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
+
+
+def test_uncache_hides_blocks_from_prefix_lookups():
+    """After a failed forward pass the request's hashed blocks must not be hit by anyone."""
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(1, 14))  # 3 full blocks + 1 token
+    assert manager.allocate_slots("a", tokens, 0, len(tokens))
+    assert manager.get_computed_blocks(tokens)[1] == 12
+    manager.uncache("a")
+    assert manager.get_computed_blocks(tokens) == ([], 0)
+    manager.free("a")
+    assert manager.num_free_blocks == 15

@@ -247,3 +247,13 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_dir):
     assert result["out"].usage.completion_tokens == 450
     assert s.proc.wait(30) == 0
     assert subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True).stdout == b""
+
+
+def test_largest_seed_with_n_choices(server):
+    """The n choices draw seeds seed, seed+1, ...: at the top of the range they wrap, not overflow."""
+    code, raw = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "n": 2, "seed": 2**64 - 1})
+    assert code == 200 and len(json.loads(raw)["choices"]) == 2
+    deadline = time.time() + 30
+    while server.metric("kiln_num_requests_running") and time.time() < deadline:
+        time.sleep(0.2)
+    assert server.metric("kiln_num_requests_running") == 0
