@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +78,11 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.bfloat16
+
+
+def kiln_version() -> str:
+    """The installed distribution's version (pyproject.toml is its one source)."""
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -6,7 +6,6 @@ Offline `LLM` drives it in-process; the server (later) drives the same class in 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from kiln.compile import (
     default_cache_root,
     default_capture_sizes,
 )
-from kiln.engine.config import EngineConfig
+from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
@@ -112,7 +111,7 @@ class EngineCore:
         self.startup_stats = {
             "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
             "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {self.runner.cudagraph_mode}",
-            "compile_cache_dir": str(self.compiled.backend.cache.directory) if self.compiled else None,
+            "compile_cache_dir": self._cache_dir(),
             **self.counters.as_dict(),
         }  # fmt: skip
         logger.info("startup: %s", self.startup_stats)
@@ -221,6 +220,10 @@ class EngineCore:
             self.model_config.eos_token_ids, self.device, compiled, config.cudagraph_mode, sizes,
         )  # fmt: skip
 
+    def _cache_dir(self) -> str | None:
+        cache = self.compiled.backend.cache if self.compiled is not None else None
+        return str(cache.directory) if cache is not None and cache.enabled else None
+
     def _make_compiled(self, max_model_len: int) -> CompiledModel:
         config = self.config
         settings = {
@@ -255,13 +258,6 @@ class EngineCore:
         from kiln.engine.profiling import profile_forward  # noqa: PLC0415  (GPU start-up only)
 
         return profile_forward(self, max_model_len)
-
-
-def kiln_version() -> str:
-    try:
-        return importlib.metadata.version("kiln")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:
