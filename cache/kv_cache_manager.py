@@ -38,6 +38,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as physical ids, kept in step
         # Hash chain of each request's full blocks, so every block is hashed once.
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
@@ -120,9 +121,10 @@ class KVCacheManager:
         for block in new_computed_blocks:
             assert block.block_hash is not None, "hit block was evicted before allocate_slots"
             block_hashes.append(block.block_hash)
-        blocks.extend(new_computed_blocks)
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        new_blocks = [*new_computed_blocks, *self.block_pool.get_new_blocks(num_new_blocks)]
+        blocks.extend(new_blocks)
         self.req_to_blocks[request_id] = blocks
+        self.req_to_block_ids.setdefault(request_id, []).extend(block.block_id for block in new_blocks)
         self.req_to_block_hashes[request_id] = block_hashes
 
         if self.enable_prefix_caching:
@@ -137,6 +139,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first so it is evicted first. Unknown id: no-op."""
         blocks = self.req_to_blocks.pop(request_id, None)
+        self.req_to_block_ids.pop(request_id, None)
         self.req_to_block_hashes.pop(request_id, None)
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks))
@@ -147,8 +150,9 @@ class KVCacheManager:
         self.block_pool.uncache(self.req_to_blocks.get(request_id, ()))
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as physical block ids; [] for an unknown request."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        """The request's block table as physical block ids; [] for an unknown request. The list is the
+        manager's own (it grows as the request does): read it, never modify it."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes if no block is in use; returns whether it did."""

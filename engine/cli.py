@@ -47,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=None, choices=available_backends())
     parser.add_argument("--compile-cache-dir", default=None, help="default ~/.cache/kiln/compile "
                         f"(set {DISABLE_ENV}=1 to disable the cache)")  # fmt: skip
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="wait for each step's tokens before scheduling the next")  # fmt: skip
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument("--cudagraph-capture-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                         default=None, help="comma-separated token counts (default: 1,2,4,8,...)")  # fmt: skip

@@ -36,6 +36,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # default: ~/.cache/kiln/compile
     cudagraph_mode: str = "full_and_piecewise"  # or "piecewise", "none"
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: a vLLM-like list up to 2 * max_num_seqs
+    async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:

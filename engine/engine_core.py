@@ -24,7 +24,7 @@ from kiln.compile import (
     default_capture_sizes,
 )
 from kiln.engine.config import EngineConfig, kiln_version
-from kiln.engine.model_runner import ModelRunner
+from kiln.engine.model_runner import ModelRunner, StepHandle
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
@@ -47,6 +47,20 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class StepTiming:
+    """Where the engine's time goes, summed over steps (the latency breakdown reads it).
+
+    host: scheduling, input preparation, launches and output processing; wait: blocked on the GPU
+    for a step's tokens; gpu: device time from a step's first op to its last (only with
+    `runner.time_gpu`)."""
+
+    steps: int = 0
+    host_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    gpu_seconds: float = 0.0
 
 
 class EngineCore:
@@ -107,6 +121,9 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
         self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
+        self.async_scheduling = config.async_scheduling
+        self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet
+        self.step_timing = StepTiming()
         self.startup_seconds = time.perf_counter() - start
         self.startup_stats = {
             "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
@@ -152,35 +169,72 @@ class EngineCore:
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- one step -------------------------------------------------------------------------------------
 
     def step(self, isolate_failures: bool = False) -> list[EngineCoreOutput]:
-        """One schedule, one forward pass, one update.
+        """Schedule and launch a step; return the tokens of the step before it (async scheduling) or of
+        this one (sync).
+
+        With async scheduling the host schedules and prepares step N+1 while the GPU runs step N, and
+        only then waits for step N's tokens: the GPU never waits for the host's bookkeeping. A batch
+        that needs its requests' output history on the host (penalties, min_tokens) first drains the
+        step in flight.
 
         With `isolate_failures` (the server's mode) a step that raises is retried one request at a
         time: a request that fails alone is aborted and reported in `failed_requests`, the rest go on.
         Offline, the exception propagates to the caller.
         """
+        outputs: list[EngineCoreOutput] = []
+        if self.in_flight is not None and self.scheduler.needs_sync():
+            outputs += self._collect(self.in_flight)
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        try:
-            result = self.runner.execute(batch)
-        except Exception:
-            if not isolate_failures:
-                raise
-            logger.exception("a step of %d requests failed; retrying them one by one", len(batch.requests))
-            # NOTE: the failed pass may have written some of these blocks' KV and not others.
-            for request in batch.requests:
-                self.kv_cache_manager.uncache(request.request_id)
-            return [out for single in self._singles(batch) for out in self._run_alone(single)]
-        return self._update(batch, result)
+        launched = None
+        if not batch.is_empty:
+            try:
+                launched = self._launch(batch)
+            except Exception:
+                if not isolate_failures:
+                    self.in_flight = None
+                    raise
+                logger.exception("a step of %d requests failed; retrying them one by one", len(batch.requests))
+                # NOTE: the failed pass may have written some of these blocks' KV and not others.
+                for request in batch.requests:
+                    self.kv_cache_manager.uncache(request.request_id)
+                if self.in_flight is not None:
+                    outputs += self._collect(self.in_flight)
+                return outputs + [out for i in range(len(batch.requests)) for out in self._run_alone(batch.single(i))]
+        if self.in_flight is not None:
+            outputs += self._collect(self.in_flight)
+        if launched is not None:
+            if self.async_scheduling:
+                self.in_flight = launched
+            else:
+                outputs += self._collect(launched)
+        return outputs
 
-    def _singles(self, batch: SchedulerOutput) -> list[SchedulerOutput]:
-        return [SchedulerOutput([r], [n], [ids]) for r, n, ids in zip(batch.requests, batch.num_new_tokens,
-                                                                       batch.block_ids)]  # fmt: skip
+    def _launch(self, batch: SchedulerOutput) -> StepHandle:
+        start = time.perf_counter()
+        handle = self.runner.launch(batch)
+        self.step_timing.host_seconds += time.perf_counter() - start
+        return handle
+
+    def _collect(self, handle: StepHandle) -> list[EngineCoreOutput]:
+        if handle is self.in_flight:
+            self.in_flight = None
+        timing = self.step_timing
+        start = time.perf_counter()
+        result = self.runner.collect(handle)
+        waited = time.perf_counter() - start
+        timing.wait_seconds += waited
+        start = time.perf_counter()
+        outputs = self._update(handle.batch, result)
+        timing.host_seconds += time.perf_counter() - start
+        timing.steps += 1
+        if handle.gpu_seconds is not None:
+            timing.gpu_seconds += handle.gpu_seconds
+        return outputs
 
     def _run_alone(self, single: SchedulerOutput) -> list[EngineCoreOutput]:
         request = single.requests[0]

@@ -7,6 +7,7 @@ per step besides.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -18,10 +19,12 @@ from tqdm import tqdm
 from kiln.backends import AttentionBackend, AttentionMetadata, ForwardContext, set_forward_context
 from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
-from kiln.engine.sampler import Sampler, SamplingMetadata
+from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from kiln.engine.scheduler import SchedulerOutput
 
 # Test-only fault injection: a step fails when any request's prompt holds this token id.
+Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
+
 _FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
 
 
@@ -29,6 +32,37 @@ _FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_
 class ModelRunnerOutput:
     sampled_token_ids: list[int | None]  # per scheduled request; None where its prefill is still partial
     logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step. Its sampled tokens stay on the device (the next step's inputs read them
+    there); their copy to the host is in flight until `done`."""
+
+    batch: SchedulerOutput
+    sample_rows: list[int]
+    sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
+    logprobs_cpu: LogprobsTensors | None = None
+    done: torch.cuda.Event | None = None
+    gpu_start: torch.cuda.Event | None = None  # with `time_gpu`: the step's device time
+    gpu_seconds: float | None = None
+
+
+class StagedBuffer:
+    """A persistent device buffer (fixed address, as graph replay needs) fed from pinned host mirrors.
+
+    Two mirrors alternate from step to step, so the host fills step N+1's while step N's copy may
+    still be queued behind step N-1 on the GPU; `fence` marks when a mirror's copy has been done.
+    """
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.gpu = torch.zeros(*shape, dtype=dtype, device=device)
+        pin = device.type == "cuda"
+        self.host = [torch.zeros(*shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.np = [h.numpy() for h in self.host]
+
+    def copy(self, parity: int, n: int) -> None:
+        self.gpu[:n].copy_(self.host[parity][:n], non_blocking=True)
 
 
 class ModelRunner:
@@ -57,6 +91,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.sampler = Sampler()
+        self.time_gpu = False  # record CUDA events around each step (the latency breakdown)
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
         self.capture_sizes = sorted(capture_sizes or []) if use_graphs else []
@@ -65,44 +100,84 @@ class ModelRunner:
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
 
-        def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
+        def staged(*shape: int, dtype: torch.dtype) -> StagedBuffer:
+            return StagedBuffer(*shape, dtype=dtype, device=device)
 
-        self.input_ids = buffer(max_tokens, dtype=torch.int64)
-        self.positions = buffer(max_tokens, dtype=torch.int64)
-        self.slot_mapping = buffer(max_tokens, dtype=torch.int64)
-        self.query_start_loc = buffer(max_reqs + 1, dtype=torch.int32)
-        self.seq_lens = buffer(max_reqs, dtype=torch.int32)
-        self.block_table = buffer(max_reqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self.input_ids_buf = staged(max_tokens, dtype=torch.int64)
+        self.positions_buf = staged(max_tokens, dtype=torch.int64)
+        self.slot_mapping_buf = staged(max_tokens, dtype=torch.int64)
+        self.query_start_loc_buf = staged(max_reqs + 1, dtype=torch.int32)
+        self.seq_lens_buf = staged(max_reqs, dtype=torch.int32)
+        self.block_table_buf = staged(max_reqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self.logits_indices_buf = staged(max_reqs, dtype=torch.int64)
+        # Tokens of the previous step that the host has not seen: (where they go, their row there).
+        self.carry_buf = staged(2, max_reqs, dtype=torch.int64)
+        self.input_ids, self.positions = self.input_ids_buf.gpu, self.positions_buf.gpu
+        self.slot_mapping, self.block_table = self.slot_mapping_buf.gpu, self.block_table_buf.gpu
+        self.query_start_loc, self.seq_lens = self.query_start_loc_buf.gpu, self.seq_lens_buf.gpu
+        self._parity = 0
+        self._fences: list[torch.cuda.Event | None] = [None, None]
+        # The last launched step's sampled tokens on the device, and each request's row there.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Launch and wait: one synchronous step."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput) -> StepHandle:
+        """Prepare inputs, enqueue the forward pass and sampling; returns without waiting for the GPU."""
         if _FAULT_TOKEN is not None and any(_FAULT_TOKEN in r.prompt_token_ids for r in batch.requests):
             raise RuntimeError("injected fault (KILN_TEST_FAULT_TOKEN)")
+        handle = StepHandle(batch, [i for i, sample in enumerate(batch.samples) if sample])
+        if self.time_gpu and self.device.type == "cuda":
+            handle.gpu_start = torch.cuda.Event(enable_timing=True)
+            handle.gpu_start.record()
         plan = self.plan(batch)
-        metadata, sample_rows = self.prepare_inputs(batch, plan)
+        metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
         hidden = self.forward(metadata, plan)
+        if handle.sample_rows:
+            logits = self.model.compute_logits(hidden[logits_indices])
+            requests = [batch.requests[i] for i in handle.sample_rows]
+            sampling = SamplingMetadata.build(
+                params=[r.sampling_params for r in requests],
+                prompt_token_ids=[r.prompt_token_ids for r in requests],
+                output_token_ids=[r.output_token_ids for r in requests],
+                generators=[r.generator for r in requests],
+                eos_token_ids=self.eos_token_ids,
+                vocab_size=self.vocab_size,
+                device=self.device,
+            )
+            result = self.sampler(logits, sampling)
+            self._prev_sampled = result.sampled_token_ids
+            self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
+            handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
+            if result.logprobs is not None:
+                handle.logprobs_cpu = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (
+                    result.logprobs.token_ids, result.logprobs.logprobs, result.logprobs.ranks)))  # fmt: skip
+        if self.device.type == "cuda":
+            handle.done = torch.cuda.Event(enable_timing=handle.gpu_start is not None)
+            handle.done.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens (the one host sync of a step) and hand them out per row."""
+        batch = handle.batch
         sampled: list[int | None] = [None] * len(batch.requests)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(batch.requests)
-        if not sample_rows:
+        if handle.done is not None:
+            handle.done.synchronize()
+            if handle.gpu_start is not None:
+                handle.gpu_seconds = handle.gpu_start.elapsed_time(handle.done) / 1e3
+        if not handle.sample_rows:
             return ModelRunnerOutput(sampled, logprobs)
-        # The last token of each request that has caught up predicts its next token.
-        logits_indices = metadata.query_start_loc[1:][sample_rows].long() - 1
-        logits = self.model.compute_logits(hidden[logits_indices])
-        requests = [batch.requests[i] for i in sample_rows]
-        sampling = SamplingMetadata.build(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            generators=[r.generator for r in requests],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-        result = self.sampler(logits, sampling)
-        token_ids = result.sampled_token_ids.tolist()
-        row_logprobs = _logprob_dicts(result.logprobs, requests) if result.logprobs is not None else None
-        for j, row in enumerate(sample_rows):
+        token_ids = handle.sampled_cpu.tolist()
+        row_logprobs = None
+        if handle.logprobs_cpu is not None:
+            row_logprobs = _logprob_dicts(handle.logprobs_cpu, [batch.requests[i] for i in handle.sample_rows])
+        for j, row in enumerate(handle.sample_rows):
             sampled[row] = token_ids[j]
             if row_logprobs is not None:
                 logprobs[row] = row_logprobs[j]
@@ -133,77 +208,106 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: SchedulerOutput, plan: GraphPlan) -> tuple[AttentionMetadata, list[int]]:
-        """Fill the persistent buffers; returns the metadata and the rows that sample this step.
+    def prepare_inputs(self, batch: SchedulerOutput, plan: GraphPlan,
+                       sample_rows: list[int]) -> tuple[AttentionMetadata, Rows]:  # fmt: skip
+        """Fill the persistent buffers; returns the metadata and where the sampled rows' hidden states are.
 
         For request i with c computed tokens and n new ones::
 
             positions:    c, c+1, ..., c+n-1
             slot_mapping: block_table[i][p // block_size] * block_size + p % block_size, per position p
+
+        Token ids come from the host, except a decode's input that the previous step sampled and the
+        host has not seen yet (async scheduling): it is copied from that step's output on the device.
         """
-        requests = batch.requests
+        chunks, carry_dst, carry_src, end = [], [], [], 0
+        for r, c, n in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens):
+            chunk = r.all_token_ids[c : c + n]
+            end += n
+            if len(chunk) < n:
+                assert len(chunk) == n - 1, "at most one input token can still be on the device"
+                carry_dst.append(end - 1)
+                carry_src.append(self._prev_rows[r.request_id])
+                chunk = [*chunk, 0]
+            chunks.append(chunk)
+        input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=end)
+        computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
-        input_ids = np.fromiter(
-            (t for r, c, n in zip(requests, computed, num_new) for t in r.all_token_ids[c : c + n]),
-            dtype=np.int64,
-            count=int(num_new.sum()),
-        )
-        metadata = self.fill_buffers(input_ids, computed, num_new, batch.block_ids, plan)
-        seq_lens = computed + num_new
-        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens]
-        return metadata, sample_rows
+        return self.fill_buffers(input_ids, computed, num_new, batch.block_ids, plan, sample_rows,
+                                 (carry_dst, carry_src))  # fmt: skip
 
     def fill_buffers(self, input_ids: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
-                     block_ids: list[list[int]], plan: GraphPlan) -> AttentionMetadata:  # fmt: skip
-        """Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
+                     block_ids: list[list[int]], plan: GraphPlan, sample_rows: list[int] = (),
+                     carry: tuple[list[int], list[int]] = ((), ())) -> tuple[AttentionMetadata, Rows]:  # fmt: skip
+        """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over.
+
+        Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
         scratch block 0; a full graph's padded requests have one token each and an empty context."""
-        num_reqs = len(num_new)
-        num_tokens = int(num_new.sum())
+        p = self._parity
+        if self._fences[p] is not None:
+            self._fences[p].synchronize()  # the copy out of this mirror two steps ago is done
+        num_reqs, num_tokens = len(num_new), int(num_new.sum())
+        n, padded_reqs = plan.num_tokens, plan.num_reqs
         seq_lens = computed + num_new
-        query_start_loc = np.zeros(plan.num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1 : num_reqs + 1])
-        query_start_loc[num_reqs + 1 :] = num_tokens + np.arange(1, plan.num_reqs - num_reqs + 1)
+
+        qsl = self.query_start_loc_buf.np[p][: padded_reqs + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
+        qsl[num_reqs + 1 :] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
         req_of_token = np.repeat(np.arange(num_reqs), num_new)
-        positions = computed[req_of_token] + np.arange(num_tokens) - query_start_loc[req_of_token]
-        num_block_cols = max(1, max(len(ids) for ids in block_ids))
-        block_table = np.zeros((num_reqs, num_block_cols), dtype=np.int32)
+        positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
+        block_table = self.block_table_buf.np[p]
         for i, ids in enumerate(block_ids):
             block_table[i, : len(ids)] = ids
-        slot_mapping = np.zeros(plan.num_tokens, dtype=np.int64)
-        slot_mapping[:num_tokens] = (
+        self.input_ids_buf.np[p][:num_tokens] = input_ids
+        self.positions_buf.np[p][:num_tokens] = positions
+        self.slot_mapping_buf.np[p][:num_tokens] = (
             block_table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        padded_ids = np.zeros(plan.num_tokens, dtype=np.int64)
-        padded_ids[:num_tokens] = input_ids
-        padded_positions = np.zeros(plan.num_tokens, dtype=np.int64)
-        padded_positions[:num_tokens] = positions
-        padded_seq_lens = np.zeros(plan.num_reqs, dtype=np.int32)
-        padded_seq_lens[:num_reqs] = seq_lens
+        for buf in (self.input_ids_buf, self.positions_buf, self.slot_mapping_buf):
+            buf.np[p][num_tokens:n] = 0
+        self.seq_lens_buf.np[p][:num_reqs] = seq_lens
+        self.seq_lens_buf.np[p][num_reqs:padded_reqs] = 0
 
-        n = plan.num_tokens
-        self.input_ids[:n].copy_(torch.from_numpy(padded_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(padded_positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(padded_seq_lens)
-        self.query_start_loc[: plan.num_reqs + 1].copy_(qsl_cpu, non_blocking=True)
-        self.seq_lens[: plan.num_reqs].copy_(seq_lens_cpu, non_blocking=True)
-        self.block_table[:num_reqs, :num_block_cols].copy_(torch.from_numpy(block_table), non_blocking=True)
+        for buf in (self.input_ids_buf, self.positions_buf, self.slot_mapping_buf):
+            buf.copy(p, n)
+        self.query_start_loc_buf.copy(p, padded_reqs + 1)
+        self.seq_lens_buf.copy(p, padded_reqs)
+        self.block_table_buf.copy(p, num_reqs)
+        carry_dst, carry_src = carry
+        if carry_dst:
+            k = len(carry_dst)
+            if carry_dst == carry_src == list(range(k)):  # a decode batch in the previous step's order
+                self.input_ids[:k].copy_(self._prev_sampled[:k])
+            else:
+                self.carry_buf.np[p][0, :k], self.carry_buf.np[p][1, :k] = carry_dst, carry_src
+                self.carry_buf.copy(p, 2)
+                dst, src = self.carry_buf.gpu[0, :k], self.carry_buf.gpu[1, :k]
+                self.input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
+        logits_indices: Rows = slice(0, len(sample_rows))
+        if num_tokens != num_reqs or len(sample_rows) != num_reqs:
+            self.logits_indices_buf.np[p][: len(sample_rows)] = qsl[1:][sample_rows] - 1
+            self.logits_indices_buf.copy(p, len(sample_rows))
+            logits_indices = self.logits_indices_buf.gpu[: len(sample_rows)]
+        if self.device.type == "cuda":
+            self._fences[p] = torch.cuda.Event()
+            self._fences[p].record()
+        self._parity ^= 1
 
         full = plan.mode == "full"
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_actual_tokens=n if full else num_tokens,  # a full graph writes K/V for padding too (to scratch)
-            query_start_loc=self.query_start_loc[: plan.num_reqs + 1],
-            seq_lens=self.seq_lens[: plan.num_reqs],
-            block_table=self.block_table[: plan.num_reqs],
+            query_start_loc=self.query_start_loc[: padded_reqs + 1],
+            seq_lens=self.seq_lens[:padded_reqs],
+            block_table=self.block_table[:padded_reqs],
             slot_mapping=self.slot_mapping[: n if full else num_tokens],
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=self.query_start_loc_buf.host[p][: padded_reqs + 1],
+            seq_lens_cpu=self.seq_lens_buf.host[p][:padded_reqs],
         )
+        return metadata, logits_indices
 
     # ---- start-up -------------------------------------------------------------------------------------
 
@@ -240,7 +344,8 @@ class ModelRunner:
         blocks = [[0] * -(-int(n) // self.block_size) for n in num_new]
         plan = GraphPlan(mode, num_tokens, len(num_new))
         zeros = np.zeros(len(num_new), dtype=np.int64)
-        return self.fill_buffers(np.zeros(num_tokens, dtype=np.int64), zeros, num_new, blocks, plan), plan
+        metadata, _ = self.fill_buffers(np.zeros(num_tokens, dtype=np.int64), zeros, num_new, blocks, plan)
+        return metadata, plan
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> torch.Tensor:
         metadata, plan = self._dummy_metadata(num_tokens, decode, mode)

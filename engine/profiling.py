@@ -44,7 +44,7 @@ def profile_forward(core: EngineCore, max_model_len: int) -> int:
             count = -(-n // block_size)
             block_ids.append(list(range(next_block, next_block + count)))
             next_block += count
-        runner.execute(SchedulerOutput(requests, list(lens), block_ids))
+        runner.execute(SchedulerOutput(requests, list(lens), block_ids, [], [0] * len(lens), [True] * len(lens)))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - kv_bytes
     free, total = torch.cuda.mem_get_info()

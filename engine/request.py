@@ -46,6 +46,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
+    # Tokens sampled on the device whose ids the host has not seen yet (async scheduling): they are
+    # computed, and fed to the next step, before they are appended to `output_token_ids`.
+    num_output_placeholders: int = 0
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -56,6 +59,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether sampling this request reads its output history on the host (penalties, min_tokens),
+        so a step cannot be scheduled before the previous one's tokens are back."""
+        params = self.sampling_params
+        return params.uses_penalties or params.min_tokens > 0
 
     @property
     def num_prompt_tokens(self) -> int:

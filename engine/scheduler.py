@@ -5,6 +5,10 @@ behind its `num_tokens`, and a step gives each scheduled request some of the tok
 one for a decode, a chunk for a prefill. When the block pool runs dry the newest running request is
 preempted: its blocks are freed and it recomputes from the start later (prefix caching often makes
 that cheap).
+
+`schedule()` advances its requests as if the step had already run; a sampled token the host has not
+seen yet is an output placeholder. That is what lets the engine schedule step N+1 while step N is on
+the GPU (async scheduling): a decode's next input is step N's token, still on the device.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ class SchedulerOutput:
     num_new_tokens: list[int]  # tokens each request computes this step
     block_ids: list[list[int]]  # each request's block table after allocation
     preempted: list[Request] = field(default_factory=list)
+    # Each request's computed tokens before this step (the scheduler has already advanced it), and
+    # whether the step samples its next token (its last scheduled token is its last token).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -30,6 +38,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    def single(self, i: int) -> SchedulerOutput:
+        """Row i alone, as a batch of one (to retry the rows of a failed step one at a time)."""
+        return SchedulerOutput([self.requests[i]], [self.num_new_tokens[i]], [self.block_ids[i]], [],
+                               [self.num_computed_tokens[i]], [self.samples[i]])  # fmt: skip
 
 
 @dataclass
@@ -50,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_sync_requests = 0  # unfinished requests with `needs_sync`
 
     # ---- requests in and out --------------------------------------------------------------------------
 
@@ -57,6 +71,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.num_sync_requests += request.needs_sync
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -76,6 +91,10 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and advance them as if the step had run: `num_computed_tokens`
+        moves on, and a request whose next token the step samples gains an output placeholder until
+        `update_from_output` brings the token back. So with async scheduling the next step can be
+        scheduled while this one is still on the GPU."""
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_new: list[int] = []
@@ -85,17 +104,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            i += 1
+            if self._surely_finished(request):
+                continue  # its last token is still in flight: nothing more to compute
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
             num_new.append(n)
             budget -= n
-            i += 1
 
-        # Then waiting requests, in arrival order, while nothing had to be preempted.
+        # Then waiting requests, in arrival order, while nothing had to be preempted. A preempted
+        # request waits until its in-flight token is back (its prefix hashes need every token id).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break
             cached_blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, n, cached_blocks):
@@ -110,32 +134,43 @@ class Scheduler:
             num_new.append(n)
             budget -= n
 
+        computed = [r.num_computed_tokens for r in scheduled]
+        samples = []
+        for request, n in zip(scheduled, num_new):
+            request.num_computed_tokens += n
+            sample = request.num_computed_tokens == request.num_tokens_with_placeholders
+            request.num_output_placeholders += sample
+            samples.append(sample)
         block_ids = [self.kv.block_ids(r.request_id) for r in scheduled]
-        return SchedulerOutput(scheduled, num_new, block_ids, preempted)
+        return SchedulerOutput(scheduled, num_new, block_ids, preempted, computed, samples)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int | None]
     ) -> tuple[list[tuple[Request, int]], list[Request]]:
-        """Advance each scheduled request; returns (new tokens as (request, token), finished requests).
+        """Bring back a step's sampled tokens; returns (new tokens as (request, token), finished requests).
 
-        `sampled_token_ids[i]` is None for a request whose prefill is still partial after this step.
+        `sampled_token_ids[i]` is None where the step sampled nothing for row i (a partial prefill).
+        A request that finished or was aborted after this step was scheduled drops its token.
         """
         new_tokens: list[tuple[Request, int]] = []
         finished: list[Request] = []
-        for request, n, token in zip(output.requests, output.num_new_tokens, sampled_token_ids):
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += n
-            if token is None:
+        for request, token in zip(output.requests, sampled_token_ids):
+            if token is None or request.status.is_finished:
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token)
             new_tokens.append((request, token))
             status = self._check_stop(request, token)
             if status is not None:
-                self.running.remove(request)
+                # Preempted while its token was in flight, a request finishes from the waiting queue.
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, status)
                 finished.append(request)
         return new_tokens, finished
+
+    def needs_sync(self) -> bool:
+        """Whether the next step must see the previous step's tokens before it is scheduled."""
+        return self.num_sync_requests > 0
 
     # ---- helpers --------------------------------------------------------------------------------------
 
@@ -150,6 +185,14 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _surely_finished(self, request: Request) -> bool:
+        """A length limit that the tokens in flight already reach."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.max_model_len
+        )
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Find blocks for n more tokens of a running request, preempting from the newest end of
@@ -173,4 +216,5 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        self.num_sync_requests -= request.needs_sync
         del self.requests[request.request_id]

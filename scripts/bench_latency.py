@@ -4,6 +4,15 @@ compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + com
 Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s.
 
     python scripts/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
+
+`--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
+async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,
+output processing), GPU kernel time (torch.profiler, a second pass), and the share of the step the GPU
+sits idle waiting for the host, 1 - kernel / step. It writes a table, a JSON file and a PNG plot:
+
+    python scripts/bench_latency.py --model llama-3.2-1b --breakdown --batches 1,2,4,8,16,32,64,128,256 \
+        --json breakdown.json --plot breakdown.png
+    python scripts/bench_latency.py --plot breakdown.png --from-json breakdown.json   # plot elsewhere
 """
 
 from __future__ import annotations
@@ -51,6 +60,88 @@ def decode_tokens_per_s(llm: LLM, batch: int) -> tuple[float, float]:
     return batch / step, step_bytes(llm, batch) / step / PEAK_BYTES_PER_S
 
 
+def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
+    """Per decode step at `batch`: wall, host, wait and GPU-kernel milliseconds."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(batch)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+        engine.step()  # the prefills
+    for _ in range(4):
+        engine.step()
+
+    engine.step_timing = type(engine.step_timing)()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    timing = engine.step_timing
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+    engine.abort_requests(list(engine.scheduler.requests))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "step_ms": wall * 1e3, "host_ms": timing.host_seconds / timing.steps * 1e3,
+            "wait_ms": timing.wait_seconds / timing.steps * 1e3, "kernel_ms": kernel * 1e3,
+            "gpu_idle": max(0.0, 1 - kernel / wall), "tokens_per_s": batch / wall}  # fmt: skip
+
+
+def run_breakdown(args, batches: list[int]) -> list[dict]:
+    rows = []
+    for mode in args.modes.split(","):
+        for async_scheduling in (False, True):
+            kwargs = dict(MODES[mode], max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.8,
+                          async_scheduling=async_scheduling)  # fmt: skip
+            llm = LLM(args.model, **kwargs)
+            for batch in batches:
+                row = breakdown(llm, batch)
+                row["mode"] = f"{mode}{' + async' if async_scheduling else ''}"
+                rows.append(row)
+                print(f"{row['mode']:<18} {batch:>5} step {row['step_ms']:7.3f} ms  host {row['host_ms']:7.3f}  "
+                      f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
+                      f"{row['tokens_per_s']:9.0f} tok/s", flush=True)  # fmt: skip
+            del llm
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib  # noqa: PLC0415  (only the plot needs it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax_idle, ax_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        style = "-" if "async" in mode else "--"
+        ax_idle.plot([r["batch"] for r in mine], [100 * r["gpu_idle"] for r in mine], style, marker="o", label=mode)
+        ax_step.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], style, marker="o", label=mode)
+    kernels = {r["batch"]: r["kernel_ms"] for r in rows if r["mode"].startswith("graphs")}
+    ax_step.plot(list(kernels), list(kernels.values()), ":", color="black", label="GPU kernels (graphs)")
+    for ax in (ax_idle, ax_step):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch size")
+        ax.grid(alpha=0.3)
+    ax_idle.set_ylabel("GPU idle, waiting for the host (% of a step)")
+    ax_step.set_ylabel("step time (ms)")
+    ax_step.set_yscale("log")
+    ax_step.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def hf_tokens_per_s(model_name: str, batch: int) -> float:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -79,8 +170,28 @@ def main() -> None:
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate()")
     p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
     p.add_argument("--json")
+    p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
+    p.add_argument("--plot", help="PNG path for the breakdown plot")
+    p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        plot_breakdown(data["rows"], args.plot, data["title"])
+        return
+    if args.breakdown:
+        title = f"{args.model}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+        rows = run_breakdown(args, batches)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"title": title, "rows": rows}, f, indent=1)
+        if args.plot:
+            try:
+                plot_breakdown(rows, args.plot, title)
+            except ImportError:
+                print("matplotlib is missing: plot later with --from-json")
+        return
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     rows = []
     for mode in args.modes.split(","):

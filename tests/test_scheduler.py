@@ -23,9 +23,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_m
 def step(scheduler: Scheduler, token: int = 5):
     """Schedule, then pretend the model sampled `token` for every request that caught up."""
     out = scheduler.schedule()
-    sampled = [
-        token if r.num_computed_tokens + n == r.num_tokens else None for r, n in zip(out.requests, out.num_new_tokens)
-    ]
+    sampled = [token if sample else None for sample in out.samples]
     return out, scheduler.update_from_output(out, sampled)
 
 
