@@ -3,7 +3,8 @@
 It owns HTTP, auth, tokenization (off the event loop), chat templates, detokenization and stop
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize (all under the API key when one is set), GET /health and GET /metrics (always open).
+POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health and GET /metrics
+(always open). With `--api-keys-file` the keys and their limits come from `gateway.KeyStore`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine.async_client import AsyncEngineClient
-from kiln.engine.metrics import ServerMetrics
+from kiln.engine.gateway import KeyState, KeyStore
+from kiln.engine.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving import ServerState, check_model, encode, encode_chat, run_request
 
@@ -26,14 +28,17 @@ logger = logging.getLogger("kiln")
 
 MAX_BODY_BYTES = 16 << 20
 OPEN_PATHS = ("/health", "/metrics")
+KEY = "kiln.api_key"  # the caller's gateway.KeyState on a request, with --api-keys-file
 
 
-def build_app(state: ServerState) -> web.Application:
+def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware, auth_middleware])
     app["state"] = state
+    app["keys"] = keys
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/usage", usage)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
@@ -45,7 +50,7 @@ def build_app(state: ServerState) -> web.Application:
 
 
 def error_response(error: APIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=getattr(error, "headers", None))
 
 
 @web.middleware
@@ -71,13 +76,19 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     state: ServerState = request.app["state"]
+    keys: KeyStore | None = request.app["keys"]
     path = posixpath.normpath("/" + request.path.lstrip("/"))  # `//v1/x` and `/v1/../v1/x` are `/v1/x`
-    if state.api_key and path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {state.api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return error_response(APIError(401, "invalid or missing API key", type_="authentication_error",
-                                           code="invalid_api_key"))  # fmt: skip
+    if path in OPEN_PATHS:
+        return await handler(request)
+    given = request.headers.get("Authorization", "")
+    if keys is not None:
+        request[KEY] = keys.authenticate(given)
+        valid = request[KEY] is not None
+    else:
+        valid = not state.api_key or hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
+    if not valid:
+        return error_response(APIError(401, "invalid or missing API key", type_="authentication_error",
+                                       code="invalid_api_key"))  # fmt: skip
     return await handler(request)
 
 
@@ -97,6 +108,13 @@ async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     body, content_type = state.metrics.render(state.client.stats)
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def usage(request: web.Request) -> web.Response:
+    key: KeyState | None = request.get(KEY)
+    if key is None:
+        raise APIError(404, "usage is kept per API key: start the server with --api-keys-file", type_="not_found_error")
+    return web.json_response(key.usage_body())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -147,9 +165,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_completion(body)
     check_model(state, body)
+    if key := request.get(KEY):
+        key.apply_max_tokens(parsed, body)
     prompts = [await encode(state, p) if isinstance(p, str) else p for p in parsed.prompts]
     texts = [p if isinstance(p, str) else None for p in parsed.prompts]
-    return await run_request(request, state, parsed, prompts, texts, chat=False)
+    return await run_request(request, state, parsed, prompts, texts, chat=False, key=key)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -157,8 +177,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_chat(body)
     check_model(state, body)
+    if key := request.get(KEY):
+        key.apply_max_tokens(parsed, body)
     prompt = await encode_chat(state, parsed.messages)
-    return await run_request(request, state, parsed, [prompt], [None], chat=True)
+    return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------
@@ -166,22 +188,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def serve(config, host: str, port: int, api_key: str | None, served_model_name: str | None,
                 shutdown_timeout: float, max_num_queued_requests: int | None = None,
-                engine_timeout: float = 60.0) -> int:  # fmt: skip
-    """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0."""
+                engine_timeout: float = 60.0, api_keys_file: str | None = None) -> int:  # fmt: skip
+    """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0.
+    SIGHUP reloads `api_keys_file`."""
     import signal  # noqa: PLC0415
 
     from kiln.engine.model_source import resolve_model  # noqa: PLC0415
     from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
 
+    name = served_model_name or config.model
+    server_metrics = ServerMetrics(name)
+    # A bad key file fails here, before the engine spends minutes starting.
+    keys = None if api_keys_file is None else KeyStore(api_keys_file, KeyMetrics(server_metrics.registry))
+    loop = asyncio.get_running_loop()
+    if keys is not None:  # NOTE: before the socket opens: SIGHUP's default action would kill the server
+        loop.add_signal_handler(signal.SIGHUP, keys.reload_or_keep)
+        logger.info("API keys: %d loaded from %s", len(keys), api_keys_file)
     source = resolve_model(config.model)
     tokenizer_path = config.tokenizer or (None if source.is_preset else source.model_dir)
     tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
     client = AsyncEngineClient(config, engine_timeout)
     ready = await client.start()
-    name = served_model_name or config.model
-    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, ServerMetrics(name),
+    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, server_metrics,
                         max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests)  # fmt: skip
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -189,7 +219,6 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     print(f"kiln: serving {name} on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()  # NOTE: a dead engine does not stop the server: /health says 503 and requests fail fast

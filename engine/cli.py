@@ -106,8 +106,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("KILN_API_KEY") or None
+    if api_key and args.api_keys_file:
+        raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
     return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout,
-                             args.max_num_queued_requests, args.engine_timeout))  # fmt: skip
+                             args.max_num_queued_requests, args.engine_timeout, args.api_keys_file))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KILN_API_KEY)")
+    srv.add_argument("--api-keys-file", default=None, metavar="PATH",
+                     help="TOML (or .json) file of API keys, stored as SHA-256 hashes, each with a name and optional "
+                          "limits; SIGHUP reloads it (see README)")  # fmt: skip
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to drain in-flight requests after SIGTERM")  # fmt: skip

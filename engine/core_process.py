@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -31,6 +32,9 @@ _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 def run_engine_core(config: dict[str, Any], input_address: str, output_address: str, parent_pid: int) -> None:
     """Entry point of the engine-core process. Sends `Ready` (or dies with the reason on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    # NOTE: SIGHUP is the API server's (it reloads --api-keys-file); one sent to the whole process group must
+    # not kill the engine under a server that lives on. Without the server the engine stops by itself.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     context = zmq.Context()
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()

@@ -1,5 +1,5 @@
 """Prometheus metrics of the API server: engine gauges (read from the engine's latest stats at scrape
-time), token counters, and latency histograms."""
+time), token counters, latency histograms, and per-API-key usage (`--api-keys-file`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class ServerMetrics:
         self.free_blocks = gauge("kv_cache_free_blocks", "Free KV-cache blocks (cached-but-unused included)")
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all lookups, in tokens")
         self.preemptions = gauge("num_preemptions", "Requests preempted since start")
+        # Counted by the engine itself: a request the API server rejects never moves them.
+        self.prefix_queries = gauge("prefix_cache_queries", "Prompt tokens the engine looked up in the prefix cache")
+        self.prefix_hits = gauge("prefix_cache_hits", "Prompt tokens the engine found in the prefix cache")
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens received", labels, registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", labels, registry=r)
         self.requests = Counter("kiln_requests", "Requests finished", labels, registry=r)
@@ -63,4 +66,38 @@ class ServerMetrics:
         queries = stats.get("prefix_queries", 0)
         self.hit_rate.labels(m).set(stats.get("prefix_hits", 0) / queries if queries else 0.0)
         self.preemptions.labels(m).set(stats.get("preemptions", 0))
+        self.prefix_queries.labels(m).set(queries)
+        self.prefix_hits.labels(m).set(stats.get("prefix_hits", 0))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class KeyMetrics:
+    """Usage per API key, labelled by the key's name (never the key)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter("kiln_api_key_requests", "Requests admitted", ["key_name"], registry=r)
+        self.rejected_requests = Counter("kiln_api_key_rejected_requests", "Requests rejected by a limit of the key",
+                                         ["key_name", "reason"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("kiln_api_key_prompt_tokens", "Prompt tokens admitted", ["key_name"], registry=r)
+        self.generation_tokens = Counter("kiln_api_key_generation_tokens", "Tokens generated", ["key_name"],
+                                         registry=r)  # fmt: skip
+        self.reloads = Counter("kiln_api_key_file_reloads", "Reloads of the API keys file (SIGHUP)", ["outcome"],
+                               registry=r)  # fmt: skip
+
+    def keys_loaded(self, names: Iterable[str]) -> None:
+        for name in names:  # a loaded key shows up at 0 before its first request
+            for counter in (self.requests, self.prompt_tokens, self.generation_tokens):
+                counter.labels(name)
+
+    def admitted(self, name: str) -> None:
+        self.requests.labels(name).inc()
+
+    def rejected(self, name: str, reason: str) -> None:
+        self.rejected_requests.labels(name, reason).inc()
+
+    def tokens(self, name: str, num_tokens: int, prompt: bool) -> None:
+        (self.prompt_tokens if prompt else self.generation_tokens).labels(name).inc(num_tokens)
+
+    def reloaded(self, ok: bool) -> None:
+        self.reloads.labels("ok" if ok else "error").inc()

@@ -11,7 +11,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -20,6 +20,9 @@ from kiln.engine.async_client import AsyncEngineClient, EngineDeadError
 from kiln.engine.detokenizer import TextStream
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_requests import APIError, ParsedRequest
+
+if TYPE_CHECKING:
+    from kiln.engine.gateway import KeyState
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -83,10 +86,12 @@ class _Choice:
     start_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
 
 
 async def run_request(request: web.Request, state: ServerState, parsed: ParsedRequest, prompts: list[list[int]],
-                      texts: list[str | None], chat: bool) -> web.StreamResponse:  # fmt: skip
+                      texts: list[str | None], chat: bool,
+                      key: KeyState | None = None) -> web.StreamResponse:  # fmt: skip
     if state.draining:
         raise APIError(503, "the server is shutting down", type_="service_unavailable")
     if not state.client.alive:
@@ -123,7 +128,9 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
             rid = f"{base}-{index}"
             stream = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
                                 params.include_stop_str_in_output)  # fmt: skip
-            choices[rid] = _Choice(index, rid, ids, stream)
+            choices[rid] = _Choice(index, rid, ids, stream, key=key)
+    if key is not None:
+        key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request
     state.in_flight += 1
     state.engine_requests += len(choices)
     state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
@@ -139,6 +146,8 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         await _collect(state, choices, queue)
         return web.json_response(_final_body(state, parsed, choices, base, created, chat, texts))
     finally:
+        if key is not None:
+            key.release()
         state.in_flight -= 1
         state.engine_requests -= len(choices)
         unfinished = [rid for rid, c in choices.items() if c.finish_reason is None]
@@ -164,6 +173,8 @@ def _apply(state: ServerState, choice: _Choice, out: protocol.RequestOutput) -> 
         state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids))
     choice.last_token_time = now
     choice.token_ids.extend(out.new_token_ids)
+    if choice.key is not None and out.new_token_ids:
+        choice.key.charge(len(out.new_token_ids))
     if out.new_logprobs:
         choice.logprobs.extend(out.new_logprobs)
     finished = out.finish_reason is not None

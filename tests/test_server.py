@@ -26,12 +26,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, *extra: str) -> None:
+    def __init__(self, model_dir, *extra: str, auth: tuple[str, ...] = ("--api-key", API_KEY)) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", self.model, "--enforce-eager", "--max-model-len",
-               "128", "--port", str(self.port), "--api-key", API_KEY, *extra]  # fmt: skip
+               "128", "--port", str(self.port), *auth, *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
