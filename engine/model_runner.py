@@ -286,8 +286,9 @@ class ModelRunner:
                 dst, src = self.carry_buf.gpu[0, :k], self.carry_buf.gpu[1, :k]
                 self.input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
         logits_indices: Rows = slice(0, len(sample_rows))
-        if num_tokens != num_reqs or len(sample_rows) != num_reqs:
-            self.logits_indices_buf.np[p][: len(sample_rows)] = qsl[1:][sample_rows] - 1
+        if sample_rows and (num_tokens != num_reqs or len(sample_rows) != num_reqs):
+            rows = np.asarray(sample_rows, dtype=np.int64)
+            self.logits_indices_buf.np[p][: len(sample_rows)] = qsl[1:][rows] - 1
             self.logits_indices_buf.copy(p, len(sample_rows))
             logits_indices = self.logits_indices_buf.gpu[: len(sample_rows)]
         if self.device.type == "cuda":

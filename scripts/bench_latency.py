@@ -56,8 +56,22 @@ def decode_tokens_per_s(llm: LLM, batch: int) -> tuple[float, float]:
         return time.perf_counter() - start
 
     timed(4)  # warm-up
-    step = (timed(DECODE_STEPS + 1) - timed(1)) / DECODE_STEPS  # prefill cancels out
+    llm.engine.step_timing = type(llm.engine.step_timing)()
+    long = timed(DECODE_STEPS + 1)
+    t = llm.engine.step_timing
+    print(f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
+          f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step", flush=True)
+    step = (long - timed(1)) / DECODE_STEPS  # prefill cancels out
     return batch / step, step_bytes(llm, batch) / step / PEAK_BYTES_PER_S
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
@@ -73,21 +87,23 @@ def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
         engine.step()
 
     engine.step_timing = type(engine.step_timing)()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     wall = (time.perf_counter() - start) / steps
     timing = engine.step_timing
 
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+    kernel = 0.0
+    if torch.cuda.is_available():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
     engine.abort_requests(list(engine.scheduler.requests))
     while engine.has_unfinished_requests():
         engine.step()
@@ -96,12 +112,14 @@ def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
             "gpu_idle": max(0.0, 1 - kernel / wall), "tokens_per_s": batch / wall}  # fmt: skip
 
 
-def run_breakdown(args, batches: list[int]) -> list[dict]:
+def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> list[dict]:
     rows = []
     for mode in args.modes.split(","):
         for async_scheduling in (False, True):
-            kwargs = dict(MODES[mode], max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.8,
-                          async_scheduling=async_scheduling)  # fmt: skip
+            kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                          gpu_memory_utilization=0.8, async_scheduling=async_scheduling)  # fmt: skip
+            if mode == "graphs" and sizes:
+                kwargs["cudagraph_capture_sizes"] = sizes
             llm = LLM(args.model, **kwargs)
             for batch in batches:
                 row = breakdown(llm, batch)
@@ -111,7 +129,8 @@ def run_breakdown(args, batches: list[int]) -> list[dict]:
                       f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
                       f"{row['tokens_per_s']:9.0f} tok/s", flush=True)  # fmt: skip
             del llm
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -170,19 +189,21 @@ def main() -> None:
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate()")
     p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
     p.add_argument("--json")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
     p.add_argument("--plot", help="PNG path for the breakdown plot")
     p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
         plot_breakdown(data["rows"], args.plot, data["title"])
         return
     if args.breakdown:
-        title = f"{args.model}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}"
-        rows = run_breakdown(args, batches)
+        title = f"{args.model}, bf16, {device_name()}, torch {torch.__version__}"
+        rows = run_breakdown(args, batches, sizes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"title": title, "rows": rows}, f, indent=1)
@@ -192,7 +213,6 @@ def main() -> None:
             except ImportError:
                 print("matplotlib is missing: plot later with --from-json")
         return
-    sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     rows = []
     for mode in args.modes.split(","):
         kwargs = dict(MODES[mode], max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.8)

@@ -32,17 +32,24 @@ def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 
 
 def bench_kiln(args, prompts, output_lens) -> dict:
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend)  # fmt: skip
+              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              cudagraph_capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",")),
+              async_scheduling=not args.no_async_scheduling)  # fmt: skip
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     sync()
     start = time.perf_counter()
+    llm.engine.step_timing = type(llm.engine.step_timing)()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
-    return {"engine": "kiln", "seconds": elapsed, "output_tokens": num_out, "tokens_per_s": num_out / elapsed,
+    t = llm.engine.step_timing
+    mode = "eager" if args.enforce_eager else "compiled+graphs"
+    return {"engine": f"kiln {mode}{'' if args.no_async_scheduling else ' + async'}", "seconds": elapsed,
+            "output_tokens": num_out, "tokens_per_s": num_out / elapsed, "steps": t.steps,
+            "host_s": t.host_seconds, "wait_s": t.wait_seconds,
             "preemptions": llm.engine.scheduler.num_preemptions, "kv_blocks": llm.engine.num_kv_blocks}  # fmt: skip
 
 
@@ -90,6 +97,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256,512", help="CUDA-graph sizes (compiled)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--hf", action="store_true", help="also run Hugging Face generate() as the peer (CUDA only)")
     p.add_argument("--hf-batch", type=int, default=64)
@@ -108,6 +117,10 @@ def main() -> int:
     print(f"{'engine':<48} {'output tokens':>14} {'seconds':>9} {'tokens/s':>10}")
     for r in results:
         print(f"{r['engine']:<48} {r['output_tokens']:>14} {r['seconds']:>9.2f} {r['tokens_per_s']:>10.0f}")
+    if "steps" in results[0]:
+        r = results[0]
+        print(f"kiln: {r['steps']} steps, host {r['host_s']:.2f} s, waiting for the GPU {r['wait_s']:.2f} s, "
+              f"{r['preemptions']} preemptions, {r['kv_blocks']} KV blocks")  # fmt: skip
     if args.json:
         with open(args.json, "a") as f:
             for r in results:

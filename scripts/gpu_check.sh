@@ -2,7 +2,7 @@
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
-#   | throughput-compiled:MODEL | serving:MODEL | gputests:FILE,FILE
+#   | throughput-compiled:MODEL | serving:MODEL | gputests:FILE,FILE | breakdown:MODEL | profile:MODEL:BATCH
 set -u
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -31,10 +31,23 @@ for step in $steps; do
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
-      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" --modes eager,graphs --batches 1,8,64 \
+      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" --modes ${LATENCY_MODES:-eager,graphs} \
+        --batches ${LATENCY_BATCHES:-1,8,64} \
         --capture-sizes 1,2,4,8,16,32,64,128 --hf --json "$OUT/latency_$model.json" 2>&1 \
         | tee "$OUT/latency_$model.log" | tail -n 12
       grep -A12 "^decode latency" "$OUT/latency_$model.log" >> "$summary" ;;
+    breakdown:*)
+      model=${step#breakdown:}
+      timeout ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench_latency.py --model "$model" --breakdown \
+        --modes ${BREAKDOWN_MODES:-eager,compiled,graphs} --batches ${BREAKDOWN_BATCHES:-1,2,4,8,16,32,64,128,256} \
+        --capture-sizes 1,2,4,8,16,32,64,128,256 --json "$OUT/breakdown_$model.json" --plot "$OUT/breakdown_$model.png" \
+        2>&1 | tee "$OUT/breakdown_$model.log" | grep -v Warning | tail -n 60
+      grep " tok/s" "$OUT/breakdown_$model.log" >> "$summary" ;;
+    profile:*)
+      spec=${step#profile:}
+      timeout 240 python3 scripts/profile_step.py --model "${spec%%:*}" --batch "${spec##*:}" 2>&1 \
+        | tee "$OUT/profile_${spec//:/_}.log" | grep -v Warning | tail -n 30
+      grep -A3 " GPU time per step" "$OUT/profile_${spec//:/_}.log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
@@ -53,9 +66,9 @@ for step in $steps; do
       tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
-      timeout 300 python3 scripts/bench_throughput.py --model "$model" --json "$OUT/throughput.jsonl" 2>&1 \
-        | tee "$OUT/throughput_compiled_$model.log" | tail -n 4
-      tail -n 3 "$OUT/throughput_compiled_$model.log" >> "$summary" ;;
+      timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" --json "$OUT/throughput.jsonl" 2>&1 \
+        | tee "$OUT/throughput_compiled_$model.log" | tail -n 5
+      tail -n 4 "$OUT/throughput_compiled_$model.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
