@@ -3,8 +3,9 @@
 from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.llm import LLM
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
 
 __version__ = kiln_version()
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputParams", "__version__"]

@@ -115,7 +115,8 @@ def _to_wire(out: EngineCoreOutput) -> protocol.RequestOutput:
 
 def _stats(core: EngineCore) -> dict[str, float]:
     kv = core.kv_cache_manager
-    return {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting), "kv_usage": kv.usage,
+    waiting = len(core.scheduler.waiting) + len(core.waiting_for_grammar)  # compiling a grammar is waiting too
+    return {"running": len(core.scheduler.running), "waiting": waiting, "kv_usage": kv.usage,
             "free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_cache_queries,
             "prefix_hits": kv.prefix_cache_hits, "preemptions": core.scheduler.num_preemptions}  # fmt: skip
 

@@ -5,11 +5,13 @@ Offline `LLM` drives it in-process; the server (later) drives the same class in 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +34,10 @@ from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from kiln.engine.structured_output import GrammarCache
 
 logger = logging.getLogger("kiln")
 
@@ -121,6 +127,10 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
         self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
+        # Structured output: the grammar cache (made, and xgrammar loaded, at the first constrained request),
+        # and the requests whose grammar is compiling; they enter the scheduler when it is ready.
+        self.grammars: GrammarCache | None = None
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.async_scheduling = config.async_scheduling
         self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet
         self.step_timing = StepTiming()
@@ -162,14 +172,22 @@ class EngineCore:
         request = Request(
             request_id, list(prompt_token_ids), params, self.model_config.eos_token_ids, max_tokens, generator
         )
-        self.scheduler.add_request(request)
+        if params.structured_output is None:
+            self.scheduler.add_request(request)
+            return
+        if request_id in self.scheduler.requests or request_id in self.waiting_for_grammar:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # NOTE: nothing is compiled here (the engine thread must not wait): a worker compiles, `step` admits.
+        request.grammar = self.grammar_cache().request_grammar(params.structured_output)
+        self.waiting_for_grammar[request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            self.waiting_for_grammar.pop(request_id, None)
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.in_flight is not None or self.scheduler.has_unfinished_requests()
+        return self.in_flight is not None or self.scheduler.has_unfinished_requests() or bool(self.waiting_for_grammar)
 
     # ---- one step -------------------------------------------------------------------------------------
 
@@ -187,6 +205,8 @@ class EngineCore:
         Offline, the exception propagates to the caller.
         """
         outputs: list[EngineCoreOutput] = []
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
         if self.in_flight is not None and self.scheduler.needs_sync():
             outputs += self._collect(self.in_flight)
         batch = self.scheduler.schedule()
@@ -213,6 +233,36 @@ class EngineCore:
             else:
                 outputs += self._collect(launched)
         return outputs
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar has compiled go to the scheduler; those whose compile failed or ran out
+        of time fail alone. With nothing else to run, wait a moment for a compile rather than spin."""
+        if self.in_flight is None and not self.scheduler.has_unfinished_requests():
+            compiles = [request.grammar.compiled for request in self.waiting_for_grammar.values()]
+            concurrent.futures.wait(compiles, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.monotonic()
+        for request_id, request in list(self.waiting_for_grammar.items()):
+            try:
+                if not request.grammar.poll(now):
+                    continue
+                self.scheduler.add_request(request)
+            except ValueError as e:  # the schema's problem (GrammarError), in words its client can act on
+                self.failed_requests.append((request_id, str(e)))
+            del self.waiting_for_grammar[request_id]
+
+    def grammar_cache(self) -> GrammarCache:
+        """The compiled-grammar cache, made (and xgrammar loaded) at the first constrained request."""
+        if self.grammars is None:
+            from kiln.engine.structured_output import GrammarCache  # noqa: PLC0415  (xgrammar loads on first use)
+
+            self.grammars = GrammarCache(self._load_tokenizer, self.model_config.vocab_size,
+                                         self.model_config.eos_token_ids)  # fmt: skip
+        return self.grammars
+
+    def _load_tokenizer(self):
+        """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""
+        path = self.config.tokenizer or (None if self.source.is_preset else self.source.model_dir)
+        return builtin_tokenizer() if path is None else load_tokenizer(path)
 
     def _launch(self, batch: SchedulerOutput) -> StepHandle:
         start = time.perf_counter()
@@ -258,6 +308,10 @@ class EngineCore:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )  # fmt: skip
         for request in finished:
+            if request.failure is not None:  # failed alone: its client gets the message instead of the token
+                del outputs[request.request_id]
+                self.failed_requests.append((request.request_id, request.failure))
+                continue
             out = outputs[request.request_id]
             out.finish_reason = request.status.finish_reason
             out.stop_reason = request.stop_reason

@@ -83,6 +83,11 @@ class LLM:
             text, token_ids = None, list(prompt)
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if params.structured_output is not None:
+            # A schema that does not parse fails here, at once; the engine's compile is the backstop.
+            from kiln.engine.structured_output import check_grammar  # noqa: PLC0415  (xgrammar on first use)
+
+            check_grammar(params.structured_output)
         request_id = str(next(self._ids))
         result = RequestOutput(request_id, text, token_ids)
         for index in range(params.n):
@@ -105,7 +110,11 @@ class LLM:
         bar = tqdm(total=len(unfinished), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, num_generated = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if self.engine.failed_requests:  # a grammar that did not compile in time, or rejected a token
+                failures, self.engine.failed_requests = self.engine.failed_requests, []
+                raise ValueError("; ".join(f"request {rid} failed: {message}" for rid, message in failures))
+            for out in outputs:
                 result, seq = sequences[out.request_id]
                 num_generated += len(out.new_token_ids)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)

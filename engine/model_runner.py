@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
 from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from kiln.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kiln.engine.structured_output import GrammarBitmask
 
 # Test-only fault injection: a step fails when any request's prompt holds this token id.
 Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
@@ -91,6 +95,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.sampler = Sampler()
+        self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
         self.time_gpu = False  # record CUDA events around each step (the latency breakdown)
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
@@ -150,6 +155,11 @@ class ModelRunner:
                 vocab_size=self.vocab_size,
                 device=self.device,
             )
+            grammars = [r.grammar for r in requests]
+            if any(grammar is not None for grammar in grammars):
+                # NOTE: the forward pass and the logits are enqueued by now: the host fills the grammar mask
+                # while the device computes them, and the mask is applied in place just before sampling.
+                self.grammar_bitmask().apply(logits, grammars)
             result = self.sampler(logits, sampling)
             self._prev_sampled = result.sampled_token_ids
             self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
@@ -182,6 +192,14 @@ class ModelRunner:
             if row_logprobs is not None:
                 logprobs[row] = row_logprobs[j]
         return ModelRunnerOutput(sampled, logprobs)
+
+    def grammar_bitmask(self) -> GrammarBitmask:
+        """Structured output's token mask; xgrammar is loaded with it, on the first constrained batch."""
+        if self._grammar_bitmask is None:
+            from kiln.engine.structured_output import GrammarBitmask  # noqa: PLC0415
+
+            self._grammar_bitmask = GrammarBitmask(1, self.vocab_size, self.device)
+        return self._grammar_bitmask
 
     # ---- graph dispatch -------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
 
 
 class APIError(Exception):
@@ -87,6 +87,7 @@ def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logpr
         logprobs=logprobs,
         skip_special_tokens=_check(body, "skip_special_tokens", (bool,), True),
         include_stop_str_in_output=_check(body, "include_stop_str_in_output", (bool,), False),
+        structured_output=_structured_output(body),
     )
     try:
         return SamplingParams(**kwargs)
@@ -94,6 +95,40 @@ def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logpr
         message = str(e)
         param = message.split()[0].strip("'`:") if message else None
         raise APIError(400, message, param if param in kwargs else None) from None
+
+
+def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
+    """OpenAI's `response_format` (json_object, json_schema), or Kiln's `guided_regex` / `guided_grammar`."""
+    given: list[tuple[str, dict[str, Any]]] = []  # (parameter, StructuredOutputParams fields)
+    response_format = _check(body, "response_format", (dict,))
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
+                           "response_format")  # fmt: skip
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                               "response_format")  # fmt: skip
+            given.append(("response_format", {"json": schema}))
+    for name, field in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        value = _check(body, name, (str,))
+        if value is not None:
+            given.append((name, {field: value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, "give at most one of response_format (json_object or json_schema), guided_regex and "
+                       "guided_grammar", given[1][0])  # fmt: skip
+    name, fields = given[0]
+    try:
+        return StructuredOutputParams(**fields)
+    except ValueError as e:
+        raise APIError(400, str(e), name) from None
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_tokens: int  # resolved: the params' max_tokens capped by what fits in max_model_len
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured output: the matcher that masks its logits
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -50,6 +55,7 @@ class Request:
     # computed, and fed to the next step, before they are appended to `output_token_ids`.
     num_output_placeholders: int = 0
     stop_reason: int | str | None = None
+    failure: str | None = None  # why the request failed alone (its client gets this message), if it did
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
 
@@ -66,10 +72,10 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether sampling this request reads its output history on the host (penalties, min_tokens),
-        so a step cannot be scheduled before the previous one's tokens are back."""
+        """Whether sampling this request reads its output history on the host (penalties, min_tokens, a
+        grammar's matcher), so a step cannot be scheduled before the previous one's tokens are back."""
         params = self.sampling_params
-        return params.uses_penalties or params.min_tokens > 0
+        return params.uses_penalties or params.min_tokens > 0 or params.structured_output is not None
 
     @property
     def num_prompt_tokens(self) -> int:

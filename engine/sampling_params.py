@@ -7,9 +7,10 @@ server turns that message into an HTTP 400 as is.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any, NoReturn
 
@@ -22,6 +23,8 @@ MAX_STOP_STRINGS = 16
 MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# A schema, regex or grammar is compiled and cached whole: bound what one request may hand over.
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024
 
 
 class SamplingType(IntEnum):
@@ -68,6 +71,63 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputParams:
+    """One constraint on a request's output, compiled to a grammar (by xgrammar) that masks the logits.
+
+    Exactly one field is set (vLLM's names): ``json``, a JSON schema (a dict, or its JSON text);
+    ``json_object``, any JSON object; ``regex``; or ``grammar``, in EBNF (GBNF, as llama.cpp writes it).
+    ``json`` is normalised to compact JSON text, key order kept (a schema's property order is the
+    output's), so one schema is one cache entry however it was given.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_bool("structured_output.json_object", self.json_object)
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_output must set exactly one of json, json_object, regex, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"structured_output.{name}", value, "a non-empty string")
+        if self.json is not None:
+            object.__setattr__(self, "json", _checked_schema(self.json))
+        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_output.{self.kind} must be at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                             f"characters, got {len(self.spec)}")  # fmt: skip
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``json_object``, ``regex`` or ``grammar``."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: with ``kind``, the key of its compiled grammar."""
+        return "" if self.json_object else getattr(self, self.kind)
+
+
+def _checked_schema(schema: Any) -> str:
+    allowed = "a JSON schema object (a dict or its JSON text)"
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_output.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        _fail("structured_output.json", schema, allowed)
+    try:
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"structured_output.json cannot be written as JSON: {e}") from None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of one request, and when to stop.
 
@@ -94,6 +154,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs besides the sampled token's; 0 = the sampled one only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | dict[str, Any] | None = None  # a dict: its fields (the wire form)
 
     def __post_init__(self) -> None:
         checked: dict[str, Any] = {
@@ -117,6 +178,7 @@ class SamplingParams:
             "logit_bias": self._checked_logit_bias(),
             "stop": self._checked_stop(),
             "stop_token_ids": self._checked_stop_token_ids(),
+            "structured_output": self._checked_structured_output(),
         }
         if checked["top_p"] == 0.0:
             _fail("top_p", self.top_p, "a float in (0, 1]")
@@ -158,6 +220,17 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             _fail("stop", self.stop, allowed)
         return list(stop)
+
+    def _checked_structured_output(self) -> StructuredOutputParams | None:
+        value = self.structured_output
+        if isinstance(value, dict):
+            names = {f.name for f in fields(StructuredOutputParams)}
+            if not set(value) <= names:
+                _fail("structured_output", value, f"a dict with keys among {sorted(names)}")
+            return StructuredOutputParams(**value)
+        if value is not None and not isinstance(value, StructuredOutputParams):
+            _fail("structured_output", value, "a StructuredOutputParams or a dict of its fields")
+        return value
 
     def _checked_stop_token_ids(self) -> list[int]:
         if self.stop_token_ids is None:

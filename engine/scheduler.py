@@ -160,7 +160,7 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.append_output_token(token)
             new_tokens.append((request, token))
-            status = self._check_stop(request, token)
+            status = self._advance_grammar(request, token) or self._check_stop(request, token)
             if status is not None:
                 # Preempted while its token was in flight, a request finishes from the waiting queue.
                 (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
@@ -173,6 +173,18 @@ class Scheduler:
         return self.num_sync_requests > 0
 
     # ---- helpers --------------------------------------------------------------------------------------
+
+    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
+        """Structured output: move the request's matcher past its new token. A token the grammar rejects
+        fails the request alone (the mask allows only what it accepts, so this is a conflict, such as
+        min_tokens holding back the one stop token allowed); a grammar that took a stop token is done."""
+        grammar = request.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept_token(token):
+            request.failure = f"structured output: the grammar does not allow the sampled token {token}"
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -215,6 +227,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.grammar = None  # the matcher's state goes with it
         self.kv.free(request.request_id)
         self.num_sync_requests -= request.needs_sync
         del self.requests[request.request_id]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from kiln.engine.async_client import AsyncEngineClient, EngineDeadError
 from kiln.engine.detokenizer import TextStream
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_requests import APIError, ParsedRequest
+from kiln.engine.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
     from kiln.engine.gateway import KeyState
@@ -65,6 +67,30 @@ async def encode_chat(state: ServerState, messages: list[dict[str, Any]]) -> lis
         return state.tokenizer.encode(text, add_special_tokens=False)
 
     return await asyncio.get_running_loop().run_in_executor(state.pool, render)
+
+
+async def check_structured_output(state: ServerState, constraint: StructuredOutputParams) -> None:
+    """A schema, regex or grammar that does not parse is a 400 before the engine sees it, streaming or not.
+    (Parsing builds no token masks, so it is quick; the engine's compile, with its time limit, is the backstop.)"""
+    param = {"regex": "guided_regex", "grammar": "guided_grammar"}.get(constraint.kind, "response_format")
+    check = asyncio.get_running_loop().run_in_executor(state.pool, _grammar_problem, constraint)
+    try:
+        problem = await asyncio.wait_for(check, timeout=10.0)
+    except TimeoutError:
+        raise APIError(400, f"the {param} constraint took too long to parse", param) from None
+    if problem is not None:
+        raise APIError(400, problem, param)
+
+
+def _grammar_problem(constraint: StructuredOutputParams) -> str | None:
+    # xgrammar is imported on first use, here on a worker thread: a server that never sees a constraint never loads it.
+    from kiln.engine.structured_output import GrammarError, check_grammar  # noqa: PLC0415
+
+    try:
+        check_grammar(constraint)
+    except GrammarError as e:
+        return str(e)
+    return None
 
 
 def check_model(state: ServerState, body: dict[str, Any]) -> None:
@@ -116,12 +142,14 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         params.verify_vocab(vocab)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    if params.structured_output is not None:
+        await check_structured_output(state, params.structured_output)
 
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     queue: asyncio.Queue = asyncio.Queue()
     choices: dict[str, _Choice] = {}
-    wire = {k: v for k, v in vars(params).items() if k != "n"}
+    wire = {k: v for k, v in dataclasses.asdict(params).items() if k != "n"}  # plain data, as msgpack needs
     for i, ids in enumerate(prompts):
         for j in range(params.n):
             index = i * params.n + j

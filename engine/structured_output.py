@@ -1,0 +1,272 @@
+"""Structured output: a request's JSON schema, regex or EBNF grammar as a mask on its logits (xgrammar).
+
+    add_request ─► GrammarCache.get ─► Future[CompiledGrammar]       (LRU by (kind, spec); worker threads)
+                      │ each step: RequestGrammar.poll() until compiled, failed, or past its time limit
+                      ▼
+    runner:    enqueue forward + logits ─► GrammarBitmask.apply: fill rows on the host (the device is
+               busy meanwhile), copy them over, mask the constrained rows in place ─► sampler
+    scheduler: RequestGrammar.accept_token(token) for each token the request gets
+
+A grammar is compiled once per constraint for the engine's tokenizer, off the engine thread, so a
+pathological schema costs its own request a time-out and never stalls a step. A batch without a
+constrained request never reaches this module. The mask is applied before the sampler, so a constrained
+request's logprobs are those of the masked distribution (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from kiln.engine.sampling_params import StructuredOutputParams
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+DEFAULT_MAX_CACHED_GRAMMARS = 128
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "EBNF grammar"}
+# xgrammar's C++ errors read "[12:48:42] /project/cpp/regex_converter.cc:94: Check failed: (...) is false: msg".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_MAX_MESSAGE_CHARS = 300
+_XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # what xgrammar raises on a constraint it cannot take
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled, or not in time; the message names the problem."""
+
+
+def check_grammar(params: StructuredOutputParams) -> None:
+    """Parse a constraint without a tokenizer (no token masks are built, so it is fast) and raise
+    `GrammarError` naming what is wrong. The API server runs it before admitting a request, so a bad
+    schema is a 400 at once, streaming or not."""
+    try:
+        _grammar(params)
+    except _XGRAMMAR_ERRORS as e:
+        raise GrammarError(f"invalid {_WHAT[params.kind]}: {_xgrammar_message(e)}") from None
+
+
+def _grammar(params: StructuredOutputParams) -> xgr.Grammar:
+    # JSON is compact with fixed separators (", " and ": "): a model cannot pad it with whitespace forever.
+    if params.kind == "json":
+        schema = _string_lengths_as_patterns(json.loads(params.json))
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    if params.kind == "json_object":  # any object (strict mode would allow only the listed properties: none)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if params.kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def _string_lengths_as_patterns(schema: Any) -> Any:
+    """A copy of `schema` in which a string with minLength / maxLength (and no pattern or format) says the
+    same as a pattern, ``^.{min,max}$``.
+
+    NOTE: xgrammar 0.2.9 compiles a length-limited string to a character class that lets raw control
+    characters (a tab, say) into it: invalid JSON. Its pattern path encodes the string properly (no raw
+    control characters, no quote or backslash), so the limits are handed over that way.
+    """
+    if isinstance(schema, list):
+        return [_string_lengths_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    # Values under these keys are data, not schemas.
+    out = {k: v if k in ("enum", "const", "default", "examples") else _string_lengths_as_patterns(v)
+           for k, v in schema.items()}  # fmt: skip
+    lengths = [out.get("minLength"), out.get("maxLength")]
+    if (out.get("type") == "string" and lengths != [None, None] and all(isinstance(n, int | None) for n in lengths)
+            and not {"pattern", "format", "enum", "const"} & set(out)):  # fmt: skip
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{lengths[0] or 0},{'' if lengths[1] is None else lengths[1]}}}$"
+    return out
+
+
+def _xgrammar_message(error: Exception) -> str:
+    message = _XGRAMMAR_PREFIX.sub("", str(error).strip())
+    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
+
+
+class RequestGrammar:
+    """One request's grammar: its compile (shared with other requests through the cache), then its own
+    matcher, which follows the request's tokens. The engine admits the request once `poll` says ready."""
+
+    def __init__(self, params: StructuredOutputParams, compiled: Future, timeout_s: float) -> None:
+        self.params = params
+        self.compiled = compiled
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    def poll(self, now: float | None = None) -> bool:
+        """True once compiled (the matcher exists from then on), False while compiling; raises
+        `GrammarError` if the compile failed or is still running past the time limit."""
+        if self.matcher is not None:
+            return True
+        if not self.compiled.done():
+            if (time.monotonic() if now is None else now) >= self.deadline:
+                raise GrammarError(f"compiling the {_WHAT[self.params.kind]} took longer than {self.timeout_s:g} s")
+            return False
+        self.matcher = xgr.GrammarMatcher(self.compiled.result())  # result() re-raises a GrammarError
+        return True
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a sampled token; False (state unchanged) if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has accepted a stop token: nothing may follow."""
+        return self.matcher.is_terminated()
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, spec); beyond `max_entries` the least recently used is dropped.
+
+    The cache holds futures, so requests with one schema share one compile, finished or not, and a
+    failed compile is remembered too (a bad schema sent again fails at once). The tokenizer is loaded,
+    and xgrammar's view of it built, on the first compile. Call `get` from one thread (the engine's).
+
+    NOTE: a compile past its time limit cannot be cancelled: it keeps its worker thread until it ends.
+    Its request has failed by then, and `num_workers` bounds how many such compiles can run at once.
+    The workers are daemon threads, so a compile that never ends cannot hold up the process's exit.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
+                 max_entries: int = DEFAULT_MAX_CACHED_GRAMMARS, num_workers: int = 2,
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:  # fmt: skip
+        self.load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+        self.entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.num_compiles = 0
+        self._jobs: queue.SimpleQueue[tuple[Future, StructuredOutputParams] | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"kiln-grammar-{i}", daemon=True)
+                         for i in range(num_workers)]  # fmt: skip
+        for worker in self._workers:
+            worker.start()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    def get(self, params: StructuredOutputParams) -> Future:
+        """The compile of `params` (a `Future` of an xgrammar `CompiledGrammar`), started if not cached."""
+        key = (params.kind, params.spec)
+        future = self.entries.get(key)
+        if future is not None:
+            self.entries.move_to_end(key)
+            return future
+        future = Future()
+        self._jobs.put((future, params))
+        self.num_compiles += 1
+        self.entries[key] = future
+        if len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)  # a compile still running goes on for the requests that wait on it
+        return future
+
+    def request_grammar(self, params: StructuredOutputParams) -> RequestGrammar:
+        return RequestGrammar(params, self.get(params), self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop the workers once the compiles queued so far are done (without waiting for them)."""
+        for _ in self._workers:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, params = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._compile(params))
+            except GrammarError as e:
+                future.set_exception(e)
+            except Exception as e:  # a bug, not the schema's fault: still only its requests fail
+                future.set_exception(GrammarError(f"internal error while compiling the grammar: "
+                                                  f"{type(e).__name__}: {e}"))  # fmt: skip
+
+    def _compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
+        compiler = self._tokenizer_compiler()
+        try:
+            return compiler.compile_grammar(_grammar(params))
+        except _XGRAMMAR_ERRORS as e:
+            raise GrammarError(f"invalid {_WHAT[params.kind]}: {_xgrammar_message(e)}") from None
+
+    def _tokenizer_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                    )
+                except Exception as e:
+                    raise GrammarError(f"internal error: structured output needs the model's tokenizer: "
+                                       f"{type(e).__name__}: {e}") from None  # fmt: skip
+                # This cache is the only one: xgrammar's own would grow without bound.
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
+
+
+class GrammarBitmask:
+    """The step's token mask: for sampling row i, ceil(V / 32) int32 words, bit t set when token t is
+    allowed (V the logits' width; ids past the tokenizer's vocabulary are never allowed).
+
+    The runner calls `apply` after it has enqueued the forward pass and the logits: the rows are filled
+    on the host while the device computes, copied over from pinned memory, and applied in place to the
+    constrained rows only, just before sampling.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, fill_threads: int | str = "auto") -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.host = torch.zeros(0, 0, dtype=torch.int32)
+        self.on_device = self.host
+        self._resize(max_rows)
+        self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last host-to-device copy
+
+    def apply(self, logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> list[int]:
+        """Mask the rows of `logits` ([rows, V], one row per entry of `grammars`) whose request has a
+        grammar; returns those rows. A row without a grammar is left as it is."""
+        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+        if not rows:
+            return rows
+        if logits.shape != (len(grammars), self.vocab_size):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(grammars)} rows of "
+                             f"{self.vocab_size} tokens")  # fmt: skip
+        if self._copied is not None:
+            self._copied.synchronize()  # NOTE: the last step's copy may still be reading these host rows
+        if len(grammars) > self.host.shape[0]:
+            self._resize(1 << (len(grammars) - 1).bit_length())  # pinned allocations are slow: grow by doubling
+        self.fill([grammars[i] for i in rows], rows)
+        num_rows = len(grammars)
+        mask = self.on_device[:num_rows]
+        if self._copied is not None:  # on a GPU: the rows travel from pinned memory
+            mask.copy_(self.host[:num_rows], non_blocking=True)
+            self._copied.record()
+        indices = None if len(rows) == num_rows else rows
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=indices)
+        return rows
+
+    def fill(self, grammars: Sequence[RequestGrammar], rows: Sequence[int]) -> None:
+        """Host rows `rows` get the next-token masks of `grammars`; several are filled in parallel."""
+        if len(rows) == 1:
+            grammars[0].matcher.fill_next_token_bitmask(self.host, rows[0])
+        else:
+            self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], self.host, list(rows))
+
+    def _resize(self, num_rows: int) -> None:
+        shape = (num_rows, -(-self.vocab_size // 32))
+        on_cuda = self.device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=torch.int32, pin_memory=on_cuda)
+        self.on_device = torch.zeros(shape, dtype=torch.int32, device=self.device) if on_cuda else self.host
+

@@ -1,0 +1,481 @@
+"""Structured output: params and OpenAI parsing, the grammar cache and its time limit, the bitmask against a
+plain-Python reference, then tiny models whose outputs must parse and validate, offline and over HTTP."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+import shutil
+import threading
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from kiln.engine import LLM
+from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
+from kiln.engine.structured_output import GrammarBitmask, GrammarCache, GrammarError, check_grammar
+from kiln.engine.tokenizer import builtin_tokenizer
+
+TOKENIZER_VOCAB = 512
+MODEL_VOCAB = 600  # wider than the tokenizer, as padded embeddings are: ids 512..599 are never allowed
+EOS = 511
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return builtin_tokenizer(TOKENIZER_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer):
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS])
+    yield grammars
+    grammars.shutdown()
+
+
+def ready(cache: GrammarCache, params: StructuredOutputParams):
+    grammar = cache.request_grammar(params)
+    grammar.compiled.result(timeout=30)
+    assert grammar.poll()
+    return grammar
+
+
+def allowed(row: torch.Tensor, vocab_size: int = MODEL_VOCAB) -> set[int]:
+    bits = (row.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
+    return set(bits.flatten()[:vocab_size].nonzero().flatten().tolist())
+
+
+def token_texts(tokenizer) -> dict[int, str]:
+    """Each token's own text, for tokens that are whole UTF-8 (byte pieces decode to U+FFFD)."""
+    texts = {t: tokenizer.decode([t]) for t in range(TOKENIZER_VOCAB) if t not in tokenizer.all_special_ids}
+    return {t: s for t, s in texts.items() if s and "\ufffd" not in s}
+
+
+# ---- params and parsing --------------------------------------------------------------------------------
+
+
+def test_params_normalise_and_travel_as_dicts():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    params = SamplingParams(structured_output=StructuredOutputParams(json=schema))
+    so = params.structured_output
+    assert so.kind == "json"
+    assert so.spec == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert StructuredOutputParams(json=so.spec) == so  # text or dict: one cache key, key order kept
+    wire = dataclasses.asdict(params)  # what the API server sends (msgpack takes only plain data)
+    assert wire["structured_output"] == {"json": so.spec, "json_object": False, "regex": None, "grammar": None}
+    assert SamplingParams(**wire) == params
+    assert (StructuredOutputParams(json_object=True).kind, StructuredOutputParams(json_object=True).spec) == (
+        "json_object", "")
+    assert StructuredOutputParams(regex="[0-9]+").spec == "[0-9]+"
+
+
+@pytest.mark.parametrize("value,match", [
+    ({}, "exactly one of json, json_object, regex, grammar; got none"),
+    ({"regex": "a", "grammar": "root ::= \"a\""}, "got regex, grammar"),
+    ({"regex": ""}, "structured_output.regex must be a non-empty string"),
+    ({"grammar": 5}, "structured_output.grammar must be a non-empty string"),
+    ({"json": "[1, 2]"}, "structured_output.json must be a JSON schema object"),
+    ({"json": "{not json"}, "structured_output.json is not valid JSON"),
+    ({"json": {"x": float("nan")}}, "structured_output.json cannot be written as JSON"),
+    ({"json_object": 1}, "structured_output.json_object must be a bool"),
+    ({"choice": ["a"]}, "structured_output must be a dict with keys among"),
+    ({"regex": "a" * (256 * 1024 + 1)}, "at most 262144 characters"),
+])  # fmt: skip
+def test_bad_params_name_the_problem(value, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        SamplingParams(structured_output=value)
+    with pytest.raises(ValueError, match="structured_output"):
+        SamplingParams(structured_output="{}")
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputParams(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_regex": "[a-z]+"}, StructuredOutputParams(regex="[a-z]+")),
+    ({"guided_grammar": 'root ::= "yes" | "no"'}, StructuredOutputParams(grammar='root ::= "yes" | "no"')),
+    ({}, None),
+])  # fmt: skip
+def test_openai_bodies_parse_to_a_constraint(extra, expected):
+    completion = parse_completion({"prompt": "hi", **extra}).params.structured_output
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], **extra}).params.structured_output
+    assert completion == chat == expected
+
+
+@pytest.mark.parametrize("extra,param,match", [
+    ({"response_format": "json"}, "response_format", "'response_format' must be an object"),
+    ({"response_format": {"type": "xml"}}, "response_format", "'response_format.type' must be one of"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "'response_format.json_schema.schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format",
+     "must be a JSON schema object"),
+    ({"guided_regex": 5}, "guided_regex", "'guided_regex' must be a string"),
+    ({"guided_regex": ""}, "guided_regex", "must be a non-empty string"),
+    ({"guided_grammar": ["a"]}, "guided_grammar", "'guided_grammar' must be a string"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "at most one of response_format (json_object or json_schema), guided_regex and guided_grammar"),
+])  # fmt: skip
+def test_bad_openai_bodies_get_400_naming_the_parameter(extra, param, match):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, chat)):
+        with pytest.raises(APIError) as excinfo:
+            parse({**body, **extra})
+        assert excinfo.value.status == 400 and excinfo.value.param == param
+        assert match in excinfo.value.message
+
+
+# ---- compiling ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params,match", [
+    (StructuredOutputParams(json={"type": "bogus"}), 'invalid JSON schema: Unsupported type "bogus"'),
+    (StructuredOutputParams(json={"$ref": "#/$defs/missing"}), "invalid JSON schema"),
+    (StructuredOutputParams(regex="([a-z]"), "invalid regex: Regex parsing error at position 7: The parenthesis is "
+                                             "not closed"),
+    (StructuredOutputParams(grammar="root ::= item"), 'invalid EBNF grammar: EBNF parser error at line 1, column 10: '
+                                                      'Rule "item" is not defined'),
+])  # fmt: skip
+def test_bad_constraints_fail_with_a_clean_message(cache, params, match):
+    for error in (_raised(check_grammar, params), _raised(lambda p: ready(cache, p), params)):
+        message = str(error)
+        assert isinstance(error, GrammarError) and message.startswith(match), message
+        assert "/project" not in message and "Check failed" not in message and not message.startswith("[")
+
+
+def _raised(fn, *args) -> BaseException:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        return e
+    raise AssertionError(f"{fn} raised nothing")
+
+
+def test_cache_compiles_once_per_constraint_and_keeps_the_newest(tokenizer):
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS], max_entries=2)
+    try:
+        a, b, c = (StructuredOutputParams(regex=r) for r in ("a+", "b+", "c+"))
+        first = grammars.get(a)
+        assert grammars.get(StructuredOutputParams(regex="a+")) is first and grammars.num_compiles == 1
+        assert grammars.get(StructuredOutputParams(json_object=True)) is not grammars.get(b)
+        assert grammars.num_compiles == 3 and list(grammars.entries) == [("json_object", ""), ("regex", "b+")]
+        grammars.get(StructuredOutputParams(json_object=True))  # used: now the newest
+        grammars.get(c)
+        assert list(grammars.entries) == [("json_object", ""), ("regex", "c+")]
+        assert grammars.get(a) is not first and grammars.num_compiles == 5
+        bad = StructuredOutputParams(regex="(")
+        failed = grammars.get(bad)
+        assert isinstance(failed.exception(timeout=30), GrammarError)
+        assert grammars.get(bad) is failed  # a bad schema sent again fails at once
+    finally:
+        grammars.shutdown()
+
+
+def test_a_slow_compile_fails_its_request_at_the_time_limit_without_blocking(tokenizer):
+    release = threading.Event()
+
+    def stuck_tokenizer():  # stands in for a pathological schema: the worker is busy for as long as it likes
+        release.wait(30)
+        return tokenizer
+
+    grammars = GrammarCache(stuck_tokenizer, MODEL_VOCAB, [EOS], timeout_s=0.2)
+    try:
+        grammar = grammars.request_grammar(StructuredOutputParams(regex="[0-9]+"))
+        start = time.monotonic()
+        assert not grammar.poll()
+        assert time.monotonic() - start < 0.05  # polling never waits for the compile
+        time.sleep(0.25)
+        with pytest.raises(GrammarError, match=r"compiling the regex took longer than 0.2 s"):
+            grammar.poll()
+        release.set()
+        # The compile finishes on its own and is cached for the next request.
+        assert grammars.get(StructuredOutputParams(regex="[0-9]+")).result(timeout=30) is not None
+        assert grammars.request_grammar(StructuredOutputParams(regex="[0-9]+")).poll()
+    finally:
+        release.set()
+        grammars.shutdown()
+
+
+# ---- the mask against a reference -----------------------------------------------------------------------
+
+
+def test_mask_allows_exactly_the_tokens_a_reference_allows(cache, tokenizer):
+    """A regex's mask, step by step, is the set of tokens that keep the text a prefix of a match
+    (checked with Python's `re` on each token's text); EOS only once the text matches whole."""
+    digits = re.compile(r"[0-9]{1,3}-[a-z]{2}")
+    prefixes = {s[:i] for s in ("123-ab",) for i in range(len(s) + 1)}
+    texts = token_texts(tokenizer)
+
+    def is_prefix(text: str) -> bool:  # a prefix of some match of [0-9]{1,3}-[a-z]{2}
+        return bool(re.fullmatch(r"[0-9]{0,3}|[0-9]{1,3}-[a-z]{0,2}", text))
+
+    grammar = ready(cache, StructuredOutputParams(regex=digits.pattern))
+    mask = GrammarBitmask(2, MODEL_VOCAB, torch.device("cpu"))
+    text = ""
+    for token in tokenizer.encode("123-ab"):
+        mask.fill([grammar], [1])
+        got = allowed(mask.host[1])
+        expected = {t for t, s in texts.items() if is_prefix(text + s)} | ({EOS} if digits.fullmatch(text) else set())
+        # Tokens with no text of their own (byte pieces) may be allowed too; nothing else.
+        assert expected <= got and got - expected <= set(range(TOKENIZER_VOCAB)) - set(texts) - {EOS}
+        assert not got & set(range(TOKENIZER_VOCAB, MODEL_VOCAB))
+        assert grammar.accept_token(token)
+        text += tokenizer.decode([token])
+        assert text in prefixes
+    mask.fill([grammar], [0])
+    assert allowed(mask.host[0]) == {EOS}  # the match is complete: only the stop token is left
+    assert not grammar.accept_token(tokenizer.encode("7")[0])  # rejected, state unchanged
+    assert grammar.accept_token(EOS) and grammar.is_terminated
+
+
+def test_apply_masks_constrained_rows_only(cache, tokenizer):
+    """Rows with a grammar keep exactly the logits of tokens that can start a match (a reference from each
+    token's text), -inf elsewhere, padding ids included; rows without one are untouched."""
+    logits = torch.randn(4, MODEL_VOCAB, generator=torch.Generator().manual_seed(0))
+    yes_no = ready(cache, StructuredOutputParams(grammar='root ::= "yes" | "no"'))
+    number = ready(cache, StructuredOutputParams(regex="[0-9]+"))
+    texts = token_texts(tokenizer)
+    starts = {1: {t for t, s in texts.items() if "yes".startswith(s) or "no".startswith(s)},
+              3: {t for t, s in texts.items() if s.isascii() and s.isdigit()}}  # fmt: skip
+    expected = logits.clone()
+    for row, keep in starts.items():
+        barred = torch.ones(MODEL_VOCAB, dtype=torch.bool)
+        barred[sorted(keep)] = False
+        expected[row, barred] = float("-inf")
+    mask = GrammarBitmask(2, MODEL_VOCAB, torch.device("cpu"))  # grows to the batch
+    assert mask.apply(logits, [None, yes_no, None, number]) == [1, 3]
+    assert torch.equal(logits, expected)
+    assert mask.apply(logits, [None] * 4) == [] and torch.equal(logits, expected)  # nothing constrained
+
+
+def test_length_limited_strings_hold_no_raw_control_characters(cache):
+    """xgrammar's own length-limited strings would take a raw tab (invalid JSON); Kiln hands the limits
+    over as a pattern, which does not."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}},
+              "required": ["s"]}  # fmt: skip
+    for text, valid in (('{"s": "a\tb"}', False), ('{"s": "abcd"}', True), ('{"s": "abcde"}', False),
+                        ('{"s": ""}', False), ('{"s": "été"}', True)):  # fmt: skip
+        matcher = ready(cache, StructuredOutputParams(json=schema)).matcher
+        assert (matcher.accept_string(text) and matcher.is_completed()) == valid, text
+
+
+def test_batch_fill_equals_one_by_one(cache, tokenizer):
+    specs = [StructuredOutputParams(regex="[a-z]+ [0-9]+"), StructuredOutputParams(json=SCHEMA),
+             StructuredOutputParams(json_object=True), StructuredOutputParams(grammar='root ::= "a" root | "b"')]
+    grammars = [ready(cache, p) for p in specs]
+    for g, prefix in zip(grammars, ("abc 1", '{"ok": ', "{", "aa")):
+        for token in tokenizer.encode(prefix):
+            assert g.accept_token(token)
+    together = GrammarBitmask(8, MODEL_VOCAB, torch.device("cpu"))
+    together.fill(grammars, [7, 0, 3, 5])
+    alone = GrammarBitmask(1, MODEL_VOCAB, torch.device("cpu"))
+    for g, row in zip(grammars, (7, 0, 3, 5)):
+        alone.fill([g], [0])
+        assert torch.equal(together.host[row], alone.host[0])
+
+
+# ---- a tiny model under constraints ---------------------------------------------------------------------
+# Its weights are random, so at temperature 1 its choices are noise: whatever structure the outputs have,
+# the grammar made. Schemas bound every string and number, so outputs end well within max_tokens; an
+# output cut by the length limit would prove nothing, and fails the test.
+
+# NOTE: strings are bounded by ASCII patterns, not maxLength: xgrammar 0.2.9 takes overlong UTF-8 (F0 8C ..)
+# for one character, which random byte tokens produce and which decodes to several U+FFFD.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{0,11}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9]{1,5}$"}, "maxItems": 3},
+        "active": {"type": "boolean"},
+        "address": {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+                                                     "city": {"enum": ["Paris", "Lyon"]}},
+                    "required": ["zip"]},
+    },
+    "required": ["name", "age", "role", "tags", "active"],
+}
+ARITHMETIC = """
+root ::= expr
+expr ::= term (("+" | "*") term){0,3}
+term ::= [1-9] [0-9]? | "(" expr ")"
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama, its EOS made the tokenizer's end-of-text token (a special token, as in a real model):
+    an output's text is then exactly what the grammar let through."""
+    path = tmp_path_factory.mktemp("llama-eos")
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).exists():
+            config = json.loads((path / name).read_text())
+            config["eos_token_id"] = 0
+            (path / name).write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), enforce_eager=True, max_model_len=512)
+
+
+def sample(llm, structured_output, n=32, **kwargs):
+    params = SamplingParams(n=n, temperature=1.0, seed=1234, max_tokens=300, structured_output=structured_output,
+                            **kwargs)  # fmt: skip
+    outputs = llm.generate([llm.tokenizer.encode("Answer: ")], params, use_tqdm=False)[0].outputs
+    assert all(c.finish_reason == "stop" for c in outputs), [(c.finish_reason, c.text) for c in outputs]
+    assert len({c.text for c in outputs}) > n // 2  # the seeds differ: so do the outputs
+    return [c.text for c in outputs]
+
+
+def test_json_schema_outputs_parse_and_validate(llm):
+    for text in sample(llm, StructuredOutputParams(json=PERSON), n=64):
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_outputs_are_objects(llm):
+    # Any object may hold strings of any length: a bias towards closing quotes and braces keeps the
+    # noise short (it picks among what the grammar allows; it does not make anything valid).
+    close = {llm.tokenizer.encode(c)[0]: 4.0 for c in ('"', "}")}
+    for text in sample(llm, StructuredOutputParams(json_object=True), logit_bias=close):
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_regex_outputs_match(llm):
+    pattern = r"(yes|no), [0-9]{2,4} [a-z]{1,8}!"
+    for text in sample(llm, StructuredOutputParams(regex=pattern)):
+        assert re.fullmatch(pattern, text), text
+
+
+def test_ebnf_outputs_are_in_the_language(llm):
+    texts = sample(llm, StructuredOutputParams(grammar=ARITHMETIC))
+    for text in texts:
+        # Python's own parser is the reference: an arithmetic expression of +, *, parentheses and numbers.
+        assert re.fullmatch(r"[0-9+*()]+", text), text
+        tree = ast.parse(text, mode="eval")
+        assert all(isinstance(node, ast.Expression | ast.BinOp | ast.Constant | ast.Add | ast.Mult)
+                   for node in ast.walk(tree)), text  # fmt: skip
+    assert any("(" in text for text in texts) and any(not text.isdigit() for text in texts)
+
+
+def test_unconstrained_requests_keep_their_outputs(llm):
+    prompts = [[5, 6, 7], [40, 41], [300, 200, 100, 9]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    constrained = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=200,
+                                 structured_output=StructuredOutputParams(json=PERSON))  # fmt: skip
+    mixed = llm.generate([prompts[0], [9, 9], prompts[1], prompts[2]], [greedy, constrained, greedy, greedy],
+                         use_tqdm=False)  # fmt: skip
+    assert [mixed[i].outputs[0].token_ids for i in (0, 2, 3)] == alone
+    for choice in mixed[1].outputs:
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_greedy_follows_the_grammar_and_unconstrained_batches_pay_nothing(llm, monkeypatch):
+    calls = []
+    original = GrammarBitmask.apply
+    monkeypatch.setattr(GrammarBitmask, "apply", lambda self, *args: calls.append(1) or original(self, *args))
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert not calls  # no constrained request in the batch: no mask work at all
+    three_digits = SamplingParams(temperature=0, max_tokens=50, structured_output={"regex": "[0-9]{3}"})
+    out = llm.generate([[1, 2, 3]], three_digits, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop"
+    assert len(calls) == len(out.token_ids)  # one mask per sampled token (the last allowed EOS alone)
+
+
+def test_bad_constraints_fail_offline(llm):
+    with pytest.raises(ValueError, match='invalid JSON schema: Unsupported type "bogus"'):
+        llm.generate([[1, 2]], SamplingParams(structured_output=StructuredOutputParams(json={"type": "bogus"})))
+    # Past the offline check (a client of the engine core directly): the compile fails that request alone.
+    engine = llm.engine
+    engine.add_request("bad", [1, 2], SamplingParams(structured_output={"regex": "(unclosed"}))
+    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finish_reason is not None)
+    assert engine.failed_requests == [("bad", "invalid regex: Regex parsing error at position 10: The parenthesis "
+                                              "is not closed.")]  # fmt: skip
+    assert set(finished) == {"good"}
+    engine.failed_requests.clear()
+
+
+def test_abort_while_compiling(llm):
+    engine = llm.engine
+    engine.add_request("slow", [1, 2], SamplingParams(structured_output={"regex": "[a-f]{1,9}z"}))
+    assert engine.waiting_for_grammar and engine.has_unfinished_requests()
+    engine.abort_requests(["slow"])
+    assert not engine.waiting_for_grammar and not engine.has_unfinished_requests()
+
+
+def test_a_token_the_grammar_rejects_fails_its_request_alone(tiny_llama_dir):
+    """min_tokens holds back EOS, the one token the finished grammar allows: every logit is -inf, and the
+    token drawn (greedy: id 0) is one the grammar rejects. The request fails with the reason; the engine
+    goes on."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128)
+    conflict = SamplingParams(temperature=0, min_tokens=4, max_tokens=8, structured_output={"regex": "a"})
+    with pytest.raises(ValueError, match="the grammar does not allow the sampled token 0"):
+        llm.generate([[1, 2]], conflict, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].finished
+
+
+# ---- over HTTP ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from test_server import Server  # noqa: PLC0415  (the real-process server of the server tests)
+
+    s = Server(model_dir, "--max-model-len", "512")
+    yield s
+    s.stop()
+
+
+def test_server_constrains_chat_and_completions(server):
+    client = server.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who?"}],
+                                          response_format=response_format, n=4, seed=3, max_tokens=300)  # fmt: skip
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    pattern = r"(yes|no), [0-9]{2,4} [a-z]{1,8}!"
+    stream = client.completions.create(model=server.model, prompt="Say", max_tokens=100, seed=5, stream=True,
+                                       extra_body={"guided_regex": pattern})  # fmt: skip
+    assert re.fullmatch(pattern, "".join(c.choices[0].text for c in stream if c.choices))
+    grammar = client.completions.create(model=server.model, prompt="Sum", max_tokens=100, seed=6,
+                                        extra_body={"guided_grammar": ARITHMETIC})  # fmt: skip
+    ast.parse(grammar.choices[0].text, mode="eval")
+
+
+BAD_CONSTRAINTS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "response_format",
+     'invalid JSON schema: Unsupported type "bogus"'),
+    ({"response_format": {"type": "xml"}}, "response_format", "'response_format.type' must be one of"),
+    ({"guided_regex": "[0-9"}, "guided_regex", "invalid regex: Regex parsing error"),
+    ({"guided_grammar": "root ::= item"}, "guided_grammar", 'Rule "item" is not defined'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra,param,message", BAD_CONSTRAINTS, ids=[p for _, p, _ in BAD_CONSTRAINTS])
+def test_server_bad_constraint_gets_400_and_the_engine_stays_healthy(server, extra, param, message):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        for stream in (False, True):
+            code, raw = server.post(path, {**body, **extra, "stream": stream, "max_tokens": 5})
+            assert code == 400, raw
+            error = json.loads(raw)["error"]
+            assert error["param"] == param and message in error["message"], error
+            assert "/project" not in error["message"]
+    assert server.get("/health")[0] == 200
+    code, raw = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 20, "guided_regex": "[a-z]{3}"})
+    assert code == 200 and re.fullmatch("[a-z]{3}", json.loads(raw)["choices"][0]["text"])
