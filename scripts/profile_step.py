@@ -13,6 +13,22 @@ from torch.profiler import ProfilerActivity, profile
 from kiln.engine import LLM, SamplingParams
 
 
+def profile_host(llm: LLM, args) -> None:
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    timing = llm.engine.step_timing
+    print(f"\nhost profile of LLM.generate, batch {args.batch}, {args.steps} steps; engine timing so far: {timing}")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.2-1b")
@@ -20,10 +36,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--host", action="store_true", help="cProfile the host side of LLM.generate instead")
     args = p.parse_args()
     llm = LLM(args.model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
               enforce_eager=args.enforce_eager, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
     engine = llm.engine
+    if args.host:
+        profile_host(llm, args)
+        return
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(32)], params)
