@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import kiln.backends.attention as unified_attention_module
+import kiln.backends.collectives as collectives_module
 
 logger = logging.getLogger("kiln")
 
@@ -43,10 +44,11 @@ def device_target(device: torch.device) -> str:
 
 def source_hash(model: torch.nn.Module) -> str:
     """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes'
-    modules, the attention op, and this package."""
+    modules, the attention and collective ops, and this package."""
     files = {Path(inspect.getfile(type(m))) for m in model.modules()}
     files |= set(Path(__file__).parent.glob("*.py"))
     files.add(Path(inspect.getfile(unified_attention_module)))
+    files.add(Path(inspect.getfile(collectives_module)))
     digest = hashlib.sha256()
     for path in sorted(files):
         digest.update(path.name.encode())

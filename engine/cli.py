@@ -49,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         f"(set {DISABLE_ENV}=1 to disable the cache)")  # fmt: skip
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step's tokens before scheduling the next")  # fmt: skip
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="split each layer across N GPUs (ranks 1..N-1 run in worker processes)")  # fmt: skip
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument("--cudagraph-capture-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                         default=None, help="comma-separated token counts (default: 1,2,4,8,...)")  # fmt: skip

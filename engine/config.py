@@ -37,13 +37,15 @@ class EngineConfig:
     cudagraph_mode: str = "full_and_piecewise"  # or "piecewise", "none"
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: a vLLM-like list up to 2 * max_num_seqs
     async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
+    tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes",
+                     "tensor_parallel_size"):  # fmt: skip
             positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")

@@ -21,6 +21,7 @@ import zmq
 
 from kiln.engine import protocol
 from kiln.engine.config import EngineConfig
+from kiln.engine.distributed import WorkerDiedError
 from kiln.engine.engine_core import EngineCore, EngineCoreOutput
 from kiln.engine.sampling_params import SamplingParams
 
@@ -43,7 +44,10 @@ def run_engine_core(config: dict[str, Any], input_address: str, output_address: 
     threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True).start()
     outputs.put(protocol.Ready(core.max_model_len, core.model_config.vocab_size, core.num_kv_blocks,
                                _jsonable(core.startup_stats), _stats(core)))  # fmt: skip
-    _busy_loop(core, inputs, outputs, parent_pid)
+    try:
+        _busy_loop(core, inputs, outputs, parent_pid)
+    finally:
+        core.close()  # tensor-parallel workers
     outputs.put(None)
     logger.info("engine core stopped")
 
@@ -91,6 +95,8 @@ def _handle(core: EngineCore, message: Any, failed: list[protocol.RequestFailed]
 def _step(core: EngineCore, failed: list[protocol.RequestFailed]) -> list[EngineCoreOutput]:
     try:
         outputs = core.step(isolate_failures=True)
+    except WorkerDiedError:
+        raise  # no request's fault and no step can run: the engine core exits and the server sees it die
     except Exception:
         # NOTE: not one request's fault (isolation found none): fail what was running, keep serving.
         logger.error("step failed:\n%s", traceback.format_exc())

@@ -26,10 +26,12 @@ from kiln.compile import (
     default_capture_sizes,
 )
 from kiln.engine.config import EngineConfig, kiln_version
+from kiln.engine.distributed import TensorParallelWorkers, WorkerDiedError, min_across_ranks
 from kiln.engine.model_runner import ModelRunner, StepHandle
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
+from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
@@ -70,12 +72,15 @@ class StepTiming:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
+        """`tp_rank` > 0: a tensor-parallel worker's engine (engine/distributed.py), the model side only."""
         self.config = config
         start = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model)
         model_config = self.source.model_config
         self.device = config.resolve_device()
+        if tp_rank > 0 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the worker chose its GPU
         self.dtype = config.resolve_dtype(self.device, _checkpoint_dtype(self.source.hf_config))
         self.load_format = config.load_format
         if self.load_format == "auto":
@@ -88,7 +93,11 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
             )
         torch.manual_seed(config.seed)
-        self.model = build_model(model_config, self.dtype, self.device, max_model_len)
+        # Tensor parallel: this process holds rank `tp_rank`'s shard. Rank 0 starts the other ranks once the
+        # shapes are known to split, so they load their weights alongside it.
+        self.shard = TensorParallelShard(tp_rank, config.tensor_parallel_size)
+        self.model = build_model(model_config, self.dtype, self.device, max_model_len, self.shard)
+        self.tp_workers = TensorParallelWorkers(config, self.device) if self.shard.size > 1 and tp_rank == 0 else None
         if self.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
@@ -102,9 +111,12 @@ class EngineCore:
         self.counters = CompileCounters()
         self.compiled = None if config.enforce_eager else self._make_compiled(max_model_len)
         self.kv_spec = KVCacheSpec(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, self.dtype
-        )
+            model_config.num_layers, kv_heads_per_rank(model_config.num_kv_heads, self.shard.size),
+            model_config.head_dim, config.block_size, self.dtype,
+        )  # fmt: skip
         num_blocks = self._num_kv_blocks(max_model_len)
+        if self.shard.size > 1:
+            num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
         usable_tokens = (num_blocks - 1) * config.block_size
         if usable_tokens < max_model_len:
             if config.max_model_len is not None:
@@ -119,10 +131,13 @@ class EngineCore:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._make_runner(self.kv_caches, max_model_len, self.compiled)
+        self.runner.tp_workers = self.tp_workers
         if self.compiled is not None:
             self.runner.warm_up(min(16, max_model_len - 1))  # the one Dynamo trace
             if self.runner.cudagraph_mode != "none":
                 self.runner.capture_cudagraphs(self.counters)
+        if tp_rank > 0:
+            return  # a tensor-parallel worker: no scheduler; rank 0 schedules, samples and drives its steps
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
@@ -214,6 +229,9 @@ class EngineCore:
         if not batch.is_empty:
             try:
                 launched = self._launch(batch)
+            except WorkerDiedError:
+                self.in_flight = None
+                raise  # no request is at fault and no step can run: the engine is down
             except Exception:
                 if not isolate_failures:
                     self.in_flight = None
@@ -266,7 +284,12 @@ class EngineCore:
 
     def _launch(self, batch: SchedulerOutput) -> StepHandle:
         start = time.perf_counter()
-        handle = self.runner.launch(batch)
+        try:
+            handle = self.runner.launch(batch)
+        except Exception as e:
+            if self.tp_workers is not None:
+                self.tp_workers.raise_if_dead(e)  # a collective broken by a dead worker: say so
+            raise
         self.step_timing.host_seconds += time.perf_counter() - start
         return handle
 
@@ -317,6 +340,12 @@ class EngineCore:
             out.stop_reason = request.stop_reason
         return list(outputs.values())
 
+    def close(self) -> None:
+        """Stop and reap the tensor-parallel workers (nothing to do with one rank). Idempotent; the engine
+        cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+
     # ---- start-up -------------------------------------------------------------------------------------
 
     def _make_runner(self, kv_caches: list[torch.Tensor], max_model_len: int, compiled=None) -> ModelRunner:
@@ -337,6 +366,7 @@ class EngineCore:
         settings = {
             "cudagraph_mode": config.cudagraph_mode, "capture_sizes": config.cudagraph_capture_sizes,
             "max_model_len": max_model_len, "attention_backend": self.backend.name,
+            "tensor_parallel_size": config.tensor_parallel_size,
         }  # fmt: skip
         key = cache_key_inputs(kiln_version(), self.model, dataclasses.asdict(self.model_config), self.dtype,
                                self.device, settings)  # fmt: skip

@@ -44,6 +44,16 @@ class LLM:
         self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @property
     def uses_dummy_weights(self) -> bool:
         return self.engine.load_format == "dummy"

@@ -97,6 +97,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
         self.time_gpu = False  # record CUDA events around each step (the latency breakdown)
+        self.tp_workers = None  # tensor parallel: rank 0's TensorParallelWorkers (engine/distributed.py)
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
         self.capture_sizes = sorted(capture_sizes or []) if use_graphs else []
@@ -142,6 +143,8 @@ class ModelRunner:
             handle.gpu_start.record()
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
+        if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
+            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows)
         hidden = self.forward(metadata, plan)
         if handle.sample_rows:
             logits = self.model.compute_logits(hidden[logits_indices])
@@ -178,7 +181,10 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(batch.requests)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(batch.requests)
         if handle.done is not None:
-            handle.done.synchronize()
+            if self.tp_workers is not None:
+                self.tp_workers.wait(handle.done)  # NOTE: a collective with a dead worker would never finish
+            else:
+                handle.done.synchronize()
             if handle.gpu_start is not None:
                 handle.gpu_seconds = handle.gpu_start.elapsed_time(handle.done) / 1e3
         if not handle.sample_rows:

@@ -12,20 +12,32 @@ from torch import nn
 
 import kiln.backends.attention  # noqa: F401  (registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.engine.models.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallelShard,
+    VocabParallelEmbedding,
+)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int) -> None:
+    """This rank's attention heads (all of them with one rank)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int, shard: TensorParallelShard) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.head_dim = config.head_dim
+        # q, k and v in one matmul; the loader writes each Hugging Face projection into its slice.
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads,
+                                          config.qkv_bias, shard)  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        # q, k and v in one matmul; the loader writes each Hugging Face projection into its slice.
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_bias, shard)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -46,10 +58,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TensorParallelShard) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], shard)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, shard)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +70,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int, shard: TensorParallelShard) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index, max_positions)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_index, max_positions, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -78,10 +91,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, shard: TensorParallelShard) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, max_positions) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, max_positions, shard) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -102,11 +115,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int | None = None,
+                 shard: TensorParallelShard | None = None) -> None:  # fmt: skip
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions or config.max_position_embeddings)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        shard = shard or TensorParallelShard()
+        self.model = DecoderModel(config, max_positions or config.max_position_embeddings, shard)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -114,10 +129,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary, on every rank (the LM head gathers the ranks' slices)."""
         return self.lm_head(hidden)
-
-    def shard_slice(self, shard: str | int) -> tuple[int, int]:
-        """Row range of a Hugging Face projection inside its fused Kiln parameter."""
-        c = self.config
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), 0: (0, inter), 1: (inter, 2 * inter)}[shard]

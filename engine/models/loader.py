@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.llama import LlamaForCausalLM
+from kiln.engine.models.parallel import ShardId, TensorParallelShard, checkpoint_parts, load_part
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,13 +28,15 @@ class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the file and the tensor."""
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                shard: TensorParallelShard | None = None) -> nn.Module:  # fmt: skip
+    """The model for one tensor-parallel rank (the whole model by default), weights not yet filled."""
     cls = MODEL_CLASSES[config.architecture]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config, max_positions)
+            model = cls(config, max_positions, shard)
     finally:
         torch.set_default_dtype(default_dtype)
     return model.eval().requires_grad_(False)
@@ -55,66 +57,75 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+@torch.no_grad()
+def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; every parameter must be filled.
+
+    Each tensor is opened as a safetensors slice and only this rank's rows or columns are read."""
+    params = dict(model.named_parameters())
+    filled: set[tuple[str, ShardId]] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
-                yield path, name, f.get_tensor(name)
-
-
-@torch.no_grad()
-def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; every parameter must be filled."""
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
-    for path, name, tensor in iterate_checkpoint(model_dir):
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue  # tied to the embedding, which is loaded under its own name
-        target, rows = _target_of(model, name)
-        if target not in params:
-            raise WeightLoadError(f"{path.name}: tensor {name!r} has no place in {model.config.architecture}")
-        param = params[target]
-        dest = param if rows is None else param[rows[0] : rows[1]]
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise WeightLoadError(
-                f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        filled.add(name if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
-    missing = [n for n in _expected_names(model) if n not in filled]
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # tied to the embedding, which is loaded under its own name
+                target, shard = _target_of(model, name)
+                if target not in params:
+                    raise WeightLoadError(f"{path.name}: tensor {name!r} has no place in {model.config.architecture}")
+                module, param_name = _owner(model, target)
+                expected = dict(checkpoint_parts(module, param_name))[shard]
+                source = f.get_slice(name)
+                if tuple(source.get_shape()) != expected:
+                    raise WeightLoadError(
+                        f"{path.name}: tensor {name!r} has shape {tuple(source.get_shape())}, expected {expected}"
+                    )
+                load_part(module, param_name, source, shard)
+                filled.add((target, shard))
+    missing = [_describe(target, shard) for target, shard in _expected_parts(model) if (target, shard) not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightLoadError(f"{model_dir}: checkpoint is missing {len(missing)} tensors: {shown}")
 
 
-def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, tuple[int, int] | None]:
+def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
     for hf_name, (fused, shard) in model.stacked_params.items():
         if f".{hf_name}." in name:
-            return name.replace(hf_name, fused), model.shard_slice(shard)
+            return name.replace(hf_name, fused), shard
     return name, None
 
 
-def _expected_names(model: LlamaForCausalLM) -> list[str]:
-    names = []
-    for name, _ in model.named_parameters():
-        fused = [(hf, shard) for hf, (f, shard) in model.stacked_params.items() if f".{f}." in name]
-        if not fused:
-            names.append(name)
-        for _, shard in fused:
-            if name.endswith("bias") or name.endswith("weight"):
-                start, end = model.shard_slice(shard)
-                names.append(f"{name}[{start}:{end}]")
-    return names
+def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:
+    module_name, _, param_name = param.rpartition(".")
+    return model.get_submodule(module_name), param_name
+
+
+def _expected_parts(model: nn.Module) -> list[tuple[str, ShardId]]:
+    return [(name, shard) for name, _ in model.named_parameters()
+            for shard, _ in checkpoint_parts(*_owner(model, name))]  # fmt: skip
+
+
+def _describe(target: str, shard: ShardId) -> str:
+    return target if shard is None else f"{target} ({shard})"
 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of realistic scale (norms at 1), for benchmarks and demos without a download."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights of realistic scale (norms at 1), for benchmarks and demos without a download.
+
+    Each parameter's whole (unsharded) tensor is drawn and this rank keeps its slice, so the weights are
+    the same whatever the tensor-parallel size."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=generator)
+            continue
+        module, param_name = _owner(model, name)
+        parts = checkpoint_parts(module, param_name)
+        rows = [shape[0] for _, shape in parts]
+        full = torch.empty(sum(rows), *parts[0][1][1:], dtype=param.dtype, device=device)
+        full.normal_(0.0, 0.02, generator=generator)
+        for (shard, _), source in zip(parts, full.split(rows)):
+            load_part(module, param_name, source, shard)

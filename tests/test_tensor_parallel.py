@@ -1,0 +1,132 @@
+"""Tensor parallelism on CPU: 2 ranks over gloo (rank 0 in this process, rank 1 a spawned worker).
+
+Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank)
+and Qwen3 (1 KV head: replicated on both ranks), eager and compiled; a killed worker fails the engine
+fast; shutdown, and dropping the engine, leave no child process behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.model_source import resolve_model
+
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+# Small KV caches (the CPU default is 1 GiB per rank) and a budget that chunks the 41-token prompt, so
+# steps mix prefill chunks with decodes.
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3):
+    return tiny_llama_dir if request.param == "llama" else tiny_model_dir_qwen3
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """TP=1 outputs of the same engine, and a check against Hugging Face's greedy tokens."""
+    single = LLM(str(model_dir), enforce_eager=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def assert_matches_hf(prompt: list[int], tokens: list[int]) -> None:
+        """Equal up to a near-tie of the reference's top two logits, where either token is a right argmax."""
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        for i, (got, want) in enumerate(zip(tokens, expected)):
+            if got != want:
+                with torch.no_grad():
+                    top2 = hf(torch.tensor([prompt + expected[:i]])).logits[0, -1].topk(2).values
+                assert top2[0] - top2[1] <= 1e-5, f"token {i} differs ({got} vs {want}) without a near-tie"
+                return
+
+    return single, assert_matches_hf
+
+
+def _assert_reaped(processes: list[multiprocessing.Process]) -> None:
+    assert processes and all(p.exitcode is not None for p in processes)
+    assert not multiprocessing.active_children()
+
+
+def test_tiny_models_exercise_split_and_replicated_kv_heads(tiny_llama_dir, tiny_model_dir_qwen3):
+    llama, qwen3 = (resolve_model(str(d)).model_config for d in (tiny_llama_dir, tiny_model_dir_qwen3))
+    assert llama.num_heads % 2 == 0 and llama.num_kv_heads == 2  # one KV head per rank
+    assert qwen3.num_heads % 2 == 0 and qwen3.num_kv_heads == 1  # the one KV head on both ranks
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_tp2_equals_tp1_and_hf(model_dir, reference, enforce_eager):
+    single, assert_matches_hf = reference
+    with LLM(str(model_dir), enforce_eager=enforce_eager, tensor_parallel_size=2, **ENGINE) as llm:
+        workers = llm.engine.tp_workers.processes
+        config = llm.engine.model_config
+        assert llm.engine.kv_spec.num_kv_heads == max(config.num_kv_heads // 2, 1)
+        assert llm.engine.model.model.layers[0].self_attn.num_heads == config.num_heads // 2
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        if not enforce_eager:
+            stats = llm.engine.startup_stats
+            assert stats["dynamo_traces"] == 1 and stats["compute_pieces"] == config.num_layers + 1
+    _assert_reaped(workers)
+    assert all(p.exitcode == 0 for p in workers)  # told to stop, not killed
+    for prompt, got, want in zip(PROMPTS, outputs, single):
+        got, want = got.outputs[0], want.outputs[0]
+        assert got.token_ids == want.token_ids
+        for lp_got, lp_want in zip(got.logprobs, want.logprobs):
+            assert lp_got.keys() == lp_want.keys()
+            assert all(math.isclose(lp_got[t].logprob, lp_want[t].logprob, abs_tol=1e-4) for t in lp_got)
+        assert_matches_hf(prompt, got.token_ids)
+
+
+def test_dummy_weights_do_not_depend_on_tp_size(tiny_model_dir_qwen3):
+    """Each rank draws every whole tensor from the seed and keeps its slice: the same model as TP=1."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(load_format="dummy", enforce_eager=True, **ENGINE)
+    single = LLM(str(tiny_model_dir_qwen3), **kwargs).generate(PROMPTS, params, use_tqdm=False)
+    with LLM(str(tiny_model_dir_qwen3), tensor_parallel_size=2, **kwargs) as llm:
+        split = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+
+
+def test_killed_worker_fails_fast(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = llm.engine.tp_workers.processes
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # the engine runs
+    killer = threading.Timer(0.5, os.kill, (workers[0].pid, signal.SIGKILL))
+    start = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel worker .* exited with code -9"):
+            llm.generate(PROMPTS, long, use_tqdm=False)  # killed mid-generation, inside a collective or between
+    finally:
+        killer.cancel()
+    assert time.monotonic() - start < 10.0
+    # The engine stays down: a new request fails at once, it does not wait on the dead rank.
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker"):
+        llm.generate(PROMPTS[:1], long, use_tqdm=False)
+    assert time.monotonic() - start < 2.0
+    llm.close()
+    _assert_reaped(workers)
+
+
+def test_dropped_engine_reaps_its_workers(tiny_llama_dir):
+    """No close(): garbage collection stops the workers (and a new TP engine can start after it)."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = list(llm.engine.tp_workers.processes)
+    del llm
+    gc.collect()
+    _assert_reaped(workers)
