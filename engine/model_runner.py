@@ -104,6 +104,7 @@ class ModelRunner:
         # Padding never needs more rows than the largest capture size or the token budget.
         max_tokens = max(max_num_batched_tokens, *self.capture_sizes, 1)
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
 
         def staged(*shape: int, dtype: torch.dtype) -> StagedBuffer:
@@ -363,7 +364,9 @@ class ModelRunner:
     def _dummy_metadata(self, num_tokens: int, decode: bool, mode: str) -> tuple[AttentionMetadata, GraphPlan]:
         """`num_tokens` one-token requests (decode) or as few prefills as fit in max_model_len, every
         K/V slot in the scratch block."""
-        per_req = 1 if decode else min(num_tokens, self.max_blocks_per_seq * self.block_size)
+        # NOTE: not the block table's rounded-up capacity: positions past max_model_len index past the
+        # rotary table.
+        per_req = 1 if decode else min(num_tokens, self.max_model_len)
         num_new = np.full(-(-num_tokens // per_req), per_req, dtype=np.int64)
         num_new[-1] = num_tokens - per_req * (len(num_new) - 1)
         blocks = [[0] * -(-int(n) // self.block_size) for n in num_new]

@@ -144,3 +144,13 @@ def test_tokens_come_back_one_step_late(engines):
         while engine.has_unfinished_requests():
             tokens[engine] += [t for o in engine.step() for t in o.new_token_ids]
     assert tokens[asyn] == tokens[sync] and len(tokens[sync]) == 3
+
+
+def test_dummy_steps_stay_inside_max_model_len(tiny_llama_dir):
+    """Start-up's dummy prefills (profiling, capture) never use a position past max_model_len, even when
+    it is not a multiple of the block size (a position past it indexes past the rotary table)."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=76, block_size=16, max_num_batched_tokens=256)
+    runner = llm.engine.runner
+    metadata, plan = runner._dummy_metadata(256, False, "none")
+    positions = runner.positions[: plan.num_tokens]
+    assert int(positions.max()) == 75 and int(metadata.seq_lens.max()) <= 76
