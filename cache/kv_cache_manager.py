@@ -108,6 +108,12 @@ class KVCacheManager:
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; prefix hits come first")
         num_required_tokens = num_computed_tokens + num_new_tokens
+        num_full_blocks = min(num_required_tokens, len(token_ids)) // self.block_size
+        num_hashed = len(self.req_to_block_hashes.get(request_id, ()))
+        if num_required_tokens <= len(blocks) * self.block_size and not (
+            self.enable_prefix_caching and num_full_blocks > num_hashed
+        ):
+            return True  # most decode steps: the slot exists and no block fills up
         num_required_blocks = -(-num_required_tokens // self.block_size)
         num_new_blocks = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
         # Hit blocks sitting in the free queue are counted as free but are about to be taken.
@@ -132,7 +138,6 @@ class KVCacheManager:
             # in the same step is safe because each layer writes the step's KV before attending.
             # Hazard: freeing this request before that forward runs (preempting it in the same
             # schedule call) would leave hashes on blocks whose KV was never written.
-            num_full_blocks = min(num_required_tokens, len(token_ids)) // self.block_size
             self._cache_full_blocks(token_ids, blocks, block_hashes, num_full_blocks)
         return True
 
