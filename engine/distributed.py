@@ -19,7 +19,8 @@ for CUDA tensors (gloo for the few host-side collectives of start-up).
 
 Failure: rank 0 checks its workers are alive before every step; a worker that dies mid-collective
 breaks gloo's connections at once, and `raise_if_dead` turns that into `WorkerDiedError` naming the
-worker. Workers are stopped and reaped by `close()`, when the engine is garbage collected, and at exit.
+worker. Workers are stopped and reaped by `close()`, by a failed start-up, when the engine is garbage
+collected, and at exit.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ class TensorParallelWorkers:
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.size = config.tensor_parallel_size
+        if device.type == "cuda":  # rank r runs on GPU first + r
+            first, visible = device.index or 0, torch.cuda.device_count()
+            if first + self.size > visible:
+                raise ValueError(f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}, "
+                                 f"but {visible} are visible")  # fmt: skip
         if dist.is_initialized():
             gc.collect()  # an engine dropped without close() gives its process group back in its finalizer
             if dist.is_initialized():
@@ -152,17 +158,23 @@ class TensorParallelWorkers:
         self._finalizer = multiprocessing.util.Finalize(
             self, _stop_workers, args=(self.processes, self.pipes, threads), exitpriority=10
         )
-        for rank in range(1, self.size):
-            ours, theirs = spawn.Pipe()
-            process = spawn.Process(target=worker_main, args=(config, rank, store.port, theirs),
-                                    name=f"kiln-tp-worker-{rank}")  # fmt: skip
-            process.start()
-            theirs.close()
-            self.processes.append(process)
-            self.pipes.append(ours)
-        self._wait_for_rendezvous()
-        dist.init_process_group(_backend(device), store=store, rank=0, world_size=self.size,
-                                timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = spawn.Pipe()
+                process = spawn.Process(target=worker_main, args=(config, rank, store.port, theirs),
+                                        name=f"kiln-tp-worker-{rank}")  # fmt: skip
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.pipes.append(ours)
+            self._wait_for_rendezvous()
+            dist.init_process_group(_backend(device), store=store, rank=0, world_size=self.size,
+                                    timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        except BaseException:
+            # NOTE: the traceback keeps this object, and so the finalizer, alive: the workers that did start
+            # would wait at the rendezvous until its timeout.
+            self.close()
+            raise
         logger.info("tensor parallel: %d ranks (workers %s)", self.size, [p.pid for p in self.processes])
 
     def _wait_for_rendezvous(self) -> None:
@@ -216,10 +228,14 @@ class TensorParallelWorkers:
             raise WorkerDiedError(f"{self._failure}; the engine cannot continue")
 
     def raise_if_dead(self, error: BaseException, grace: float = 0.5) -> None:
-        """After a failed step: if a worker died (a collective with it broke), raise that instead of the
-        collective's own error. Its exit may lag its closed sockets by a moment, hence the grace."""
-        sentinels = [p.sentinel for p in self.processes]
-        multiprocessing.connection.wait(sentinels, timeout=grace if isinstance(error, RuntimeError) else 0)
+        """After a failed step or start-up: if a worker died (a collective with it broke), raise that instead
+        of the collective's own error. Its exit may lag its closed sockets by a moment, hence the grace.
+
+        Only a RuntimeError can be a broken collective: any other error is this rank's own (a ValueError
+        every rank raises at start-up, say), and it is the one to report."""
+        if isinstance(error, WorkerDiedError) or not isinstance(error, RuntimeError):
+            return
+        multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
         try:
             self.check_alive()
         except WorkerDiedError as died:

@@ -74,6 +74,20 @@ class StepTiming:
 class EngineCore:
     def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
         """`tp_rank` > 0: a tensor-parallel worker's engine (engine/distributed.py), the model side only."""
+        self.tp_workers: TensorParallelWorkers | None = None
+        try:
+            self._start_up(config, tp_rank)
+        except BaseException as error:
+            if self.tp_workers is not None:
+                # NOTE: the traceback keeps this half-built engine alive, and with it workers waiting in a
+                # collective (and the process group, which a next engine needs): stop them now.
+                try:
+                    self.tp_workers.raise_if_dead(error)  # a worker that failed first is the cause to report
+                finally:
+                    self.tp_workers.close()
+            raise
+
+    def _start_up(self, config: EngineConfig, tp_rank: int) -> None:
         self.config = config
         start = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model)

@@ -41,7 +41,11 @@ class LLM:
         self.engine = EngineCore(self.config)
         source = self.engine.source
         tokenizer_path = self.config.tokenizer or (None if source.is_preset else source.model_dir)
-        self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+        try:
+            self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+        except BaseException:
+            self.engine.close()  # its tensor-parallel workers would live as long as the traceback
+            raise
         self._ids = itertools.count()
 
     def close(self) -> None:

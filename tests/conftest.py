@@ -52,13 +52,15 @@ def tiny_hf_config(kind: str):
     raise ValueError(kind)
 
 
-def make_tiny_model_dir(path: Path, kind: str, seed: int = 0) -> Path:
+def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
     from kiln.engine.tokenizer import builtin_tokenizer
 
     torch.manual_seed(seed)
     config = tiny_hf_config(kind)
+    if vocab_size is not None:
+        config.vocab_size, config.eos_token_id = vocab_size, vocab_size - 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind == "qwen2":  # HF initialises biases to zero; make them matter
         with torch.no_grad():

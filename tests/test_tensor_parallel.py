@@ -1,8 +1,10 @@
 """Tensor parallelism on CPU: 2 ranks over gloo (rank 0 in this process, rank 1 a spawned worker).
 
-Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank)
-and Qwen3 (1 KV head: replicated on both ranks), eager and compiled; a killed worker fails the engine
-fast; shutdown, and dropping the engine, leave no child process behind.
+Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank),
+Qwen3 (1 KV head: replicated on both ranks) and Qwen2 (QKV biases, tied embeddings, and an odd vocabulary
+that pads the last rank's shard), eager and compiled; a killed worker fails the engine fast; shutdown, a
+failed start-up, and dropping the engine, leave no child process behind. Without processes: how the
+layers cut their weights for more ranks than the CPU tests start.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from conftest import make_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.config import EngineConfig
+from kiln.engine.distributed import TensorParallelWorkers
 from kiln.engine.model_source import resolve_model
+from kiln.engine.models.parallel import QKVParallelLinear, TensorParallelShard, VocabParallelEmbedding
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
 MAX_TOKENS = 12
@@ -30,9 +37,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 ENGINE = dict(max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3):
-    return tiny_llama_dir if request.param == "llama" else tiny_model_dir_qwen3
+@pytest.fixture(scope="module")
+def qwen2_odd_vocab_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen2-odd-vocab"), "qwen2", vocab_size=509)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir):
+    return {"llama": tiny_llama_dir, "qwen3": tiny_model_dir_qwen3, "qwen2": qwen2_odd_vocab_dir}[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +74,18 @@ def _assert_reaped(processes: list[multiprocessing.Process]) -> None:
     assert not set(processes) & set(multiprocessing.active_children())
 
 
-def test_tiny_models_exercise_split_and_replicated_kv_heads(tiny_llama_dir, tiny_model_dir_qwen3):
-    llama, qwen3 = (resolve_model(str(d)).model_config for d in (tiny_llama_dir, tiny_model_dir_qwen3))
+def _assert_no_workers() -> None:
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("kiln-tp-worker")]
+    assert not dist.is_initialized()
+
+
+def test_tiny_models_exercise_split_and_replicated_kv_heads(tiny_llama_dir, tiny_model_dir_qwen3,
+                                                            qwen2_odd_vocab_dir):  # fmt: skip
+    llama, qwen3, qwen2 = (resolve_model(str(d)).model_config
+                           for d in (tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir))  # fmt: skip
     assert llama.num_heads % 2 == 0 and llama.num_kv_heads == 2  # one KV head per rank
     assert qwen3.num_heads % 2 == 0 and qwen3.num_kv_heads == 1  # the one KV head on both ranks
+    assert qwen2.qkv_bias and qwen2.tie_word_embeddings and qwen2.vocab_size % 2 == 1
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
@@ -131,3 +151,64 @@ def test_dropped_engine_reaps_its_workers(tiny_llama_dir):
     del llm
     gc.collect()
     _assert_reaped(workers)
+
+
+def test_failed_start_up_stops_its_workers(tiny_llama_dir, tmp_path):
+    """A start-up that fails once the workers run stops them at once, though the traceback keeps the
+    half-built engine. An error every rank raises is rank 0's to report, not a worker's exit."""
+    held = []  # NOTE: the tracebacks, kept as a caller or a REPL would keep them
+    with pytest.raises(ValueError, match="KV cache holds") as failure:
+        LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **{**ENGINE, "num_kv_blocks": 4})
+    held.append(failure)
+    _assert_no_workers()
+    with pytest.raises(FileNotFoundError, match="no tokenizer") as failure:  # rank 0 alone; its workers wait
+        LLM(str(tiny_llama_dir), tokenizer=str(tmp_path), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    held.append(failure)
+    _assert_no_workers()
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig(model="llama-3.2-1b", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs GPUs 1\.\.2, but 2 are visible"):
+        TensorParallelWorkers(config, torch.device("cuda", 1))
+    _assert_no_workers()
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
+@torch.no_grad()
+def test_qkv_shards_pair_query_heads_with_their_kv_heads(num_kv_heads):
+    """4 ranks, 8 query heads: each local query head must find, through the rank's own GQA grouping, the KV
+    head Hugging Face pairs it with (query head h reads KV head h // (8 / num_kv_heads))."""
+    hidden, head_dim, num_heads, tp_size = 4, 2, 8, 4
+    full = {"q": torch.arange(num_heads).repeat_interleave(head_dim).float(),
+            "k": 100 + torch.arange(num_kv_heads).repeat_interleave(head_dim).float(),
+            "v": 200 + torch.arange(num_kv_heads).repeat_interleave(head_dim).float()}  # fmt: skip
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, True, TensorParallelShard(rank, tp_size))
+        for name, rows in full.items():
+            layer.load_weight("weight", rows[:, None].expand(-1, hidden), name)
+            layer.load_weight("bias", rows, name)
+        q, k, v = layer.bias.split([layer.num_heads * head_dim, *[layer.num_kv_heads * head_dim] * 2])
+        assert torch.equal(layer.weight[:, 0], layer.bias)
+        per_group = layer.num_heads // layer.num_kv_heads
+        for j in range(layer.num_heads):
+            h = int(q[j * head_dim])
+            assert h == rank * layer.num_heads + j
+            kv_head = h // (num_heads // num_kv_heads)
+            assert k[j // per_group * head_dim] == 100 + kv_head and v[j // per_group * head_dim] == 200 + kv_head
+
+
+@pytest.mark.parametrize(("vocab_size", "tp_size"), [(509, 2), (509, 4), (5, 4)])
+@torch.no_grad()
+def test_vocab_shards_join_to_the_vocabulary(vocab_size, tp_size):
+    """The LM head's all-gather puts the ranks' rows side by side: the vocabulary, then padding only."""
+    full = torch.arange(vocab_size, dtype=torch.float32)[:, None].expand(-1, 3)
+    shards = []
+    for rank in range(tp_size):
+        layer = VocabParallelEmbedding(vocab_size, 3, TensorParallelShard(rank, tp_size))
+        layer.weight.fill_(float("nan"))
+        layer.load_weight("weight", full, None)
+        shards.append(layer.weight)
+    joined = torch.cat(shards)
+    assert torch.equal(joined[:vocab_size], full) and not joined[vocab_size:].any()

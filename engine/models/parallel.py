@@ -130,7 +130,7 @@ class VocabParallelEmbedding(Embedding):
         per_rank = -(-vocab_size // shard.size)
         super().__init__(per_rank, hidden_size)
         self.vocab_size, self.tp_size = vocab_size, shard.size
-        self.start = shard.rank * per_rank
+        self.start = min(shard.rank * per_rank, vocab_size)  # a tiny vocabulary can leave the last ranks none
         self.end = min(self.start + per_rank, vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
