@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine.async_client import AsyncEngineClient
-from kiln.engine.gateway import KeyState, KeyStore
+from kiln.engine.gateway import KeyState, KeyStore, invalid_key_error
 from kiln.engine.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving import ServerState, check_model, encode, encode_chat, run_request
@@ -87,8 +87,7 @@ async def auth_middleware(request: web.Request, handler):
     else:
         valid = not state.api_key or hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
     if not valid:
-        return error_response(APIError(401, "invalid or missing API key", type_="authentication_error",
-                                       code="invalid_api_key"))  # fmt: skip
+        return error_response(invalid_key_error())
     return await handler(request)
 
 
@@ -177,9 +176,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_chat(body)
     check_model(state, body)
-    if key := request.get(KEY):
-        key.apply_max_tokens(parsed, body)
     prompt = await encode_chat(state, parsed.messages)
+    if key := request.get(KEY):
+        key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
     return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)
 
 

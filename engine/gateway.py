@@ -182,6 +182,10 @@ class TokenBucket:
         self._stamp = now
 
 
+def invalid_key_error() -> APIError:
+    return APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+
+
 def retry_after(seconds: float) -> int:
     """Whole seconds to wait, rounded up (at least 1), for a `Retry-After` header."""
     # NOTE: the tolerance keeps float noise (2.0000000001) from adding a whole second
@@ -217,6 +221,7 @@ class KeyState:
         self.tokens_bucket: TokenBucket | None = None
         self.in_flight = 0
         self.usage = KeyUsage()
+        self.revoked = False  # removed by a reload: a request authenticated before it is not admitted
         self.update(entry)
 
     def update(self, entry: KeyEntry) -> None:
@@ -240,9 +245,11 @@ class KeyState:
         if self.metrics is not None:
             self.metrics.rejected(self.name, reason)
 
-    def apply_max_tokens(self, parsed: ParsedRequest, body: dict[str, Any]) -> None:
+    def apply_max_tokens(self, parsed: ParsedRequest, body: dict[str, Any], room: int | None = None) -> None:
         """A request asking for more than the key's cap gets a 400 (as OpenAI answers a max_tokens over
-        the model's limit); one that names none gets its default, lowered to the cap."""
+        the model's limit); one that names none gets its default, lowered to the cap. Chat's default is
+        `room`, what the context leaves after the prompt: it becomes the smaller of the two, so the cap
+        never turns a request that names no max_tokens into a context-length error."""
         cap = self.limits.max_tokens
         if cap is None:
             return
@@ -254,14 +261,17 @@ class KeyState:
             self.reject("max_tokens")
             raise APIError(400, f"max_tokens={current} is more than this API key allows ({cap})", "max_tokens")
         if current is None or current > cap:
+            lowered = cap if current is not None or room is None else max(1, min(cap, room))
             try:
-                parsed.params = replace(parsed.params, max_tokens=cap)
+                parsed.params = replace(parsed.params, max_tokens=lowered)
             except ValueError as e:  # min_tokens above the cap
                 self.reject("max_tokens")
                 raise APIError(400, f"{e} (this API key's max_tokens cap is {cap})", "min_tokens") from None
 
     def admit(self, num_prompt_tokens: int) -> None:
-        """Admit one request with this many prompt tokens, or raise (400 or 429) and take nothing."""
+        """Admit one request with this many prompt tokens, or raise (401, 400 or 429) and take nothing."""
+        if self.revoked:
+            raise invalid_key_error()
         limits = self.limits
         if limits.max_concurrent_requests is not None and self.in_flight >= limits.max_concurrent_requests:
             self.reject("max_concurrent_requests")
@@ -306,6 +316,11 @@ class KeyState:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+    def revoke(self) -> None:
+        """Removed from the key file: no more admissions; what is in flight finishes, out of /metrics."""
+        self.revoked = True
+        self.metrics = None
 
     def usage_body(self) -> dict[str, Any]:
         """GET /v1/usage: this key's limits, what is left in its buckets now, and its usage since start."""
@@ -355,9 +370,11 @@ class KeyStore:
         added = sorted(set(by_name) - set(self._by_name))
         removed = sorted(set(self._by_name) - set(by_name))
         # NOTE: requests in flight keep their KeyState, so a revoked key's open streams finish normally
+        for name in removed:
+            self._by_name[name].revoke()
         self._by_name, self._by_hash = by_name, {s.sha256: s for s in by_name.values()}
         if self.metrics is not None:
-            self.metrics.keys_loaded(list(by_name))
+            self.metrics.keys_loaded(list(by_name), removed)
         return added, removed
 
     def reload_or_keep(self) -> bool:

@@ -3,6 +3,7 @@ time), token counters, latency histograms, and per-API-key usage (`--api-keys-fi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -84,16 +85,26 @@ class KeyMetrics:
                                          registry=r)  # fmt: skip
         self.reloads = Counter("kiln_api_key_file_reloads", "Reloads of the API keys file (SIGHUP)", ["outcome"],
                                registry=r)  # fmt: skip
+        self._reasons: set[str] = set()  # the rejection reasons seen (a limit's name each)
 
-    def keys_loaded(self, names: Iterable[str]) -> None:
-        for name in names:  # a loaded key shows up at 0 before its first request
+    def keys_loaded(self, names: Iterable[str], removed: Iterable[str] = ()) -> None:
+        """A loaded key shows up at 0 before its first request; a removed key's series go, so the
+        label sets stay those of the current keys however often the file changes."""
+        for name in names:
             for counter in (self.requests, self.prompt_tokens, self.generation_tokens):
                 counter.labels(name)
+        for name in removed:
+            for counter in (self.requests, self.prompt_tokens, self.generation_tokens):
+                counter.remove(name)
+            for reason in self._reasons:
+                with contextlib.suppress(KeyError):  # only the reasons this key was rejected for exist
+                    self.rejected_requests.remove(name, reason)
 
     def admitted(self, name: str) -> None:
         self.requests.labels(name).inc()
 
     def rejected(self, name: str, reason: str) -> None:
+        self._reasons.add(reason)
         self.rejected_requests.labels(name, reason).inc()
 
     def tokens(self, name: str, num_tokens: int, prompt: bool) -> None:

@@ -15,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import Server
 
 from kiln.engine.cli import main as cli_main
 from kiln.engine.gateway import KeyFileError, KeyStore, RateLimited, TokenBucket, load_key_file, retry_after
+from kiln.engine.metrics import KeyMetrics
 from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
 
 # ---- the token bucket, on a fake clock ----------------------------------------------------------------
@@ -82,7 +84,8 @@ def test_token_bucket_resize_keeps_the_level_within_the_new_capacity():
 
 # ---- the key file ---------------------------------------------------------------------------------------
 
-ALICE, BOB, CAROL, DAVE, ERIN = (f"sk-test-{n}-0123456789" for n in ("alice", "bob", "carol", "dave", "erin"))
+ALICE, BOB, CAROL, DAVE, ERIN, FRANK = (f"sk-test-{n}-0123456789"
+                                        for n in ("alice", "bob", "carol", "dave", "erin", "frank"))  # fmt: skip
 
 
 def sha(key: str) -> str:
@@ -224,6 +227,14 @@ def test_max_tokens_cap(tmp_path):
         max_tokens(capped, {"prompt": "hi", "min_tokens": 10})
     assert e.value.status == 400 and e.value.param == "min_tokens"
     assert capped.usage.rejected == {"max_tokens": 3}
+    # Chat's default is what the context leaves after the prompt (`room`): lowered to the cap, never above the room.
+    for room, expected in ((5, 5), (8, 8), (300, 8)):
+        parsed = parse_chat(chat)
+        capped.apply_max_tokens(parsed, chat, room=room)
+        assert parsed.params.max_tokens == expected
+    parsed = parse_completion({"prompt": "hi"})
+    capped.apply_max_tokens(parsed, {"prompt": "hi"}, room=5)
+    assert parsed.params.max_tokens == 8  # completions' default is 16 whatever the room, as without a key
 
 
 def test_reload_keeps_state_by_name_and_a_bad_file_keeps_the_old_keys(tmp_path):
@@ -243,6 +254,38 @@ def test_reload_keeps_state_by_name_and_a_bad_file_keeps_the_old_keys(tmp_path):
     assert keys.authenticate(f"Bearer {ERIN}") is not None and len(keys) == 2
 
 
+def test_a_key_revoked_while_its_request_is_being_prepared_is_not_admitted(tmp_path):
+    keys = store(tmp_path, FakeClock(), {"name": "a", "sha256": sha(ALICE)}, {"name": "d", "sha256": sha(DAVE)})
+    dave = keys.authenticate(f"Bearer {DAVE}")  # past the auth middleware, still tokenizing ...
+    write(tmp_path / "keys.toml", toml_keys({"name": "a", "sha256": sha(ALICE)}))
+    keys.reload()  # ... when a SIGHUP revokes the key
+    with pytest.raises(APIError) as e:
+        dave.admit(5)
+    assert e.value.status == 401 and e.value.code == "invalid_api_key"
+    assert dave.in_flight == 0 and dave.usage.requests == 0
+
+
+def test_metrics_list_only_the_current_keys(tmp_path):
+    registry = CollectorRegistry()
+    write(tmp_path / "keys.toml", toml_keys({"name": "a", "sha256": sha(ALICE)},
+                                            {"name": "d", "sha256": sha(DAVE), "requests_per_minute": 1}))
+    keys = KeyStore(tmp_path / "keys.toml", KeyMetrics(registry), clock=FakeClock())
+    dave = keys.authenticate(f"Bearer {DAVE}")
+    dave.admit(5)
+    with pytest.raises(RateLimited):
+        dave.admit(5)
+
+    def key_names() -> set[str]:
+        return {s.labels["key_name"] for family in registry.collect() for s in family.samples if "key_name" in s.labels}
+
+    assert key_names() == {"a", "d"}
+    write(tmp_path / "keys.toml", toml_keys({"name": "a", "sha256": sha(ALICE)}))
+    keys.reload()
+    dave.charge(3)  # its open stream goes on after the reload
+    dave.release()
+    assert key_names() == {"a"}  # however many keys come and go, /metrics holds the current ones
+
+
 # ---- a real server ----------------------------------------------------------------------------------------
 
 
@@ -251,6 +294,7 @@ LIMITS = {
     "bob": {"sha256": sha(BOB), "tokens_per_minute": 120},
     "carol": {"sha256": sha(CAROL), "max_concurrent_requests": 2},
     "dave": {"sha256": sha(DAVE)},
+    "frank": {"sha256": sha(FRANK), "max_tokens": 8},
 }
 
 
@@ -341,6 +385,31 @@ def test_requests_per_minute_burst(gateway):
     assert metric(gateway, "kiln_api_key_generation_tokens_total", key_name="alice") == 8 + 3 * 2
     mine = usage(gateway, ALICE)["usage"]
     assert mine["requests"] == 4 and mine["rejected_requests"] == {"max_tokens": 1, "requests_per_minute": 1}
+
+
+def test_capped_chat_with_a_long_prompt_gets_what_the_context_leaves(gateway):
+    """frank: max_tokens 8. A chat naming no max_tokens gets the cap, or what the 512-token context leaves
+    after the prompt when that is less: the cap never turns it into a context-length error."""
+
+    def messages(num_words: int) -> list[dict]:
+        return [{"role": "user", "content": " ".join(["hello"] * num_words)}]
+
+    def num_tokens(num_words: int) -> int:
+        return json.loads(gateway.post("/tokenize", {"messages": messages(num_words)}, key=FRANK)[1])["count"]
+
+    base, per_100 = num_tokens(100), num_tokens(200) - num_tokens(100)
+    words = 100 + (508 - base) * 100 // per_100
+    while num_tokens(words) > 511:
+        words -= 1
+    while num_tokens(words + 1) <= 511 and 512 - num_tokens(words) >= 8:
+        words += 1
+    room = 512 - num_tokens(words)
+    assert 1 <= room < 8
+    code, raw = gateway.post("/v1/chat/completions", {"messages": messages(words), "ignore_eos": True}, key=FRANK)
+    assert code == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] == room
+    code, raw = gateway.post("/v1/chat/completions", {"messages": messages(words), "max_tokens": 8}, key=FRANK)
+    assert code == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"  # asked: as without a key
 
 
 def test_tokens_per_minute_charged_as_they_stream(gateway):
