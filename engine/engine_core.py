@@ -280,6 +280,9 @@ class EngineCore:
                 self.scheduler.add_request(request)
             except ValueError as e:  # the schema's problem (GrammarError), in words its client can act on
                 self.failed_requests.append((request_id, str(e)))
+            except Exception:  # NOTE: kept waiting, it would raise again at every step and fail every batch
+                logger.exception("request %s: its grammar could not be set up", request_id)
+                self.failed_requests.append((request_id, "internal error while setting up the grammar"))
             del self.waiting_for_grammar[request_id]
 
     def grammar_cache(self) -> GrammarCache:

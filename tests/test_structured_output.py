@@ -392,6 +392,19 @@ def test_greedy_follows_the_grammar_and_unconstrained_batches_pay_nothing(llm, m
     assert len(calls) == len(out.token_ids)  # one mask per sampled token (the last allowed EOS alone)
 
 
+def test_preempted_requests_keep_their_grammar(model_dir):
+    """A KV cache too small for the batch preempts constrained requests mid-output; each recomputes its
+    prompt and output and resumes sampling where its matcher stands (it has seen every output token,
+    and only those), so every output still validates."""
+    llm = LLM(str(model_dir), enforce_eager=True, max_model_len=256, num_kv_blocks=20, block_size=16)
+    params = SamplingParams(n=8, temperature=1.0, seed=99, max_tokens=200, structured_output={"json": PERSON})
+    outputs = llm.generate([llm.tokenizer.encode("Answer: ")], params, use_tqdm=False)[0].outputs
+    assert llm.engine.scheduler.num_preemptions > 0
+    for choice in outputs:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
 def test_bad_constraints_fail_offline(llm):
     with pytest.raises(ValueError, match='invalid JSON schema: Unsupported type "bogus"'):
         llm.generate([[1, 2]], SamplingParams(structured_output=StructuredOutputParams(json={"type": "bogus"})))
@@ -405,6 +418,25 @@ def test_bad_constraints_fail_offline(llm):
     assert engine.failed_requests == [("bad", "invalid regex: Regex parsing error at position 10: The parenthesis "
                                               "is not closed.")]  # fmt: skip
     assert set(finished) == {"good"}
+    engine.failed_requests.clear()
+
+
+def test_a_grammar_that_cannot_be_set_up_fails_its_request_alone(llm, monkeypatch):
+    """A matcher that cannot be made (an xgrammar bug, say) fails its request with an internal error; the
+    request does not stay waiting, raising at every step, and the others run on."""
+
+    def broken_matcher(*args, **kwargs):
+        raise RuntimeError("no matcher today")
+
+    monkeypatch.setattr("xgrammar.GrammarMatcher", broken_matcher)
+    engine = llm.engine
+    engine.add_request("broken", [1, 2], SamplingParams(structured_output={"regex": "[0-9]{2}"}))
+    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finish_reason is not None)
+    assert engine.failed_requests == [("broken", "internal error while setting up the grammar")]
+    assert set(finished) == {"good"} and not engine.waiting_for_grammar
     engine.failed_requests.clear()
 
 
