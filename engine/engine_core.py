@@ -238,7 +238,9 @@ class EngineCore:
             self._admit_compiled_grammars()
         if self.in_flight is not None and self.scheduler.needs_sync():
             outputs += self._collect(self.in_flight)
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.step_timing.host_seconds += time.perf_counter() - start
         launched = None
         if not batch.is_empty:
             try:
