@@ -134,14 +134,15 @@ def _unified_attention_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-    query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_block_table,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
-    pages; writes the unnormalised partial output with its running max and sum (log2 units)."""
+    pages; writes the unnormalised partial output with its running max and sum (log2 units). With one
+    split the partial is the whole answer: it is normalised and written straight to the output."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,6 +168,11 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
                                      end, no_causal, offs_d, d_ok, qk_scale,
                                      NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        return
     part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
     tl.store(part_max_ptr + part, m_i, mask=row_ok)
     tl.store(part_sum_ptr + part, l_i, mask=row_ok)
@@ -223,7 +229,8 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 
 def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int) -> None:  # fmt: skip
-    """Decode-only batch (one query per request), flash-decoding style: partials, then a reduction."""
+    """Decode-only batch (one query per request), flash-decoding style: partials, then a reduction
+    (none with one split)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -233,12 +240,15 @@ def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, 
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        part_acc, part_max, part_sum, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale * LOG2E, query.stride(0), query.stride(1), metadata.block_table.stride(0),
+        out, part_acc, part_max, part_sum, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
+        metadata.query_start_loc, scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        metadata.block_table.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=kv_cache.shape[2], TILE_N=64, NUM_SPLITS=num_splits,
     )  # fmt: skip
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(num_reqs, num_heads)](
         out, part_acc, part_max, part_sum, metadata.query_start_loc, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
