@@ -235,7 +235,11 @@ class TensorParallelWorkers:
         every rank raises at start-up, say), and it is the one to report."""
         if isinstance(error, WorkerDiedError) or not isinstance(error, RuntimeError):
             return
-        multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
+        processes = {p.sentinel: p for p in self.processes}
+        for sentinel in multiprocessing.connection.wait(list(processes), timeout=grace):
+            # NOTE: a killed process closes its sockets and sentinel before it can be reaped (its threads still
+            # exiting), and `is_alive` is true until then: wait for that too.
+            processes[sentinel].join(grace)
         try:
             self.check_alive()
         except WorkerDiedError as died:
