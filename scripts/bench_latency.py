@@ -123,7 +123,7 @@ def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> li
                           gpu_memory_utilization=0.8, async_scheduling=async_scheduling)  # fmt: skip
             if mode == "graphs" and sizes:
                 kwargs["cudagraph_capture_sizes"] = sizes
-            llm = LLM(args.model, **kwargs)
+            llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
             for batch in batches:
                 row = breakdown(llm, batch)
                 row["mode"] = f"{mode}{' + async' if async_scheduling else ''}"
@@ -185,6 +185,7 @@ def hf_tokens_per_s(model_name: str, batch: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--modes", default="eager,compiled,graphs")
     p.add_argument("--batches", default="1,8,64")
@@ -221,7 +222,7 @@ def main() -> None:
         kwargs = dict(MODES[mode], max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.8)
         if mode == "graphs" and sizes:
             kwargs["cudagraph_capture_sizes"] = sizes
-        llm = LLM(args.model, **kwargs)
+        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
         for batch in batches:
             tps, util = decode_tokens_per_s(llm, batch)
             rows.append({"engine": f"kiln {mode}", "batch": batch, "tokens_per_s": tps, "bw_util": util,

@@ -31,7 +31,8 @@ def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 
 
 
 def bench_kiln(args, prompts, output_lens) -> dict:
-    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+              dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               cudagraph_capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",")),
               async_scheduling=not args.no_async_scheduling)  # fmt: skip
@@ -89,6 +90,7 @@ def sync() -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)

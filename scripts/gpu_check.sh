@@ -3,6 +3,9 @@
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | gputests:FILE,FILE | breakdown:MODEL | profile:MODEL:BATCH
+# TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
+# (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
+#  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
 set -u
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
@@ -31,7 +34,7 @@ for step in $steps; do
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
-      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" --modes ${LATENCY_MODES:-eager,graphs} \
+      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
         --capture-sizes 1,2,4,8,16,32,64,128 --hf --json "$OUT/latency_$model.json" 2>&1 \
         | tee "$OUT/latency_$model.log" | tail -n 12
@@ -45,7 +48,7 @@ for step in $steps; do
       grep " tok/s" "$OUT/breakdown_$model.log" >> "$summary" ;;
     profile:*)
       spec=${step#profile:}
-      timeout 240 python3 scripts/profile_step.py --model "${spec%%:*}" --batch "${spec##*:}" 2>&1 \
+      timeout 240 python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" 2>&1 \
         | tee "$OUT/profile_${spec//:/_}.log" | grep -v Warning | tail -n 30
       grep -A3 " GPU time per step" "$OUT/profile_${spec//:/_}.log" >> "$summary" ;;
     gputests:*)
@@ -66,7 +69,7 @@ for step in $steps; do
       tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
-      timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" --json "$OUT/throughput.jsonl" 2>&1 \
+      timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
         | tee "$OUT/throughput_compiled_$model.log" | tail -n 5
       tail -n 4 "$OUT/throughput_compiled_$model.log" >> "$summary" ;;
     throughput:*)

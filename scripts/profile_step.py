@@ -31,6 +31,7 @@ def profile_host(llm: LLM, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32)
@@ -38,7 +39,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--host", action="store_true", help="cProfile the host side of LLM.generate instead")
     args = p.parse_args()
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=2048,
+              max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
               enforce_eager=args.enforce_eager, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
     engine = llm.engine
     if args.host:
