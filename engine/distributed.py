@@ -63,6 +63,11 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the engine cannot run another step."""
 
 
+class RanksOutOfStepError(WorkerDiedError):
+    """A step failed on rank 0 after the workers had started it: they may be waiting inside its
+    collectives, so a retry would pair collectives wrongly. As fatal as a dead worker."""
+
+
 @dataclass
 class StepHeader:
     """What a worker needs, besides the broadcast buffers, to run rank 0's step: the graph plan, the

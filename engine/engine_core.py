@@ -26,7 +26,7 @@ from kiln.compile import (
     default_capture_sizes,
 )
 from kiln.engine.config import EngineConfig, kiln_version
-from kiln.engine.distributed import TensorParallelWorkers, WorkerDiedError, min_across_ranks
+from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers, WorkerDiedError, min_across_ranks
 from kiln.engine.model_runner import ModelRunner, StepHandle
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
@@ -308,6 +308,9 @@ class EngineCore:
         except Exception as e:
             if self.tp_workers is not None:
                 self.tp_workers.raise_if_dead(e)  # a collective broken by a dead worker: say so
+                if not isinstance(e, WorkerDiedError):
+                    message = f"a tensor-parallel step failed on rank 0: {type(e).__name__}: {e}"
+                    raise RanksOutOfStepError(message) from e
             raise
         self.step_timing.host_seconds += time.perf_counter() - start
         return handle

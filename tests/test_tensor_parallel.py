@@ -23,9 +23,9 @@ import torch.distributed as dist
 from conftest import make_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
-from kiln.engine import LLM, SamplingParams
+from kiln.engine import LLM, SamplingParams, model_runner
 from kiln.engine.config import EngineConfig
-from kiln.engine.distributed import TensorParallelWorkers
+from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers
 from kiln.engine.model_source import resolve_model
 from kiln.engine.models.parallel import QKVParallelLinear, TensorParallelShard, VocabParallelEmbedding
 
@@ -140,6 +140,20 @@ def test_killed_worker_fails_fast(tiny_llama_dir):
     with pytest.raises(RuntimeError, match="tensor-parallel worker"):
         llm.generate(PROMPTS[:1], long, use_tqdm=False)
     assert time.monotonic() - start < 2.0
+    llm.close()
+    _assert_reaped(workers)
+
+
+def test_a_rank0_only_failure_is_fatal_not_retried(tiny_llama_dir, monkeypatch):
+    """A step that fails on rank 0 alone (the fault hook exists only in this process) cannot be retried
+    request by request as with one rank: the workers may be inside its collectives. The server's
+    isolating step raises instead of pairing collectives wrongly."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = list(llm.engine.tp_workers.processes)
+    monkeypatch.setattr(model_runner, "_FAULT_TOKEN", 7)
+    llm.engine.add_request("faulty", [7, 8, 9], SamplingParams(max_tokens=2))
+    with pytest.raises(RanksOutOfStepError, match="injected fault"):
+        llm.engine.step(isolate_failures=True)
     llm.close()
     _assert_reaped(workers)
 
