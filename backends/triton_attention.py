@@ -204,9 +204,11 @@ def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, que
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
-    """Enough splits that (requests x kv heads x splits) fills the GPU about four times over. It depends
-    only on the batch size, so a CUDA graph captured for one batch size keeps it."""
-    return max(1, min(max_splits, -(-4 * num_sms // (num_reqs * num_kv_heads))))
+    """Enough splits that (requests x kv heads x splits) fills the GPU two to four times over. It depends
+    only on the batch size, so a CUDA graph captured for one batch size keeps it; it is a power of two,
+    so the kernel (specialised on it) has at most log2(max_splits) + 1 variants to compile."""
+    splits = max(1, min(max_splits, -(-4 * num_sms // (num_reqs * num_kv_heads))))
+    return 1 << (splits.bit_length() - 1)
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
