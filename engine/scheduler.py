@@ -102,12 +102,16 @@ class Scheduler:
 
         # Running requests first, oldest first; the newest are preempted when blocks run out.
         i = 0
+        max_model_len = self.max_model_len
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             i += 1
-            if self._surely_finished(request):
-                continue  # its last token is still in flight: nothing more to compute
-            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + pending
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or num_tokens >= max_model_len):  # fmt: skip
+                continue  # a length limit its tokens in flight already reach: nothing more to compute
+            n = min(num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
@@ -154,9 +158,10 @@ class Scheduler:
         """
         new_tokens: list[tuple[Request, int]] = []
         finished: list[Request] = []
+        live = (RequestStatus.RUNNING, RequestStatus.WAITING)
         for request, token in zip(output.requests, sampled_token_ids):
-            if token is None or request.status.is_finished:
-                continue
+            if token is None or request.status not in live:
+                continue  # sampled nothing, or finished (aborted, stopped) after this step was scheduled
             request.num_output_placeholders -= 1
             request.append_output_token(token)
             new_tokens.append((request, token))
@@ -188,23 +193,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _surely_finished(self, request: Request) -> bool:
-        """A length limit that the tokens in flight already reach."""
-        pending = request.num_output_placeholders
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens_with_placeholders >= self.max_model_len
-        )
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Find blocks for n more tokens of a running request, preempting from the newest end of
