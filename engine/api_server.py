@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import posixpath
+import re
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +23,15 @@ from kiln.engine.async_client import AsyncEngineClient
 from kiln.engine.gateway import KeyState, KeyStore, invalid_key_error
 from kiln.engine.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
-from kiln.engine.serving import ServerState, check_model, encode, encode_chat, run_request
+from kiln.engine.serving import (
+    ServerShutdown,
+    ServerState,
+    check_model,
+    encode,
+    encode_chat,
+    encode_prompt,
+    run_request,
+)
 
 logger = logging.getLogger("kiln")
 
@@ -123,12 +132,23 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 async def read_json(request: web.Request) -> Any:
     raw = await request.read()
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError: also an integer of more than 4300 digits
         raise APIError(400, f"the body is not valid JSON: {type(e).__name__}") from None
+    # NOTE: JSON may escape a lone UTF-16 surrogate (`"\ud800"`); it decodes to a str that neither the
+    # tokenizer nor a UTF-8 encoder takes. Pairs (emoji) are fine; only bodies with such an escape are checked.
+    if _ESCAPED_SURROGATE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except (UnicodeEncodeError, RecursionError):
+            raise APIError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return body
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -166,7 +186,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_model(state, body)
     if key := request.get(KEY):
         key.apply_max_tokens(parsed, body)
-    prompts = [await encode(state, p) if isinstance(p, str) else p for p in parsed.prompts]
+    prompts = [await encode_prompt(state, p) if isinstance(p, str) else p for p in parsed.prompts]
     texts = [p if isinstance(p, str) else None for p in parsed.prompts]
     return await run_request(request, state, parsed, prompts, texts, chat=False, key=key)
 
@@ -187,9 +207,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def serve(config, host: str, port: int, api_key: str | None, served_model_name: str | None,
                 shutdown_timeout: float, max_num_queued_requests: int | None = None,
-                engine_timeout: float = 60.0, api_keys_file: str | None = None) -> int:  # fmt: skip
+                engine_timeout: float = 60.0, api_keys_file: str | None = None,
+                stream_idle_timeout: float = 30.0) -> int:  # fmt: skip
     """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0.
-    SIGHUP reloads `api_keys_file`."""
+    SIGHUP reloads `api_keys_file`. A stream left unread for `stream_idle_timeout` seconds is aborted."""
     import signal  # noqa: PLC0415
 
     from kiln.engine.model_source import resolve_model  # noqa: PLC0415
@@ -209,7 +230,8 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     client = AsyncEngineClient(config, engine_timeout)
     ready = await client.start()
     state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, server_metrics,
-                        max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests)  # fmt: skip
+                        max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests,
+                        write_timeout=stream_idle_timeout)  # fmt: skip
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -225,6 +247,12 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     deadline = loop.time() + shutdown_timeout
     while state.in_flight and loop.time() < deadline and client.alive:
         await asyncio.sleep(0.05)
+    if state.in_flight:  # drain time is up: what is left ends with a 503 (streams: an error event, then [DONE])
+        logger.warning("shutting down with %d requests unfinished", state.in_flight)
+        client.fail_all(ServerShutdown("the server is shutting down"))
+        grace = loop.time() + 2.0  # for the handlers to write their error responses
+        while state.in_flight and loop.time() < grace:
+            await asyncio.sleep(0.02)
     await runner.cleanup()
     await client.shutdown()
     state.pool.shutdown(wait=False)

@@ -91,6 +91,11 @@ class AsyncEngineClient:
     def release(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
 
+    def fail_all(self, error: Exception) -> None:
+        """End every open request with `error` (its handler turns it into an error response)."""
+        for q in self.queues.values():
+            q.put_nowait(error)
+
     async def _output_loop(self) -> None:
         while True:
             frame = await self.output.recv()

@@ -111,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key and args.api_keys_file:
         raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
     return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout,
-                             args.max_num_queued_requests, args.engine_timeout, args.api_keys_file))  # fmt: skip
+                             args.max_num_queued_requests, args.engine_timeout, args.api_keys_file,
+                             args.stream_idle_timeout))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="requests admitted beyond --max-num-seqs; more get 503 at once (default: no limit)")
     srv.add_argument("--engine-timeout", type=float, default=60.0,
                      help="seconds without a word from the engine core before it is declared stuck and killed")
+    srv.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                     help="seconds a streaming client may leave its stream unread before the request is aborted")
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

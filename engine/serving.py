@@ -56,6 +56,18 @@ async def encode(state: ServerState, text: str) -> list[int]:
     return await asyncio.get_running_loop().run_in_executor(state.pool, state.tokenizer.encode, text)
 
 
+async def encode_prompt(state: ServerState, text: str) -> list[int]:
+    """A prompt string's token ids. NOTE: tokenizing megabytes costs seconds of CPU and hundreds of MiB;
+    a string whose head alone overflows the context is refused after tokenizing just the head."""
+    head_chars = 32 * state.max_model_len
+    if len(text) > head_chars:
+        head = await encode(state, text[:head_chars])
+        if len(head) > state.max_model_len + 16:  # merges across the cut change a few tokens at most
+            raise APIError(400, f"the prompt has more than {state.max_model_len} tokens, this model's context",
+                           "prompt", code="context_length_exceeded")  # fmt: skip
+    return await encode(state, text)
+
+
 async def encode_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
@@ -96,7 +108,8 @@ def _grammar_problem(constraint: StructuredOutputParams) -> str | None:
 def check_model(state: ServerState, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != state.served_model_name:
-        message = f"the model {str(model)[:100]!r} does not exist; this server serves {state.served_model_name!r}"
+        # NOTE: the served name defaults to the model's directory: an error message never shows it (see /v1/models)
+        message = f"the model {str(model)[:100]!r} does not exist; GET /v1/models lists the one served"
         raise APIError(404, message, "model", type_="not_found_error", code="model_not_found")
 
 
@@ -215,9 +228,15 @@ def _apply(state: ServerState, choice: _Choice, out: protocol.RequestOutput) -> 
     return delta
 
 
+class ServerShutdown(RuntimeError):
+    """Put in a request's queue when SIGTERM's drain time is up: the request ends with a 503 error."""
+
+
 def _raise_for(item: Any) -> None:
     if isinstance(item, EngineDeadError):
         raise APIError(500, "the engine core died while running this request", type_="internal_error")
+    if isinstance(item, ServerShutdown):
+        raise APIError(503, "the server shut down before this request finished", type_="service_unavailable")
     if isinstance(item, protocol.RequestFailed):
         internal = item.message.startswith("internal error")
         raise APIError(500 if internal else 400, item.message, type_="internal_error" if internal else

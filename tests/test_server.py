@@ -26,13 +26,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, *extra: str, auth: tuple[str, ...] = ("--api-key", API_KEY)) -> None:
+    def __init__(self, model_dir, *extra: str, auth: tuple[str, ...] = ("--api-key", API_KEY),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", self.model, "--enforce-eager", "--max-model-len",
                "128", "--port", str(self.port), *auth, *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=None if env is None else {**os.environ, **env})  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -75,6 +77,16 @@ class Server:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "spawn_main"], capture_output=True,
                              text=True).stdout.split()  # fmt: skip
         return int(out[0])
+
+    def descendants(self) -> list[int]:
+        """The server's child processes and theirs (the engine core, the resource tracker, TP workers)."""
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            out = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True).stdout
+            children = [int(pid) for pid in out.split()]
+            found += children
+            frontier += children
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
