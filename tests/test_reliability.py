@@ -378,9 +378,11 @@ def test_a_stalled_reader_does_not_slow_the_others(tiny_llama_dir):
                 return elapsed / 60
 
         alone = min(asyncio.run(tpot(False)) for _ in range(2))
-        with_stalled = asyncio.run(tpot(True))
-        # The stalled request is one more sequence in the batch (21 instead of 20) at most.
-        assert with_stalled < 1.5 * alone + 0.005, (alone, with_stalled)
+        with_stalled = min(asyncio.run(tpot(True)) for _ in range(2))
+        # The stalled request is one more sequence in the batch (21 instead of 20) at most; a server that
+        # waited on it would multiply the others' time per token, not add a share of it. The margin is wide
+        # for a shared 2-core CI machine.
+        assert with_stalled < 2 * alone + 0.01, (alone, with_stalled)
         wait_idle(server, baseline)
 
         finished = server.metric("kiln_requests_total")
