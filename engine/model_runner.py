@@ -26,9 +26,9 @@ from kiln.engine.scheduler import SchedulerOutput
 if TYPE_CHECKING:
     from kiln.engine.structured_output import GrammarBitmask
 
-# Test-only fault injection: a step fails when any request's prompt holds this token id.
 Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
 
+# Test-only fault injection: a step fails when any request's prompt holds this token id.
 _FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
 
 
@@ -56,7 +56,7 @@ class StagedBuffer:
     """A persistent device buffer (fixed address, as graph replay needs) fed from pinned host mirrors.
 
     Two mirrors alternate from step to step, so the host fills step N+1's while step N's copy may
-    still be queued behind step N-1 on the GPU; `fence` marks when a mirror's copy has been done.
+    still be queued behind step N-1 on the GPU; the runner's fences say when a mirror's copy is done.
     """
 
     def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device) -> None:
