@@ -410,15 +410,21 @@ def test_bad_constraints_fail_offline(llm):
         llm.generate([[1, 2]], SamplingParams(structured_output=StructuredOutputParams(json={"type": "bogus"})))
     # Past the offline check (a client of the engine core directly): the compile fails that request alone.
     engine = llm.engine
-    engine.add_request("bad", [1, 2], SamplingParams(structured_output={"regex": "(unclosed"}))
-    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finish_reason is not None)
+    finished = finish_beside_a_good_request(engine, "bad", SamplingParams(structured_output={"regex": "(unclosed"}))
     assert engine.failed_requests == [("bad", "invalid regex: Regex parsing error at position 10: The parenthesis "
                                               "is not closed.")]  # fmt: skip
-    assert set(finished) == {"good"}
+    assert finished == {"good"}
     engine.failed_requests.clear()
+
+
+def finish_beside_a_good_request(engine, request_id: str, params: SamplingParams) -> set[str]:
+    """Run one request beside an unconstrained one until both are done; the ids that finished."""
+    engine.add_request(request_id, [1, 2], params)
+    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished.update(o.request_id for o in engine.step() if o.finish_reason is not None)
+    return finished
 
 
 def test_a_grammar_that_cannot_be_set_up_fails_its_request_alone(llm, monkeypatch):
@@ -430,13 +436,9 @@ def test_a_grammar_that_cannot_be_set_up_fails_its_request_alone(llm, monkeypatc
 
     monkeypatch.setattr("xgrammar.GrammarMatcher", broken_matcher)
     engine = llm.engine
-    engine.add_request("broken", [1, 2], SamplingParams(structured_output={"regex": "[0-9]{2}"}))
-    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finish_reason is not None)
+    finished = finish_beside_a_good_request(engine, "broken", SamplingParams(structured_output={"regex": "[0-9]{2}"}))
     assert engine.failed_requests == [("broken", "internal error while setting up the grammar")]
-    assert set(finished) == {"good"} and not engine.waiting_for_grammar
+    assert finished == {"good"} and not engine.waiting_for_grammar
     engine.failed_requests.clear()
 
 
