@@ -172,11 +172,11 @@ def _decode_split_kernel(
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        return
-    part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
-    tl.store(part_max_ptr + part, m_i, mask=row_ok)
-    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
