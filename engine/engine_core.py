@@ -226,8 +226,8 @@ class EngineCore:
 
         With async scheduling the host schedules and prepares step N+1 while the GPU runs step N, and
         only then waits for step N's tokens: the GPU never waits for the host's bookkeeping. A batch
-        that needs its requests' output history on the host (penalties, min_tokens) first drains the
-        step in flight.
+        that needs its requests' output history on the host (penalties, min_tokens, a grammar) first
+        drains the step in flight.
 
         With `isolate_failures` (the server's mode) a step that raises is retried one request at a
         time: a request that fails alone is aborted and reported in `failed_requests`, the rest go on.
