@@ -6,8 +6,9 @@ JSON schema (a constrained request needs its matcher advanced before the next ma
 synchronous). The mask columns are the host's time filling the bitmask, which overlaps the forward pass,
 and the overhead is constrained minus unconstrained-sync (the mask itself) and minus async (all told).
 
-Presets have dummy weights, so their output is noise: the schema is an object holding an array of integers,
-which noise never closes, so every step masks (most tokens barred: digits, commas, a bracket). A preset's
+Presets have dummy weights, so their output is noise: the schema is an object holding an array of at least
+100,000 integers, which no timed run can close (noise at temperature 1 closes a plain array within tens of
+tokens), so every step masks (most tokens barred: digits, commas, spaces). A preset's
 built-in tokenizer has only ~1,000 tokens; the default `--vocab synthetic` compiles grammars for a
 synthetic byte-level vocabulary of the preset's size instead (words, numbers, punctuation runs), which is
 what the mask's cost scales with.
@@ -34,8 +35,8 @@ from kiln.engine.structured_output import GrammarBitmask
 
 PROMPT_LEN = 32
 WARMUP_STEPS = 4  # prefill and the first decodes are not timed
-SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
-          "required": ["values"]}  # fmt: skip
+SCHEMA = {"type": "object", "required": ["values"],
+          "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}}}
 
 
 def synthetic_tokenizer(vocab_size: int, directory: Path) -> Path:
@@ -103,9 +104,10 @@ def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_sched
         sync()
     finally:
         GrammarBitmask.fill = fill
-    if min(tokens.values()) < params.max_tokens:  # a request finished early: the batch shrank while timed
-        print(f"  note: batch {batch}: some requests stopped after {min(tokens.values())} tokens")
     first, last = WARMUP_STEPS, WARMUP_STEPS + steps
+    if min(tokens.values()) < params.max_tokens or len(ends) <= last:
+        raise RuntimeError(f"batch {batch}: a request stopped after {min(tokens.values())} of {params.max_tokens} "
+                           "tokens, so the batch shrank inside the timed steps")
     return {"step_ms": 1e3 * (ends[last] - ends[first]) / steps, "fill_ms": 1e3 * (fills[last] - fills[first]) / steps}
 
 
