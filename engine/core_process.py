@@ -111,12 +111,12 @@ def _step(core: EngineCore, failed: list[protocol.RequestFailed]) -> list[Engine
     return outputs
 
 
-def _to_wire(out: EngineCoreOutput) -> protocol.RequestOutput:
+def _to_wire(out: EngineCoreOutput) -> tuple:
+    """A protocol.RequestOutput as the tuple of its fields (what goes on the wire, without the dataclass)."""
     logprobs = None
     if out.new_logprobs is not None:
         logprobs = [[[tid, lp.logprob, lp.rank] for tid, lp in entry.items()] for entry in out.new_logprobs]
-    return protocol.RequestOutput(out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.stop_reason,
-                                  out.num_cached_tokens)  # fmt: skip
+    return out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.stop_reason, out.num_cached_tokens
 
 
 def _stats(core: EngineCore) -> dict[str, float]:

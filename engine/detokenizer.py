@@ -21,6 +21,10 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # The Rust tokenizer directly when that is all `tokenizer.decode` would do (no clean-up pass): the
+        # Python wrapper costs several times the decode itself, twice per token.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0  # window start: decoded for context only
         self.read_offset = len(self.token_ids)  # text up to here has been emitted
@@ -48,6 +52,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
 

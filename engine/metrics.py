@@ -41,6 +41,7 @@ class ServerMetrics:
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Request latency, end to end", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.model = model_name
+        self._itl = self.itl.labels(model_name)  # observed for every token: look its child up once
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
@@ -48,7 +49,7 @@ class ServerMetrics:
     def inter_token(self, seconds: float, num_tokens: int) -> None:
         # Merged outputs (several tokens in one message) share the gap evenly.
         for _ in range(num_tokens):
-            self.itl.labels(self.model).observe(seconds / num_tokens)
+            self._itl.observe(seconds / num_tokens)
 
     def request_finished(self, seconds: float, choices: Iterable[Any]) -> None:
         self.requests.labels(self.model).inc()

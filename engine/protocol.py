@@ -6,7 +6,7 @@ that dataclass, so nothing on a socket can name code to run (no pickle anywhere)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -63,6 +63,10 @@ class EngineOutputs:
 
 _TYPES = {cls.__name__: cls for cls in (AddRequest, AbortRequests, Shutdown, Ready, RequestOutput, RequestFailed,
                                         EngineOutputs)}  # fmt: skip
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()}
+# Lists of messages inside a message travel as lists of field values (no names): an engine step's outputs
+# are hundreds of them, and `dataclasses.asdict` (a deep copy) would cost milliseconds per step. A sender may
+# put the tuple of an item's field values, in order, in place of the item (the engine core does, per step).
 _NESTED = {"EngineOutputs": {"outputs": RequestOutput, "failed": RequestFailed}}
 
 
@@ -71,18 +75,29 @@ class ProtocolError(ValueError):
 
 
 def encode(message: Any) -> bytes:
-    return msgpack.packb([type(message).__name__, asdict(message)], use_bin_type=True)
+    name = type(message).__name__
+    nested = _NESTED.get(name, {})
+    body = {}
+    for f in _FIELDS[type(message)]:
+        value = getattr(message, f)
+        if f in nested:
+            names = _FIELDS[nested[f]]
+            value = [item if isinstance(item, tuple) else [getattr(item, g) for g in names] for item in value]
+        body[f] = value
+    return msgpack.packb([name, body], use_bin_type=True)
 
 
 def decode(frame: bytes) -> Any:
     try:
         name, body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
         cls = _TYPES[name]
-        nested = _NESTED.get(name, {})
-        body = {k: [nested[k](**item) for item in v] if k in nested else v for k, v in body.items()}
-        allowed = {f.name for f in fields(cls)}
-        if not set(body) <= allowed:
-            raise ProtocolError(f"unexpected fields {sorted(set(body) - allowed)} in {name}")
+        if not set(body) <= set(_FIELDS[cls]):
+            raise ProtocolError(f"unexpected fields {sorted(set(body) - set(_FIELDS[cls]))} in {name}")
+        for key, item_cls in _NESTED.get(name, {}).items():
+            if key in body:
+                if any(len(item) > len(_FIELDS[item_cls]) for item in body[key]):
+                    raise ProtocolError(f"too many fields in an item of {name}.{key}")
+                body[key] = [item_cls(*item) for item in body[key]]
         return cls(**body)
     except ProtocolError:
         raise

@@ -5,11 +5,11 @@ SSE shapes (with logprobs and usage)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -199,11 +199,29 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
 
 
 async def _next_items(queue: asyncio.Queue) -> list[Any]:
-    """Everything queued for this request: waits for one item, then drains (merging slow readers)."""
+    """Everything queued for this request: waits for one item, then drains, joining the outputs of each
+    request that queued up behind each other into one (one detokenization and one event for all of them, so
+    a reader that falls behind catches up in fewer, larger steps)."""
     items = [await queue.get()]
     while not queue.empty():
         items.append(queue.get_nowait())
-    return items
+    if len(items) == 1:
+        return items
+    merged: list[Any] = []
+    latest: dict[str, protocol.RequestOutput] = {}  # since the last non-output item (an error ends it all)
+    for item in items:
+        if not isinstance(item, protocol.RequestOutput):
+            merged.append(item)
+            latest.clear()
+        elif (first := latest.get(item.request_id)) is None:
+            merged.append(item)
+            latest[item.request_id] = item
+        else:  # NOTE: a queued output belongs to this request alone: joined in place
+            first.new_token_ids = first.new_token_ids + item.new_token_ids
+            if item.new_logprobs:
+                first.new_logprobs = (first.new_logprobs or []) + item.new_logprobs
+            first.finish_reason, first.stop_reason = item.finish_reason, item.stop_reason
+    return merged
 
 
 def _apply(state: ServerState, choice: _Choice, out: protocol.RequestOutput) -> str:
@@ -255,13 +273,33 @@ async def _collect(state: ServerState, choices: dict[str, _Choice], queue: async
 async def _stream(request, state, parsed, choices, queue, base, created, chat, texts) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    # NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout
+    # seconds it is dropped (and its request aborted) instead of holding a seat forever.
+    watch = _WriteWatch(state.write_timeout)
 
     async def send(payload: dict[str, Any] | str) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        # NOTE: a client that stops reading blocks this write once the socket buffers fill; after
-        # write_timeout seconds it is dropped (and its request aborted) instead of holding a seat forever.
-        await asyncio.wait_for(response.write(f"data: {data}\n\n".encode()), timeout=state.write_timeout)
+        await watch.run(response.write(f"data: {data}\n\n".encode()))
+
+    try:
+        try:
+            async for payload in _events(state, parsed, choices, queue, base, created, chat, texts):
+                await send(payload)
+        except APIError as e:
+            await send(e.body())
+        await send("[DONE]")
+        await watch.run(response.write_eof())
+    except (TimeoutError, ConnectionResetError):
+        pass  # the client is gone or not reading: run_request aborts what is left
+    finally:
+        watch.close()
+    return response
+
+
+async def _events(state, parsed, choices, queue, base, created, chat, texts) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunks: a first one (the role, or the echoed prompt), then whatever arrived since the last
+    event merged into one entry per choice, then the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice_bodies: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": base, "object": kind, "created": created, "model": state.served_model_name,
@@ -270,50 +308,74 @@ async def _stream(request, state, parsed, choices, queue, base, created, chat, t
             body["usage"] = usage
         return body
 
-    try:
-        if chat:
-            await send(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for c in choices.values()]))  # fmt: skip
-        elif parsed.echo:
-            n = parsed.params.n
-            await send(chunk([{"index": c.index, "text": _prompt_text(state, c, texts, n), "logprobs": None,
-                               "finish_reason": None} for c in choices.values()]))  # fmt: skip
-        while any(c.finish_reason is None for c in choices.values()):
-            # Everything that arrived since the last event, merged into one entry per choice.
-            deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
-            for item in await _next_items(queue):
-                _raise_for(item)
-                choice = choices.get(item.request_id)
-                if choice is None or choice.finish_reason is not None:
-                    continue
-                text, start = deltas.get(item.request_id, ("", len(choice.token_ids)))
-                deltas[item.request_id] = (text + _apply(state, choice, item), start)
-            bodies = []
-            for rid, (delta, start) in deltas.items():
-                choice = choices[rid]
-                new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
-                if not delta and choice.finish_reason is None and not new_lp:
-                    continue
-                lp = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs) if new_lp else None
-                if chat:
-                    bodies.append({"index": choice.index, "delta": {"content": delta} if delta else {},
-                                   "logprobs": lp, "finish_reason": choice.finish_reason})  # fmt: skip
-                else:
-                    bodies.append({"index": choice.index, "text": delta, "logprobs": lp,
-                                   "finish_reason": choice.finish_reason})  # fmt: skip
-            if bodies:
-                await send(chunk(bodies))
-        if parsed.include_usage:
-            await send(chunk([], _usage(choices)))
-    except APIError as e:
-        with contextlib.suppress(TimeoutError, ConnectionResetError):
-            await send(e.body())
-    except (TimeoutError, ConnectionResetError):
-        return response  # the client is gone or not reading: run_request aborts what is left
-    with contextlib.suppress(TimeoutError, ConnectionResetError):
-        await send("[DONE]")
-        await response.write_eof()
-    return response
+    if chat:
+        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in choices.values()])  # fmt: skip
+    elif parsed.echo:
+        n = parsed.params.n
+        yield chunk([{"index": c.index, "text": _prompt_text(state, c, texts, n), "logprobs": None,
+                      "finish_reason": None} for c in choices.values()])  # fmt: skip
+    while any(c.finish_reason is None for c in choices.values()):
+        deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
+        for item in await _next_items(queue):
+            _raise_for(item)
+            choice = choices.get(item.request_id)
+            if choice is None or choice.finish_reason is not None:
+                continue
+            text, start = deltas.get(item.request_id, ("", len(choice.token_ids)))
+            deltas[item.request_id] = (text + _apply(state, choice, item), start)
+        bodies = []
+        for rid, (delta, start) in deltas.items():
+            choice = choices[rid]
+            new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
+            if not delta and choice.finish_reason is None and not new_lp:
+                continue
+            lp = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs) if new_lp else None
+            if chat:
+                bodies.append({"index": choice.index, "delta": {"content": delta} if delta else {},
+                               "logprobs": lp, "finish_reason": choice.finish_reason})  # fmt: skip
+            else:
+                bodies.append({"index": choice.index, "text": delta, "logprobs": lp,
+                               "finish_reason": choice.finish_reason})  # fmt: skip
+        if bodies:
+            yield chunk(bodies)
+    if parsed.include_usage:
+        yield chunk([], _usage(choices))
+
+
+class _WriteWatch:
+    """Times out a stream's write that has been blocked for `timeout` seconds, with one timer per stream that
+    re-arms itself rarely (a timer armed and cancelled around every write cost more than the write)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.timeout = timeout
+        self.since: float | None = None  # when the write in progress began
+        self.fired = False
+        self.handle = self.loop.call_later(timeout, self._check)
+
+    async def run(self, write: Coroutine[Any, Any, None]) -> None:
+        self.since = self.loop.time()
+        try:
+            await write
+        except asyncio.CancelledError:
+            if self.fired and self.task.uncancel() == 0:  # our cancel, nobody else's: a timeout
+                raise TimeoutError from None
+            raise
+        finally:
+            self.since = None
+
+    def _check(self) -> None:
+        if self.since is not None and self.loop.time() - self.since >= self.timeout:
+            self.fired = True
+            self.task.cancel()
+            return
+        delay = self.timeout if self.since is None else self.since + self.timeout - self.loop.time()
+        self.handle = self.loop.call_later(delay, self._check)
+
+    def close(self) -> None:
+        self.handle.cancel()
 
 
 def _prompt_text(state: ServerState, choice: _Choice, texts: list[str | None], n: int) -> str:

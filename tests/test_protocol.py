@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import msgpack
 import pytest
 
 from kiln.engine import protocol
@@ -35,6 +36,8 @@ FOREIGN = [
     b"\x93\x01\x02\x03",  # msgpack, but not [name, body]
     b"\x92\xa4Evil\x80",  # an unknown message type
     b"\x92\xaaAddRequest\x81\xa3bad\x01",  # a known type with a field it does not have
+    msgpack.packb(["EngineOutputs", {"outputs": [["r1", [5], None, None, None, 0, "extra"]]}]),  # an item too long
+    msgpack.packb(["EngineOutputs", {"outputs": [{"request_id": "r1"}]}]),  # an item that is not a list
 ]
 
 
@@ -57,3 +60,14 @@ def test_stop_string_split_across_tokens_is_never_sent():
         if stop:
             break
     assert stop == "brown fox" and sent == "The quick "
+
+
+def test_engine_core_sends_outputs_as_field_tuples():
+    from kiln.engine.core_process import _to_wire
+    from kiln.engine.engine_core import EngineCoreOutput
+    from kiln.engine.outputs import Logprob
+
+    out = EngineCoreOutput("r1", [5, 6], [{5: Logprob(-0.5, 1)}, {6: Logprob(-1.5, 2)}], "length", None, 4)
+    sent = protocol.EngineOutputs([_to_wire(out)], [], {"running": 0})
+    expected = protocol.RequestOutput("r1", [5, 6], [[[5, -0.5, 1]], [[6, -1.5, 2]]], "length", None, 4)
+    assert protocol.decode(protocol.encode(sent)) == protocol.EngineOutputs([expected], [], {"running": 0})
