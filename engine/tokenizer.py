@@ -7,6 +7,8 @@ to nothing, which is fine for dummy weights, whose output is noise anyway.
 
 from __future__ import annotations
 
+import random
+import string
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,6 +43,38 @@ def builtin_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BUILTIN_EOS)
+
+
+def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE whose `vocab_size - 256` tokens (the rest stay unused, as in real models) all decode to
+    text: every byte, numbers with and without a leading space, two-character punctuation runs, then words
+    of 2-10 letters (half with a leading space, some capitalised) from a fixed seed. For benchmarks of a
+    preset's full vocabulary (grammar masks, streaming detokenization); it has no merges, so it encodes text
+    byte by byte."""
+    num_tokens = vocab_size - 256
+    vocab: dict[str, int] = {}
+
+    def add(token: str) -> None:
+        if token not in vocab and len(vocab) < num_tokens:
+            vocab[token] = len(vocab)
+
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        add(char)
+    for number in range(1000):
+        add(str(number))
+        add("Ġ" + str(number))
+    punctuation = '{}[]():;,."!?-_=+*/<>#@&%$'
+    for a in punctuation:
+        for b in punctuation:
+            add(a + b)
+    rng = random.Random(0)
+    while len(vocab) < num_tokens:
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 10)))
+        add(("Ġ" if rng.random() < 0.5 else "") + (word.capitalize() if rng.random() < 0.3 else word))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -21,57 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import string
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from kiln.engine import LLM, SamplingParams, StructuredOutputParams
 from kiln.engine.model_source import resolve_model
 from kiln.engine.structured_output import GrammarBitmask
+from kiln.engine.tokenizer import synthetic_tokenizer
 
 PROMPT_LEN = 32
 WARMUP_STEPS = 4  # prefill and the first decodes are not timed
 SCHEMA = {"type": "object", "required": ["values"],
           "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}}}
-
-
-def synthetic_tokenizer(vocab_size: int, directory: Path) -> Path:
-    """A byte-level BPE tokenizer of `vocab_size - 256` tokens (the rest stay padding, as in real models):
-    every byte, numbers with and without a leading space, two-character punctuation runs, then words of
-    2-10 letters (half with a leading space, some capitalised) from a fixed seed. Only the vocabulary
-    matters here: xgrammar builds its masks from the tokens' bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
-    num_tokens = vocab_size - 256
-    vocab: dict[str, int] = {}
-
-    def add(token: str) -> None:
-        if token not in vocab and len(vocab) < num_tokens:
-            vocab[token] = len(vocab)
-
-    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        add(char)
-    for number in range(1000):
-        add(str(number))
-        add("Ġ" + str(number))
-    punctuation = '{}[]():;,."!?-_=+*/<>#@&%$'
-    for a in punctuation:
-        for b in punctuation:
-            add(a + b)
-    rng = random.Random(0)
-    while len(vocab) < num_tokens:
-        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 10)))
-        add(("Ġ" if rng.random() < 0.5 else "") + (word.capitalize() if rng.random() < 0.3 else word))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
-    return directory
 
 
 def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_scheduling: bool) -> dict:
@@ -137,7 +100,8 @@ def main() -> None:
         kwargs["gpu_memory_utilization"] = 0.8
     with tempfile.TemporaryDirectory() as tmp:
         if vocab == "synthetic":
-            kwargs["tokenizer"] = str(synthetic_tokenizer(source.model_config.vocab_size, Path(tmp)))
+            synthetic_tokenizer(source.model_config.vocab_size).save_pretrained(tmp)
+            kwargs["tokenizer"] = tmp
         llm = LLM(args.model, **kwargs)
         engine = llm.engine
         start = time.perf_counter()

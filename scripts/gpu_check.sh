@@ -2,7 +2,8 @@
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
-#   | throughput-compiled:MODEL | serving:MODEL | gputests:FILE,FILE | breakdown:MODEL | profile:MODEL:BATCH
+#   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
+#   | profile:MODEL:BATCH
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -15,6 +16,17 @@ summary="$OUT/summary.txt"
 { date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 } | tee -a "$summary"
+
+# `kiln serve MODEL` in the background ($server, $tok), with a tokenizer whose every id decodes to text (a
+# preset's built-in one knows ~1,000 of them): each token then makes a streamed event, as with a real model
+start_server() {
+  tok=/tmp/kiln-tokenizer-$1
+  python3 -c "import sys; from kiln.engine.model_source import resolve_model as r; from kiln.engine.tokenizer \
+import synthetic_tokenizer as t; t(r(sys.argv[1]).model_config.vocab_size).save_pretrained(sys.argv[2])" "$1" "$tok"
+  kiln serve "$1" --tokenizer "$tok" --port 8000 > "$OUT/serve_$1.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+}
 
 for step in $steps; do
   case $step in
@@ -57,17 +69,23 @@ for step in $steps; do
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
     serving:*)
       model=${step#serving:}
-      kiln serve "$model" --port 8000 > "$OUT/serve_$model.log" 2>&1 &
-      server=$!
-      for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+      start_server "$model"
       args="--num-requests 512 --input-len 256 --output-len 256"
       timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --json "$OUT/serving.jsonl" | tail -n 14
       timeout 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
         --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
       kill -TERM $server; wait $server
-      timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" \
+      timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" --tokenizer "$tok" \
         --json "$OUT/serving.jsonl" | tail -n 4
       tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
+    soak:*)
+      # ~80% of the seats (max_num_seqs 256) busy for SOAK_MINUTES, 10% of the streams cancelled midway
+      model=${step#soak:}
+      start_server "$model"
+      timeout $(( ${SOAK_MINUTES:-4} * 60 + 120 )) python3 scripts/soak.py --minutes ${SOAK_MINUTES:-4} \
+        --concurrency 200 --server-pid $server --json "$OUT/soak.json" | tail -n 12
+      kill -TERM $server; wait $server
+      echo "soak: $(cat "$OUT/soak.json")" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
       timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
