@@ -48,7 +48,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kiln-startup-") as cache_dir:
             extra = {"max_model_len": args.max_model_len}
             cold = start_once(model, cache_dir, extra)
+            print(f"{model} cold: {json.dumps(cold)}", flush=True)  # as it comes: a time limit may stop the rest
             warm = start_once(model, cache_dir, extra)
+            print(f"{model} warm: {json.dumps(warm)}", flush=True)
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
     print(f"\n{'model':<14} {'start':<5} {'wall s':>7} " + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)
           + f" {'compiles':>9} {'hits':>5} {'graphs':>7}")  # fmt: skip

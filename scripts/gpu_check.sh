@@ -71,13 +71,15 @@ for step in $steps; do
       model=${step#serving:}
       start_server "$model"
       args="--num-requests 512 --input-len 256 --output-len 256"
+      # all 512 at once (as the offline run gets them), then 256 at a time (a new one as one finishes)
+      timeout 300 python3 scripts/bench_serving.py $args --concurrency 512 --json "$OUT/serving.jsonl" | tail -n 14
       timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --json "$OUT/serving.jsonl" | tail -n 14
       timeout 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
         --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
       kill -TERM $server; wait $server
       timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" --tokenizer "$tok" \
         --json "$OUT/serving.jsonl" | tail -n 4
-      tail -n 3 "$OUT/serving.jsonl" >> "$summary" ;;
+      tail -n 4 "$OUT/serving.jsonl" >> "$summary" ;;
     soak:*)
       # ~80% of the seats (max_num_seqs 256) busy for SOAK_MINUTES, 10% of the streams cancelled midway
       model=${step#soak:}
