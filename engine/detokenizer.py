@@ -35,6 +35,11 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if full_text == prefix_text:
+            # The new tokens add nothing (skipped special tokens, ids the tokenizer does not know): dropped from
+            # the window, which would otherwise grow with them and make every later decode longer.
+            del self.token_ids[self.read_offset :]
+            return ""
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
             return ""
         delta = full_text[len(prefix_text) :]

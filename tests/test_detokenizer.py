@@ -37,3 +37,25 @@ def test_find_stop_string_only_in_new_tail():
     assert find_stop_string("abc STOP def", 4, ["STOP"]) is None  # wholly before the new text
     assert find_stop_string("abc STOP", 2, ["STOP"]) == ("STOP", 4)  # straddles the boundary
     assert find_stop_string("xx AB CD", 5, ["CD", "AB"]) == ("AB", 3)  # the earliest wins
+
+
+def test_tokens_that_add_nothing_do_not_grow_the_window():
+    # A preset's dummy weights mostly sample ids its small tokenizer does not know; real models emit
+    # special tokens that are skipped. Either way the text must equal a one-shot decode, and the decode
+    # window must not grow with them (each later token would decode it all again).
+    tokenizer = builtin_tokenizer(512)
+    special = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    text_ids = tokenizer.encode("héllo wörld, the quick brown fox 🔥 jumps")
+    output, unknown = [], iter(range(512, 100_000, 7))
+    for i, t in enumerate(text_ids):
+        output.append(t)
+        output += [next(unknown) for _ in range(200 if i == 5 else i % 5)] + ([special] if i % 3 == 0 else [])
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    widest = 0
+    pieces = []
+    for t in output:
+        pieces.append(detok.add_tokens([t]))
+        widest = max(widest, len(detok.token_ids) - detok.prefix_offset)
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True) == tokenizer.decode(text_ids)
+    assert widest <= 12  # a split character and what came between its parts, never all the skipped ones
