@@ -7,7 +7,7 @@ per step besides.
 
 from __future__ import annotations
 
-import itertools
+import operator
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +20,9 @@ from tqdm import tqdm
 from kiln.backends import AttentionBackend, AttentionMetadata, ForwardContext, set_forward_context
 from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
+from kiln.engine.request import Request
 from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -127,6 +129,12 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row there.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # The last step's sampling rows' params and their metadata, when it can serve again.
+        self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
+        # Per mirror, per block-table row: the block id list last written there and how much of it. A
+        # request's list only grows (the KV cache manager extends it in place), so a row holding the same
+        # list needs only its new tail written.
+        self._block_rows: list[list[tuple[list[int] | None, int]]] = [[(None, 0)] * max_reqs for _ in range(2)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -149,16 +157,10 @@ class ModelRunner:
         hidden = self.forward(metadata, plan)
         if handle.sample_rows:
             logits = self.model.compute_logits(hidden[logits_indices])
-            requests = [batch.requests[i] for i in handle.sample_rows]
-            sampling = SamplingMetadata.build(
-                params=[r.sampling_params for r in requests],
-                prompt_token_ids=[r.prompt_token_ids for r in requests],
-                output_token_ids=[r.output_token_ids for r in requests],
-                generators=[r.generator for r in requests],
-                eos_token_ids=self.eos_token_ids,
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
+            requests = batch.requests
+            if len(handle.sample_rows) != len(requests):
+                requests = [requests[i] for i in handle.sample_rows]
+            sampling = self.sampling_metadata(requests)
             grammars = [r.grammar for r in requests]
             if any(grammar is not None for grammar in grammars):
                 # NOTE: the forward pass and the logits are enqueued by now: the host fills the grammar mask
@@ -175,6 +177,30 @@ class ModelRunner:
             handle.done = torch.cuda.Event(enable_timing=handle.gpu_start is not None)
             handle.done.record()
         return handle
+
+    def sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        """The sampling rows' metadata. When every row's parameters and generator are the ones of the
+        last step's rows, in order, and none reads its output history (min_tokens, penalties), the last
+        step's metadata (and its device tensors) serves again: most decode steps of a steady batch."""
+        params = [r.sampling_params for r in requests]
+        if self._sampling_cache is not None:
+            last_params, sampling = self._sampling_cache
+            # Generators enter the metadata only on seeded rows: those are the ones to compare.
+            if (len(last_params) == len(params) and all(map(operator.is_, last_params, params))
+                    and all(requests[row].generator is g for row, g in sampling.generators.items())):  # fmt: skip
+                return sampling
+        sampling = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[r.generator for r in requests],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        history = any(p.min_tokens > 0 or p.uses_penalties for p in params)
+        self._sampling_cache = None if history else (params, sampling)
+        return sampling
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step's tokens (the one host sync of a step) and hand them out per row."""
@@ -245,17 +271,22 @@ class ModelRunner:
         Token ids come from the host, except a decode's input that the previous step sampled and the
         host has not seen yet (async scheduling): it is copied from that step's output on the device.
         """
-        chunks, carry_dst, carry_src, end = [], [], [], 0
+        tokens, carry_dst, carry_src, end = [], [], [], 0
         for r, c, n in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens):
-            chunk = r.all_token_ids[c : c + n]
+            all_token_ids = r.all_token_ids
             end += n
-            if len(chunk) < n:
-                assert len(chunk) == n - 1, "at most one input token can still be on the device"
-                carry_dst.append(end - 1)
-                carry_src.append(self._prev_rows[r.request_id])
-                chunk = [*chunk, 0]
-            chunks.append(chunk)
-        input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=end)
+            if c + n <= len(all_token_ids):
+                if n == 1:
+                    tokens.append(all_token_ids[c])  # a decode whose input the host has
+                else:
+                    tokens += all_token_ids[c : c + n]
+                continue
+            assert c + n == len(all_token_ids) + 1, "at most one input token can still be on the device"
+            tokens += all_token_ids[c:]
+            tokens.append(0)
+            carry_dst.append(end - 1)
+            carry_src.append(self._prev_rows[r.request_id])
+        input_ids = np.array(tokens, dtype=np.int64)
         computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         return self.fill_buffers(input_ids, computed, num_new, batch.block_ids, plan, sample_rows,
@@ -282,8 +313,15 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(num_reqs), num_new)
         positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
         block_table = self.block_table_buf.np[p]
+        written = self._block_rows[p]
         for i, ids in enumerate(block_ids):
-            block_table[i, : len(ids)] = ids
+            last, num_written = written[i]
+            if last is not ids:
+                num_written = 0
+            elif num_written == len(ids):
+                continue
+            block_table[i, num_written : len(ids)] = ids[num_written:]
+            written[i] = (ids, len(ids))
         self.input_ids_buf.np[p][:num_tokens] = input_ids
         self.positions_buf.np[p][:num_tokens] = positions
         self.slot_mapping_buf.np[p][:num_tokens] = (

@@ -103,16 +103,21 @@ class Scheduler:
         # Running requests first, oldest first; the newest are preempted when blocks run out.
         i = 0
         max_model_len = self.max_model_len
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        allocate_slots = self.kv.allocate_slots
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
             i += 1
             pending = request.num_output_placeholders
-            num_tokens = len(request.all_token_ids) + pending
+            all_token_ids = request.all_token_ids
+            num_tokens = len(all_token_ids) + pending
             if pending and (len(request.output_token_ids) + pending >= request.max_tokens
                             or num_tokens >= max_model_len):  # fmt: skip
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
-            n = min(num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, n, preempted):
+            num_computed = request.num_computed_tokens
+            n = min(num_tokens - num_computed, budget)
+            fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
+            if not fits and not self._preempt_for(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
             num_new.append(n)
@@ -141,12 +146,14 @@ class Scheduler:
         computed = [r.num_computed_tokens for r in scheduled]
         samples = []
         for request, n in zip(scheduled, num_new):
-            request.num_computed_tokens += n
-            sample = request.num_computed_tokens == request.num_tokens_with_placeholders
+            num_computed_tokens = request.num_computed_tokens + n
+            request.num_computed_tokens = num_computed_tokens
+            sample = num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders
             request.num_output_placeholders += sample
             samples.append(sample)
-        block_ids = [self.kv.block_ids(r.request_id) for r in scheduled]
-        return SchedulerOutput(scheduled, num_new, block_ids, preempted, computed, samples)
+        block_ids = self.kv.block_ids
+        return SchedulerOutput(scheduled, num_new, [block_ids(r.request_id) for r in scheduled], preempted,
+                               computed, samples)  # fmt: skip
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int | None]
@@ -165,7 +172,9 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.append_output_token(token)
             new_tokens.append((request, token))
-            status = self._advance_grammar(request, token) or self._check_stop(request, token)
+            status = None if request.grammar is None else self._advance_grammar(request, token)
+            if status is None:
+                status = self._check_stop(request, token)
             if status is not None:
                 # Preempted while its token was in flight, a request finishes from the waiting queue.
                 (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
@@ -204,16 +213,17 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
-        """Find blocks for n more tokens of a running request, preempting from the newest end of
-        `running` until they fit; False if the request had to preempt itself."""
-        while not self.kv.allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens, n):
+    def _preempt_for(self, request: Request, n: int, preempted: list[Request]) -> bool:
+        """Blocks for n more tokens of a running request did not fit: preempt from the newest end of
+        `running` until they do; False if the request had to preempt itself."""
+        while True:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
-        return True
+            if self.kv.allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens, n):
+                return True
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
