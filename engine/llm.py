@@ -131,7 +131,8 @@ class LLM:
             for out in outputs:
                 result, seq = sequences[out.request_id]
                 num_generated += len(out.new_token_ids)
-                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                if out.num_cached_tokens > result.num_cached_tokens:
+                    result.num_cached_tokens = out.num_cached_tokens
                 if self._update(out, seq):
                     unfinished[result.request_id] -= 1
                     if unfinished[result.request_id] == 0:
@@ -143,7 +144,9 @@ class LLM:
     def _update(self, out: EngineCoreOutput, seq: _Sequence) -> bool:
         """Fold one step's tokens into the sequence; True when it has finished."""
         output = seq.output
-        output.token_ids.extend(out.new_token_ids)
+        output.token_ids += out.new_token_ids
+        if out.finish_reason is None and out.new_logprobs is None and seq.text is None:
+            return False  # most steps of most sequences: one more token, nothing else to do
         if out.new_logprobs is not None:
             seq.logprobs.extend(out.new_logprobs)
             output.logprobs = seq.logprobs
