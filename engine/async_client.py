@@ -1,7 +1,7 @@
 """The API server's handle on the engine-core process: start it, send requests, route outputs back.
 
-Outputs for each request land in that request's asyncio queue as they arrive; a handler drains all
-that is queued at once (so a slow reader gets its tokens merged, never stalls anyone). If the engine
+Outputs for each request land in that request's inbox as they arrive; a handler takes all that is
+waiting at once (so a slow reader gets its tokens merged, never stalls anyone). If the engine
 process dies, every open request gets `EngineDeadError` and `alive` turns False.
 """
 
@@ -28,6 +28,34 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class Inbox:
+    """What the engine sent for one HTTP request (its n engine requests share it), until the handler takes
+    it. Lighter than asyncio.Queue, whose per-item bookkeeping and wake-up cost ~9 µs an output at 256
+    outputs a step: a put is an append, and a future exists only while the handler waits."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take_all(self) -> list[Any]:
+        """Everything waiting; waits for at least one item."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
 class AsyncEngineClient:
     def __init__(self, config, engine_timeout: float = 60.0) -> None:
         self.config = config
@@ -35,7 +63,7 @@ class AsyncEngineClient:
         # long without a word while requests wait means it is stuck (e.g. SIGSTOP, a hung kernel).
         self.engine_timeout = engine_timeout
         self.last_heard = 0.0
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, Inbox] = {}
         self.alive = False
         self.ready: protocol.Ready | None = None
         self.stats: dict[str, float] = {}
@@ -73,11 +101,11 @@ class AsyncEngineClient:
         return self.ready
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-                    q: asyncio.Queue | None = None) -> asyncio.Queue:  # fmt: skip
+                    q: Inbox | None = None) -> Inbox:  # fmt: skip
         """Several requests (the n choices of one HTTP request) may share one queue."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        q = q if q is not None else asyncio.Queue()
+        q = q if q is not None else Inbox()
         self.queues[request_id] = q
         self.input.send(protocol.encode(protocol.AddRequest(request_id, prompt_token_ids, params)))
         return q
@@ -94,7 +122,7 @@ class AsyncEngineClient:
     def fail_all(self, error: Exception) -> None:
         """End every open request with `error` (its handler turns it into an error response)."""
         for q in self.queues.values():
-            q.put_nowait(error)
+            q.put(error)
 
     async def _output_loop(self) -> None:
         while True:
@@ -110,10 +138,10 @@ class AsyncEngineClient:
             self.stats = message.stats
             for out in message.outputs:
                 if (q := self.queues.get(out.request_id)) is not None:
-                    q.put_nowait(out)
+                    q.put(out)
             for failure in message.failed:
                 if (q := self.queues.get(failure.request_id)) is not None:
-                    q.put_nowait(failure)
+                    q.put(failure)
 
     async def _watchdog(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,7 +158,7 @@ class AsyncEngineClient:
         self.alive = False
         logger.error("the engine core process exited (code %s)", self.process.exitcode)
         for q in self.queues.values():
-            q.put_nowait(EngineDeadError("the engine core process died"))
+            q.put(EngineDeadError("the engine core process died"))
 
     async def shutdown(self) -> None:
         if self.alive:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kiln.engine import protocol
-from kiln.engine.async_client import AsyncEngineClient, EngineDeadError
+from kiln.engine.async_client import AsyncEngineClient, EngineDeadError, Inbox
 from kiln.engine.detokenizer import TextStream
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_requests import APIError, ParsedRequest
@@ -160,7 +160,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
 
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = Inbox()
     choices: dict[str, _Choice] = {}
     wire = {k: v for k, v in dataclasses.asdict(params).items() if k != "n"}  # plain data, as msgpack needs
     for i, ids in enumerate(prompts):
@@ -198,13 +198,11 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         state.metrics.request_finished(time.monotonic() - start, choices.values())
 
 
-async def _next_items(queue: asyncio.Queue) -> list[Any]:
-    """Everything queued for this request: waits for one item, then drains, joining the outputs of each
-    request that queued up behind each other into one (one detokenization and one event for all of them, so
-    a reader that falls behind catches up in fewer, larger steps)."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
+async def _next_items(queue: Inbox) -> list[Any]:
+    """Everything queued for this request (waiting for one item), the outputs of each request that queued up
+    behind each other joined into one (one detokenization and one event for all of them, so a reader that
+    falls behind catches up in fewer, larger steps)."""
+    items = await queue.take_all()
     if len(items) == 1:
         return items
     merged: list[Any] = []
@@ -261,7 +259,7 @@ def _raise_for(item: Any) -> None:
                        "invalid_request_error")  # fmt: skip
 
 
-async def _collect(state: ServerState, choices: dict[str, _Choice], queue: asyncio.Queue) -> None:
+async def _collect(state: ServerState, choices: dict[str, _Choice], queue: Inbox) -> None:
     while any(c.finish_reason is None for c in choices.values()):
         for item in await _next_items(queue):
             _raise_for(item)
