@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -65,6 +66,21 @@ async def run_load(args, requests) -> tuple[list[dict], float]:
         return results, time.perf_counter() - start
 
 
+def process_cpu_seconds(pid: int | None) -> tuple[float, ...]:
+    """(the process's CPU seconds, its children's summed): the API server and its engine core."""
+    if pid is None:
+        return ()
+
+    def cpu(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    return cpu(pid), sum(cpu(c) for c in children)
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -84,6 +100,8 @@ def main() -> None:
     p.add_argument("--offline-model", default=None, help="also run the requests offline with LLM(this model)")
     p.add_argument("--offline-only", action="store_true", help="skip HTTP (run after the server is stopped)")
     p.add_argument("--tokenizer", default=None, help="the offline run's tokenizer directory (give it the server's)")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="the API server's pid: report its CPU share and its engine core's while loaded")  # fmt: skip
     p.add_argument("--json")
     args = p.parse_args()
     if args.model is None and not args.offline_only:
@@ -92,7 +110,9 @@ def main() -> None:
         with urllib.request.urlopen(f"{args.url}/v1/models") as r:
             args.model = json.load(r)["data"][0]["id"]
     requests = make_requests(args.num_requests, args.input_len, args.output_len, args.vocab)
+    cpu_before = process_cpu_seconds(args.server_pid)
     results, elapsed = asyncio.run(run_load(args, requests)) if not args.offline_only else ([], float("nan"))
+    cpu_after = process_cpu_seconds(args.server_pid)
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok) if not args.offline_only else sum(n for _, n in requests)
     tpot = [(r["e2e"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok]
@@ -105,6 +125,9 @@ def main() -> None:
         "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
         "mean_e2e_s": statistics.fmean(r["e2e"] for r in ok) if ok else float("nan"),
     }  # fmt: skip
+    # A share near 1.0 means that process (one Python thread doing most of the work) limits the run.
+    for name, before, after in zip(("api_server_cpu_share", "engine_core_cpu_share"), cpu_before, cpu_after):
+        summary[name] = (after - before) / elapsed
     if args.offline_model:
         from kiln.engine import LLM, SamplingParams  # noqa: PLC0415
 

@@ -72,8 +72,10 @@ for step in $steps; do
       start_server "$model"
       args="--num-requests 512 --input-len 256 --output-len 256"
       # all 512 at once (as the offline run gets them), then 256 at a time (a new one as one finishes)
-      timeout 300 python3 scripts/bench_serving.py $args --concurrency 512 --json "$OUT/serving.jsonl" | tail -n 14
-      timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --json "$OUT/serving.jsonl" | tail -n 14
+      timeout 300 python3 scripts/bench_serving.py $args --concurrency 512 --server-pid $server --json "$OUT/serving.jsonl" \
+        | tail -n 16
+      timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --server-pid $server --json "$OUT/serving.jsonl" \
+        | tail -n 16
       timeout 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
         --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
       kill -TERM $server; wait $server
