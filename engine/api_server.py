@@ -23,8 +23,8 @@ from kiln.engine.async_client import AsyncEngineClient
 from kiln.engine.gateway import KeyState, KeyStore, invalid_key_error
 from kiln.engine.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.responses import ServerShutdown
 from kiln.engine.serving import (
-    ServerShutdown,
     ServerState,
     check_model,
     encode,

@@ -7,7 +7,7 @@ import asyncio
 
 from kiln.engine import protocol
 from kiln.engine.async_client import EngineDeadError, Inbox
-from kiln.engine.serving import _next_items
+from kiln.engine.responses import next_items
 
 
 def test_inbox_hands_over_everything_waiting_in_order():
@@ -42,13 +42,13 @@ def test_outputs_queued_behind_a_slow_reader_are_joined():
                  out("a", [3], [[[3, -0.1, 1]]], "stop", 3), out("b", [8])]  # fmt: skip
         for item in items:
             inbox.put(item)
-        merged = await _next_items(inbox)
+        merged = await next_items(inbox)
         assert merged == [out("a", [1, 2, 3], [[[1, -0.5, 1]], [[2, -1.0, 1]], [[3, -0.1, 1]]], "stop", 3),
                           out("b", [7, 8])]  # fmt: skip
         # an error is a barrier: what came before it is applied first, nothing is joined across it
         error = EngineDeadError("gone")
         for item in (out("a", [4]), error, out("a", [5])):
             inbox.put(item)
-        assert await _next_items(inbox) == [out("a", [4]), error, out("a", [5])]
+        assert await next_items(inbox) == [out("a", [4]), error, out("a", [5])]
 
     asyncio.run(scenario())
