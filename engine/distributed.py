@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kiln.backends import AttentionMetadata
-from kiln.engine.model_runner import GraphPlan
+from kiln.engine.runner_io import GraphPlan
 
 if TYPE_CHECKING:
     from kiln.engine.config import EngineConfig

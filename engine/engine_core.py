@@ -27,13 +27,14 @@ from kiln.compile import (
 )
 from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers, WorkerDiedError, min_across_ranks
-from kiln.engine.model_runner import ModelRunner, StepHandle
+from kiln.engine.model_runner import ModelRunner
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
+from kiln.engine.runner_io import StepHandle
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer

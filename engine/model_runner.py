@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +20,7 @@ from kiln.backends import AttentionBackend, AttentionMetadata, ForwardContext, s
 from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
+from kiln.engine.runner_io import GraphPlan, ModelRunnerOutput, StagedBuffer, StepHandle, logprob_dicts
 from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
@@ -32,43 +32,6 @@ Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a 
 
 # Test-only fault injection: a step fails when any request's prompt holds this token id.
 _FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: list[int | None]  # per scheduled request; None where its prefill is still partial
-    logprobs: list[dict[int, Logprob] | None]
-
-
-@dataclass
-class StepHandle:
-    """A launched step. Its sampled tokens stay on the device (the next step's inputs read them
-    there); their copy to the host is in flight until `done`."""
-
-    batch: SchedulerOutput
-    sample_rows: list[int]
-    sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
-    logprobs_cpu: LogprobsTensors | None = None
-    done: torch.cuda.Event | None = None
-    gpu_start: torch.cuda.Event | None = None  # with `time_gpu`: the step's device time
-    gpu_seconds: float | None = None
-
-
-class StagedBuffer:
-    """A persistent device buffer (fixed address, as graph replay needs) fed from pinned host mirrors.
-
-    Two mirrors alternate from step to step, so the host fills step N+1's while step N's copy may
-    still be queued behind step N-1 on the GPU; the runner's fences say when a mirror's copy is done.
-    """
-
-    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.gpu = torch.zeros(*shape, dtype=dtype, device=device)
-        pin = device.type == "cuda"
-        self.host = [torch.zeros(*shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        self.np = [h.numpy() for h in self.host]
-
-    def copy(self, parity: int, n: int) -> None:
-        self.gpu[:n].copy_(self.host[parity][:n], non_blocking=True)
 
 
 class ModelRunner:
@@ -219,7 +182,7 @@ class ModelRunner:
         token_ids = handle.sampled_cpu.tolist()
         row_logprobs = None
         if handle.logprobs_cpu is not None:
-            row_logprobs = _logprob_dicts(handle.logprobs_cpu, [batch.requests[i] for i in handle.sample_rows])
+            row_logprobs = logprob_dicts(handle.logprobs_cpu, [batch.requests[i] for i in handle.sample_rows])
         for j, row in enumerate(handle.sample_rows):
             sampled[row] = token_ids[j]
             if row_logprobs is not None:
@@ -416,26 +379,3 @@ class ModelRunner:
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> torch.Tensor:
         metadata, plan = self._dummy_metadata(num_tokens, decode, mode)
         return self.forward(metadata, plan)
-
-
-@dataclass(frozen=True)
-class GraphPlan:
-    mode: str  # "full", "piecewise" or "none"
-    num_tokens: int  # padded token count (the capture size for graphs)
-    num_reqs: int  # padded request count (a full graph pads requests too)
-
-
-def _logprob_dicts(tensors, requests) -> list[dict[int, Logprob] | None]:
-    """vLLM's shape: for each row, {token id: Logprob} with the sampled token and the row's top-N."""
-    ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
-    rows: list[dict[int, Logprob] | None] = []
-    for j, request in enumerate(requests):
-        num = request.sampling_params.logprobs
-        if num is None:
-            rows.append(None)
-            continue
-        entry = {ids[j][0]: Logprob(values[j][0], ranks[j])}
-        for k in range(1, num + 1):
-            entry.setdefault(ids[j][k], Logprob(values[j][k], k))
-        rows.append(entry)
-    return rows
