@@ -54,9 +54,11 @@ async def next_items(queue: Inbox) -> list[Any]:
             merged.append(item)
             latest[item.request_id] = item
         else:  # NOTE: a queued output belongs to this request alone: joined in place
-            first.new_token_ids = first.new_token_ids + item.new_token_ids
+            first.new_token_ids.extend(item.new_token_ids)
             if item.new_logprobs:
-                first.new_logprobs = (first.new_logprobs or []) + item.new_logprobs
+                if first.new_logprobs is None:
+                    first.new_logprobs = []
+                first.new_logprobs.extend(item.new_logprobs)
             first.finish_reason, first.stop_reason = item.finish_reason, item.stop_reason
     return merged
 
