@@ -25,6 +25,7 @@ import torch
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.model_source import resolve_model
+from kiln.engine.models.parallel import kv_heads_per_rank
 
 PEAK_BYTES_PER_S = 4.3e12
 PROMPT_LEN, DECODE_STEPS = 32, 128
@@ -40,7 +41,8 @@ def step_bytes(llm: LLM, batch: int) -> float:
     weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     c = llm.engine.model_config
     avg_context = PROMPT_LEN + DECODE_STEPS / 2
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
+    kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.shard.size)  # under TP: what one GPU reads
+    kv = 2 * c.num_layers * kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
     return weights + kv
 
 
@@ -235,7 +237,8 @@ def main() -> None:
             rows.append({"engine": "hf static+compile", "batch": batch, "tokens_per_s": tps,
                          "bw_util": float("nan"), "startup_s": float("nan")})  # fmt: skip
     print(f"\ndecode latency: {args.model}, bf16, dummy weights, prompt {PROMPT_LEN}, {DECODE_STEPS} steps, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")  # fmt: skip
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
+          f"(BW util: what one GPU reads)")  # fmt: skip
     print(f"{'engine':<20} {'batch':>5} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
     for r in rows:
         print(f"{r['engine']:<20} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "

@@ -4,6 +4,7 @@
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH
+# LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`.
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -35,6 +36,7 @@ for step in $steps; do
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
+      [ "${KERNEL_TESTS:-1}" = 0 ] && continue
       timeout 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
         | tee "$OUT/pytest_kernels.log" | tail -n 5
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
@@ -47,11 +49,12 @@ for step in $steps; do
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
+      hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
       timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
-        --capture-sizes 1,2,4,8,16,32,64,128 --hf --json "$OUT/latency_$model.json" 2>&1 \
-        | tee "$OUT/latency_$model.log" | tail -n 12
-      grep -A12 "^decode latency" "$OUT/latency_$model.log" >> "$summary" ;;
+        --capture-sizes 1,2,4,8,16,32,64,128 $hf --json "$OUT/latency_${model}_tp${TP:-1}.json" 2>&1 \
+        | tee "$OUT/latency_${model}_tp${TP:-1}.log" | tail -n 12
+      grep -A12 "^decode latency" "$OUT/latency_${model}_tp${TP:-1}.log" >> "$summary" ;;
     breakdown:*)
       model=${step#breakdown:}
       timeout ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench_latency.py --model "$model" --breakdown \
@@ -61,9 +64,10 @@ for step in $steps; do
       grep " tok/s" "$OUT/breakdown_$model.log" >> "$summary" ;;
     profile:*)
       spec=${step#profile:}
+      log="$OUT/profile_${spec//:/_}_tp${TP:-1}.log"
       timeout 240 python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" 2>&1 \
-        | tee "$OUT/profile_${spec//:/_}.log" | grep -v Warning | tail -n 30
-      grep -A3 " GPU time per step" "$OUT/profile_${spec//:/_}.log" >> "$summary" ;;
+        | tee "$log" | grep -v Warning | tail -n 30
+      grep -A4 " GPU time per step" "$log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
@@ -93,8 +97,8 @@ for step in $steps; do
     throughput-compiled:*)
       model=${step#throughput-compiled:}
       timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
-        | tee "$OUT/throughput_compiled_$model.log" | tail -n 5
-      tail -n 4 "$OUT/throughput_compiled_$model.log" >> "$summary" ;;
+        | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" | tail -n 5
+      tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \

@@ -62,6 +62,10 @@ def main() -> None:
     print(f"\n{args.model} batch {args.batch}: GPU time per step {total / args.steps:.1f} us "
           f"(weights {weights / 1e9:.2f} GB: {weights / 4.3e12 * 1e6:.0f} us at 4.3 TB/s), "
           f"{sum(e.count for e in events) / args.steps:.0f} kernels per step")  # fmt: skip
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    if engine.shard.size > 1:
+        print(f"NCCL (all-reduce / all-gather) on rank 0: {nccl / args.steps:.1f} us per step ({nccl / total:.1%}), "
+              "waiting for the other ranks included")  # fmt: skip
     print(f"{'us/step':>8} {'share':>6} {'calls/step':>10}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
         print(f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
