@@ -20,7 +20,7 @@ for CUDA tensors (gloo for the few host-side collectives of start-up).
 Failure: rank 0 checks its workers are alive before every step; a worker that dies mid-collective
 breaks gloo's connections at once, and `raise_if_dead` turns that into `WorkerDiedError` naming the
 worker. Workers are stopped and reaped by `close()`, by a failed start-up, when the engine is garbage
-collected, and at exit.
+collected, and at exit; every rank leaves the group by aborting it, so no rank waits for another.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from kiln.backends import AttentionMetadata
 from kiln.engine.runner_io import GraphPlan
@@ -265,13 +266,21 @@ def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads
         process.join(max(deadline - time.monotonic(), 0))
     for process in processes:
         if process.is_alive():
+            logger.warning("tensor-parallel worker %s (pid %d) did not exit; killing it", process.name, process.pid)
             process.kill()
             process.join()
     for pipe in pipes:
         pipe.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
     torch.set_num_threads(threads)
+
+
+def leave_group() -> None:
+    """Tear down this process's group without waiting for the other ranks. NOTE: `destroy_process_group`
+    flushes NCCL communicators first (ncclCommFinalize since torch 2.6), which waits on peers that may be
+    gone, killed or tearing down themselves: on the H200s it hung rank 0 at every close. An abort is local."""
+    if dist.is_initialized():
+        _abort_process_group()
 
 
 # ---- ranks 1..N-1 -----------------------------------------------------------------------------------------
@@ -299,7 +308,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessin
         core = EngineCore(config, tp_rank=rank)
         serve_steps(core.runner, pipe)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def serve_steps(runner: ModelRunner, pipe: multiprocessing.connection.Connection) -> None:

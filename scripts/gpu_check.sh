@@ -34,7 +34,7 @@ for step in $steps; do
     tests)
       # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there;
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
       [ "${KERNEL_TESTS:-1}" = 0 ] && continue
       timeout 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
