@@ -4,7 +4,8 @@
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH
-# LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`.
+# LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
+# PROFILE_HOST=1 adds a cProfile of the host to a profile step.
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -65,8 +66,8 @@ for step in $steps; do
     profile:*)
       spec=${step#profile:}
       log="$OUT/profile_${spec//:/_}_tp${TP:-1}.log"
-      timeout 240 python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" 2>&1 \
-        | tee "$log" | grep -v Warning | tail -n 30
+      timeout ${PROFILE_TIMEOUT:-240} python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
+        ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}

@@ -37,15 +37,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--host", action="store_true", help="cProfile the host side of LLM.generate instead")
+    p.add_argument("--host", action="store_true", help="then cProfile the host side of LLM.generate")
     args = p.parse_args()
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=2048,
               max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
               enforce_eager=args.enforce_eager, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
     engine = llm.engine
-    if args.host:
-        profile_host(llm, args)
-        return
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(32)], params)
@@ -70,6 +67,8 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
         print(f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
               f"{e.count / args.steps:10.1f}  {e.key[:110]}")  # fmt: skip
+    if args.host:
+        profile_host(llm, args)
 
 
 if __name__ == "__main__":
