@@ -36,9 +36,13 @@ def default_cache_root() -> Path:
 
 
 def device_target(device: torch.device) -> str:
+    """The device the artifacts are for. NOTE: on CUDA this includes the GPU index: Inductor's code places
+    its buffers on the GPU it was compiled for, so tensor-parallel ranks (one GPU each) sharing a key would
+    load each other's artifacts and mix devices (a crash or a hung collective, seen on two H200s)."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{index}:{torch.cuda.get_device_name(index)}:sm{major}{minor}"
     return f"cpu:{platform.machine()}"
 
 

@@ -45,7 +45,7 @@ def main() -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(32)], params)
+        engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 1 for j in range(32)], params)
     for _ in range(8):
         engine.step()
     torch.cuda.synchronize()
@@ -68,6 +68,9 @@ def main() -> None:
         print(f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
               f"{e.count / args.steps:10.1f}  {e.key[:110]}")  # fmt: skip
     if args.host:
+        engine.abort_requests([f"profile-{i}" for i in range(args.batch)])
+        while engine.has_unfinished_requests():  # the step in flight
+            engine.step()
         profile_host(llm, args)
 
 

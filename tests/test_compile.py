@@ -119,3 +119,18 @@ def test_cache_can_be_disabled(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
     llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(tmp_path / "cache"))
     assert llm.engine.startup_stats["cache_hits"] == 0 and not (tmp_path / "cache").exists()
+
+
+def test_each_gpu_has_its_own_cache_key(monkeypatch):
+    """Inductor's artifacts are bound to the GPU they were compiled on: tensor-parallel ranks (GPU 0 and 1)
+    must not share a key. CUDA is faked here; the two-GPU tests exercise the real thing."""
+    import torch
+
+    from kiln.compile.cache import device_target
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    gpu0, gpu1 = device_target(torch.device("cuda", 0)), device_target(torch.device("cuda", 1))
+    assert gpu0 != gpu1
+    assert device_target(torch.device("cuda")) == gpu1  # no index: the current GPU
