@@ -81,15 +81,13 @@ def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) 
     r = torch.randn_like(x)
     norm = RMSNorm(hidden, 1e-5).to(device, dtype)
     rope = RotaryEmbedding(HEAD_DIM, 8192, 500000.0, None).to(device)
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    qk = torch.randn(num_tokens, NUM_HEADS + NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     pos = torch.randint(0, 8192, (num_tokens,), device=device)
     gate_up = torch.randn(num_tokens, 2 * intermediate, dtype=dtype, device=device)
     act = SiluAndMul()
     cases = {
         "rms_norm+residual": (lambda: norm(x, r), lambda: fused_kernels.rms_norm(x, norm.weight, 1e-5, r)),
-        "rope q,k": (lambda: rope(pos, q, k), lambda: (fused_kernels.rotary_embedding(q, pos, rope.cos_sin),
-                                                      fused_kernels.rotary_embedding(k, pos, rope.cos_sin))),
+        "rope q,k": (lambda: rope(pos, qk), lambda: fused_kernels.rotary_embedding(qk, pos, rope.cos_sin)),
         "silu_and_mul": (lambda: act(gate_up), lambda: fused_kernels.silu_and_mul(gate_up)),
     }  # fmt: skip
     rows = []

@@ -58,11 +58,15 @@ class RMSNorm(FusedKernelsMixin, nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
+        out = rms_norm(x, self.weight, self.eps)
         return out if residual is None else (out, residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Over the last dim, in float32, scaled in x's dtype (as HF does); `weight` broadcasts against x."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class SiluAndMul(FusedKernelsMixin, nn.Module):
@@ -109,14 +113,13 @@ class RotaryEmbedding(FusedKernelsMixin, nn.Module):
         # NOTE: float32 and not a parameter: the loader never touches it, and `model.to(dtype)` keeps it.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D], any token stride. The model passes q and k side by side as one tensor, so
+        this is one kernel per layer (Inductor's or the Triton one) rather than one each."""
         if self.fused:
-            return (fused_kernels.rotary_embedding(query, positions, self.cos_sin),
-                    fused_kernels.rotary_embedding(key, positions, self.cos_sin))  # fmt: skip
+            return fused_kernels.rotary_embedding(x, positions, self.cos_sin)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
