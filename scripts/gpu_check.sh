@@ -9,10 +9,12 @@
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
+# A step past its time limit gets SIGABRT first: with PYTHONFAULTHANDLER set, its log ends with every thread's
+# Python stack (where it hung), then SIGKILL 15 s later.
 set -u
 OUT=${OUT:-/tmp/kiln-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 steps=${*:-tests attention throughput:qwen3-0.6b throughput:llama-3.2-1b}
 summary="$OUT/summary.txt"
 { date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -35,30 +37,30 @@ for step in $steps; do
     tests)
       # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there;
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
+      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
       [ "${KERNEL_TESTS:-1}" = 0 ] && continue
-      timeout 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
+      timeout -s ABRT -k 15 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
         | tee "$OUT/pytest_kernels.log" | tail -n 5
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
     startup)
-      timeout 900 python3 scripts/bench_startup.py --models llama-3.2-1b,llama-3.1-8b --json "$OUT/startup.json" 2>&1 \
+      timeout -s ABRT -k 15 900 python3 scripts/bench_startup.py --models llama-3.2-1b,llama-3.1-8b --json "$OUT/startup.json" 2>&1 \
         | tee "$OUT/startup.log" | tail -n 8
       tail -n 6 "$OUT/startup.log" >> "$summary" ;;
     attention)
-      timeout 200 python3 scripts/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
+      timeout -s ABRT -k 15 200 python3 scripts/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
       hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
-      timeout ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
+      timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
         --capture-sizes 1,2,4,8,16,32,64,128 $hf --json "$OUT/latency_${model}_tp${TP:-1}.json" 2>&1 \
         | tee "$OUT/latency_${model}_tp${TP:-1}.log" | tail -n 12
       grep -A12 "^decode latency" "$OUT/latency_${model}_tp${TP:-1}.log" >> "$summary" ;;
     breakdown:*)
       model=${step#breakdown:}
-      timeout ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench_latency.py --model "$model" --breakdown \
+      timeout -s ABRT -k 15 ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench_latency.py --model "$model" --breakdown \
         --modes ${BREAKDOWN_MODES:-eager,compiled,graphs} --batches ${BREAKDOWN_BATCHES:-1,2,4,8,16,32,64,128,256} \
         --capture-sizes 1,2,4,8,16,32,64,128,256 --json "$OUT/breakdown_$model.json" --plot "$OUT/breakdown_$model.png" \
         2>&1 | tee "$OUT/breakdown_$model.log" | grep -v Warning | tail -n 60
@@ -66,43 +68,43 @@ for step in $steps; do
     profile:*)
       spec=${step#profile:}
       log="$OUT/profile_${spec//:/_}_tp${TP:-1}.log"
-      timeout ${PROFILE_TIMEOUT:-240} python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
+      timeout -s ABRT -k 15 ${PROFILE_TIMEOUT:-240} python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
         ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
-      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
+      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
     serving:*)
       model=${step#serving:}
       start_server "$model"
       args="--num-requests 512 --input-len 256 --output-len 256"
       # all 512 at once (as the offline run gets them), then 256 at a time (a new one as one finishes)
-      timeout 300 python3 scripts/bench_serving.py $args --concurrency 512 --server-pid $server --json "$OUT/serving.jsonl" \
+      timeout -s ABRT -k 15 300 python3 scripts/bench_serving.py $args --concurrency 512 --server-pid $server --json "$OUT/serving.jsonl" \
         | tail -n 16
-      timeout 300 python3 scripts/bench_serving.py $args --concurrency 256 --server-pid $server --json "$OUT/serving.jsonl" \
+      timeout -s ABRT -k 15 300 python3 scripts/bench_serving.py $args --concurrency 256 --server-pid $server --json "$OUT/serving.jsonl" \
         | tail -n 16
-      timeout 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
+      timeout -s ABRT -k 15 120 python3 scripts/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
         --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
       kill -TERM $server; wait $server
-      timeout 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" --tokenizer "$tok" \
+      timeout -s ABRT -k 15 300 python3 scripts/bench_serving.py $args --offline-only --offline-model "$model" --tokenizer "$tok" \
         --json "$OUT/serving.jsonl" | tail -n 4
       tail -n 4 "$OUT/serving.jsonl" >> "$summary" ;;
     soak:*)
       # ~80% of the seats (max_num_seqs 256) busy for SOAK_MINUTES, 10% of the streams cancelled midway
       model=${step#soak:}
       start_server "$model"
-      timeout $(( ${SOAK_MINUTES:-4} * 60 + 120 )) python3 scripts/soak.py --minutes ${SOAK_MINUTES:-4} \
+      timeout -s ABRT -k 15 $(( ${SOAK_MINUTES:-4} * 60 + 120 )) python3 scripts/soak.py --minutes ${SOAK_MINUTES:-4} \
         --concurrency 200 --server-pid $server --json "$OUT/soak.json" | tail -n 12
       kill -TERM $server; wait $server
       echo "soak: $(cat "$OUT/soak.json")" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
-      timeout ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
+      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
         | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" | tail -n 5
       tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
-      timeout 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
+      timeout -s ABRT -k 15 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
         --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput_$model.log" | tail -n 4
       tail -n 4 "$OUT/throughput_$model.log" >> "$summary" ;;
   esac
