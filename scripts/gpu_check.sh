@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | profile:MODEL:BATCH
+#   | profile:MODEL:BATCH | inductor-code:MODEL
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step.
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
@@ -71,6 +71,14 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${PROFILE_TIMEOUT:-240} python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
         ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
+    inductor-code:*)
+      # Inductor's generated code for every piece (which kernels it made, and what it left unfused), gzipped
+      model=${step#inductor-code:}
+      TORCH_LOGS=output_code TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout -s ABRT -k 15 240 python3 -c "import sys; from kiln.engine import LLM; \
+LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir='/tmp/kiln-code-cache')" "$model" \
+        2>&1 | gzip > "$OUT/inductor_code_$model.log.gz"
+      echo "inductor code of $model: $(zcat "$OUT/inductor_code_$model.log.gz" | grep -c 'async_compile.triton(') Triton kernels compiled" \
+        | tee -a "$summary" ;;
     gputests:*)
       files=${step#gputests:}
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
