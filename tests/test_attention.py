@@ -52,6 +52,26 @@ def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, n
     torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
 
 
+@pytest.mark.parametrize("query_lens,context_lens", [CASES[2], ([1, 1, 1, 1], [3, 40, 100, 17])])
+def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
+    """The model passes q, k (rotated side by side) and v as strided views, not contiguous tensors."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(len(q), -1, head_dim)
+    q_view, k_view = qk.split([num_heads, num_kv_heads], dim=1)
+    v_view = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(len(q), num_kv_heads, head_dim)
+    assert not (q_view.is_contiguous() or k_view.is_contiguous() or v_view.is_contiguous())
+    out = torch.zeros_like(q)
+    get_attention_backend("triton").forward(q_view, k_view, v_view, kv_cache, metadata, head_dim**-0.5, out)
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    flat_v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_v[metadata.slot_mapping], v)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
 def test_split_kv_decode(num_splits, num_heads, num_kv_heads, head_dim):
