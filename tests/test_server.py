@@ -144,6 +144,33 @@ def test_streamed_text_equals_non_streamed(server):
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def test_streamed_n_logprobs_echo_equal_non_streamed(server):
+    """Every field a stream's chunks carry, against the non-streamed response of the same greedy request."""
+    client = server.client()
+    kwargs = dict(model=server.model, prompt="Hello there", n=2, logprobs=2, echo=True, **GREEDY)
+    full = client.completions.create(**kwargs)
+    texts, tokens, reasons = {}, {}, {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert sorted(texts) == [0, 1]
+    for c in full.choices:
+        assert texts[c.index] == c.text and tokens[c.index] == c.logprobs.tokens
+        assert reasons[c.index] == c.finish_reason == "length"
+    chat = dict(model=server.model, messages=[{"role": "user", "content": "Tell me \"more\""}], n=2, **GREEDY)
+    full_chat = client.chat.completions.create(**chat)
+    content, roles = {}, {}
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        assert chunk.object == "chat.completion.chunk" and chunk.model == server.model
+        for c in chunk.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            roles[c.index] = roles.get(c.index) or c.delta.role
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert all(content[c.index] == c.message.content for c in full_chat.choices)
+
+
 def test_stop_strings_cut_exactly(server):
     client = server.client()
     full = client.completions.create(model=server.model, prompt="The quick", **GREEDY).choices[0].text
