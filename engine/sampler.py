@@ -224,9 +224,29 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     return selected if rows is None else logits.index_copy(0, rows, selected)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor. NOTE: torch's arg-reductions give each row one thread block
+    on the GPU, so at a small batch a 128k vocabulary is one block's work (27 µs a step at batch 1 on the
+    H200, 2% of the 1B's step); at small batch a max over chunks of each row first spreads it out."""
+    if x.device.type != "cuda" or x.shape[0] >= _CHUNKED_ARGMAX_MAX_ROWS or x.shape[1] % _ARGMAX_CHUNKS:
+        return x.argmax(dim=-1)
+    return chunked_argmax(x, _ARGMAX_CHUNKS)
+
+
+_ARGMAX_CHUNKS, _CHUNKED_ARGMAX_MAX_ROWS = 128, 32
+
+
+def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Argmax of each row as the best of `chunks` chunk maxima (the first index on ties, as argmax)."""
+    rows, width = x.shape[0], x.shape[1] // chunks
+    values, inner = x.view(rows, chunks, width).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * width + inner.gather(1, best)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Processed logits -> ``[B]`` int64 token ids: argmax on greedy rows, a draw on the others."""
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    greedy = None if metadata.all_random else row_argmax(logits)
     if metadata.all_greedy:
         return greedy
     sampled = exponential_race(sampling_probs(logits, metadata), metadata.generators)
@@ -280,7 +300,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise[row].exponential_(generator=generator)
     # NOTE: a zero draw would turn a banned token's 0/0 into NaN, which argmax picks.
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    return probs.div(noise).argmax(dim=-1)
+    return row_argmax(probs.div(noise))
 
 
 def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

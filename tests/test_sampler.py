@@ -17,8 +17,10 @@ import torch
 from kiln.engine.sampler import (
     Sampler,
     SamplingMetadata,
+    chunked_argmax,
     make_generator,
     process_logits,
+    row_argmax,
     sampling_probs,
 )
 from kiln.engine.sampling_params import SamplingParams
@@ -94,6 +96,29 @@ def test_greedy_is_argmax_of_any_dtype():
         out = Sampler()(logits.to(dtype), metadata)
         assert out.logprobs is None and out.sampled_token_ids.dtype == torch.int64
         assert torch.equal(out.sampled_token_ids, logits.to(dtype).double().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_equals_argmax_ties_included(dtype):
+    """The small-batch GPU argmax (a max per chunk, then the best chunk) against torch's argmax, with ties
+    inside a chunk, across chunks, a row of one repeated value, and infinities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (9, 1024), generator=g).to(dtype)  # few distinct values: ties everywhere
+    x[1] = 2.0
+    x[2, 700] = x[2, 5] = 50.0  # the same maximum in two chunks: the first one wins
+    x[3, 9] = float("inf")
+    x[4] = float("-inf")
+    x[5, 1023] = 9.0
+    for chunks in (1, 8, 128):
+        assert torch.equal(chunked_argmax(x, chunks), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+def test_row_argmax_on_gpu_equals_argmax():
+    x = torch.randn(4, 128256, device="cuda").to(torch.bfloat16)  # bf16: ties at this vocabulary size
+    x[2, 1000] = x[2, 90000] = 100.0
+    for rows in (1, 4):
+        assert torch.equal(row_argmax(x[:rows]), x[:rows].argmax(dim=-1))
 
 
 @pytest.mark.parametrize("kwargs", [
