@@ -17,6 +17,7 @@ import torch
 import triton
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
+from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -45,7 +46,7 @@ def graph_time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench_decode(batch: int, context: int, backend) -> dict:
+def bench_decode(batch: int, context: int, backend, splits: list[int]) -> dict:
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -62,6 +63,10 @@ def bench_decode(batch: int, context: int, backend) -> dict:
     v_new = torch.randn_like(k_new)
     out = torch.empty_like(q)
     ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
+    chosen = decode_num_splits(batch, NUM_KV_HEADS, backend.num_sms)
+    # The decode kernels alone (no K/V write) at each split count: what the split heuristic should pick
+    sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, kv_cache, metadata, HEAD_DIM**-0.5, out, s)) * 1e3
+             for s in splits}  # fmt: skip
     kv_cache = None  # free it before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -72,7 +77,8 @@ def bench_decode(batch: int, context: int, backend) -> dict:
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
     return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
-            "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms)}  # fmt: skip
+            "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms), "splits": chosen,
+            "split_sweep_us": sweep}  # fmt: skip
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -101,13 +107,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
     p.add_argument("--json")
+    p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
     args = p.parse_args()
+    splits = [int(x) for x in args.split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
     rows = []
     for batch in (1, 16, 64, 256):
         for context in (256, 2048, 8192, 32768):
             if batch * context <= args.max_tokens:
-                rows.append(bench_decode(batch, context, backend))
+                rows.append(bench_decode(batch, context, backend, splits))
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
@@ -115,6 +123,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%}")  # fmt: skip
+    if splits:
+        print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{f'{s} splits':>9}" for s in splits)
+              + "   (decode kernels alone, us)")  # fmt: skip
+        for r in rows:
+            print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
+                  + " ".join(f"{r['split_sweep_us'][s]:>9.1f}" for s in splits))  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:

@@ -5,7 +5,7 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
-# PROFILE_HOST=1 adds a cProfile of the host to a profile step.
+# PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`.
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -48,7 +48,7 @@ for step in $steps; do
         | tee "$OUT/startup.log" | tail -n 8
       tail -n 6 "$OUT/startup.log" >> "$summary" ;;
     attention)
-      timeout -s ABRT -k 15 200 python3 scripts/bench_attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
+      timeout -s ABRT -k 15 200 python3 scripts/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
