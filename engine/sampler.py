@@ -239,7 +239,7 @@ _ARGMAX_CHUNKS, _CHUNKED_ARGMAX_MAX_ROWS = 128, 32
 def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
     """Argmax of each row as the best of `chunks` chunk maxima (the first index on ties, as argmax)."""
     rows, width = x.shape[0], x.shape[1] // chunks
-    values, inner = x.view(rows, chunks, width).max(dim=-1)
+    values, inner = x.reshape(rows, chunks, width).max(dim=-1)
     best = values.argmax(dim=-1, keepdim=True)
     return (best * width + inner.gather(1, best)).squeeze(1)
 
