@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives as registered custom ops: `kiln::all_reduce` and `kiln::all_gather`.
+"""Tensor-parallel collectives as registered custom ops: `kiln::all_reduce_` (in place) and `kiln::all_gather`.
 
 Like `kiln::unified_attention`, each is opaque to Dynamo (a fake implementation gives its output's
 shape), so the traced model holds one node per collective. Unlike attention they are not split
@@ -6,7 +6,8 @@ points: they stay inside the compute pieces Inductor compiles (as extern calls),
 are recorded inside the CUDA graphs with the rest of the piece.
 
 Both run over the default process group: the tensor-parallel group is the whole world (one engine's
-ranks). They are functional (return a new tensor) so Inductor may plan their buffers like any other.
+ranks). The all-reduce sums in place (the row-parallel matmul's output is its own to overwrite; a
+functional op would clone it first, one more copy kernel a layer); the all-gather returns a new tensor.
 """
 
 from __future__ import annotations
@@ -15,17 +16,10 @@ import torch
 import torch.distributed as dist
 
 
-@torch.library.custom_op("kiln::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks (row-parallel linears, the vocab-parallel embedding)."""
-    out = x.clone()
-    dist.all_reduce(out)
-    return out
-
-
-@all_reduce.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+@torch.library.custom_op("kiln::all_reduce_", mutates_args=("x",))
+def all_reduce_(x: torch.Tensor) -> None:
+    """`x` becomes its sum over the ranks (row-parallel linears, the vocab-parallel embedding)."""
+    dist.all_reduce(x)
 
 
 @torch.library.custom_op("kiln::all_gather", mutates_args=())

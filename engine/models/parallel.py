@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln.backends.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce / all_gather)
+import kiln.backends.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
 from kiln.engine.models.layers import Embedding, Linear
 
 ShardId = str | int | None  # which Hugging Face tensor of a fused parameter ("q", "k", "v", 0, 1); None: unfused
@@ -110,7 +110,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = torch.ops.kiln.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        torch.ops.kiln.all_reduce_(out)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
@@ -139,7 +140,8 @@ class VocabParallelEmbedding(Embedding):
         mine = (input_ids >= self.start) & (input_ids < self.end)
         # NOTE: ids of other ranks look up local row 0 (a real row) and are zeroed after, never read padding.
         hidden = F.embedding((input_ids - self.start) * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return torch.ops.kiln.all_reduce(hidden)
+        torch.ops.kiln.all_reduce_(hidden)
+        return hidden
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
         return [(None, (self.vocab_size, self.embedding_dim))]
