@@ -50,6 +50,7 @@ class KilnBackend:
     def __init__(self, cache: CompileCache, counters: CompileCounters) -> None:
         self.cache = cache
         self.counters = counters
+        self.split: torch.fx.GraphModule | None = None  # the traced forward, its pieces compiled
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
         self.counters.dynamo_traces += 1
@@ -63,7 +64,14 @@ class KilnBackend:
             compiler.run(*fake_args)
         self.counters.unique_pieces = len(compiler.by_hash)
         self.cache.write_text("split_graph.py", _readable(split, compiler.codes, len(attention)))
+        self.split = split
         return split
+
+    def release_graphs(self) -> None:
+        """Drop every piece's CUDA graphs (the pieces themselves stay)."""
+        for piece in self.split.children() if self.split is not None else ():
+            if isinstance(piece, CompiledPiece):
+                piece.graphs.graphs.clear()
 
     def compile_piece(self, piece: torch.fx.GraphModule, args: list[Any], digest: str):
         """The piece's Inductor artifact: from the disk cache under `digest`, or compiled and stored."""

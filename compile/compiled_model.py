@@ -81,6 +81,15 @@ class CompiledModel:
         self.full_graphs[size] = (graph, weak_ref(hidden))
         self.counters.cudagraphs_captured += 1
 
+    def release_graphs(self) -> None:
+        """Drop every CUDA graph, full and piecewise; the model still runs, compiled, without them.
+
+        NOTE: a graph that captured an NCCL collective holds a reference on its communicator, and tearing the
+        communicator down (abort or destroy) waits until every such graph is gone: tensor-parallel ranks
+        call this before they leave their group."""
+        self.full_graphs.clear()
+        self.backend.release_graphs()
+
     def replay_full_graph(self, size: int) -> torch.Tensor:
         graph, hidden = self.full_graphs[size]
         graph.replay()

@@ -20,7 +20,8 @@ for CUDA tensors (gloo for the few host-side collectives of start-up).
 Failure: rank 0 checks its workers are alive before every step; a worker that dies mid-collective
 breaks gloo's connections at once, and `raise_if_dead` turns that into `WorkerDiedError` naming the
 worker. Workers are stopped and reaped by `close()`, by a failed start-up, when the engine is garbage
-collected, and at exit; every rank leaves the group by aborting it, so no rank waits for another.
+collected, and at exit. Every rank drops its CUDA graphs (each one that captured a collective holds its
+NCCL communicator) and then leaves the group by aborting it, so no rank waits for another.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -57,6 +60,7 @@ logger = logging.getLogger("kiln")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 STARTUP_TIMEOUT = 300.0  # seconds for a worker to import and reach the rendezvous
 SHUTDOWN_GRACE = 5.0  # seconds a worker gets to exit by itself before it is killed
+LEAVE_TIMEOUT = 30.0  # seconds a rank waits for its group's teardown before it gives up on it
 SHUTDOWN = "shutdown"
 
 
@@ -159,10 +163,12 @@ class TensorParallelWorkers:
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []
         self._failure: str | None = None
+        # What must happen on this rank before it leaves the group (the engine adds: drop its CUDA graphs).
+        self.before_leaving: list[Callable[[], None]] = []
         # Stops the workers when this object is collected, and at exit (also in a spawned engine-core process,
         # where atexit handlers do not run but multiprocessing's finalizers do).
         self._finalizer = multiprocessing.util.Finalize(
-            self, _stop_workers, args=(self.processes, self.pipes, threads), exitpriority=10
+            self, _stop_workers, args=(self.processes, self.pipes, threads, self.before_leaving), exitpriority=10
         )
         try:
             for rank in range(1, self.size):
@@ -256,7 +262,8 @@ class TensorParallelWorkers:
         self._finalizer()
 
 
-def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads: int) -> None:
+def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads: int,
+                  before_leaving: list[Callable[[], None]]) -> None:  # fmt: skip
     frame = _shutdown_header().encode()
     for pipe in pipes:
         with contextlib.suppress(OSError):  # a worker already gone
@@ -271,16 +278,26 @@ def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads
             process.join()
     for pipe in pipes:
         pipe.close()
+    for release in before_leaving:
+        release()
     leave_group()
     torch.set_num_threads(threads)
 
 
-def leave_group() -> None:
-    """Tear down this process's group without waiting for the other ranks. NOTE: `destroy_process_group`
-    flushes NCCL communicators first (ncclCommFinalize since torch 2.6), which waits on peers that may be
-    gone, killed or tearing down themselves: on the H200s it hung rank 0 at every close. An abort is local."""
-    if dist.is_initialized():
-        _abort_process_group()
+def leave_group(timeout: float = LEAVE_TIMEOUT) -> None:
+    """Tear down this process's group without waiting for the other ranks; the caller has dropped its CUDA
+    graphs first (an NCCL communicator's teardown waits for every graph that captured one of its collectives).
+
+    NOTE: `destroy_process_group` flushes NCCL communicators (ncclCommFinalize since torch 2.6), which waits
+    on peers that may be gone or tearing down themselves; an abort is local. It runs in a daemon thread: if it
+    still does not return, the group is given up on (logged) rather than the process hung."""
+    if not dist.is_initialized():
+        return
+    thread = threading.Thread(target=_abort_process_group, name="kiln-tp-leave", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it", timeout)
 
 
 # ---- ranks 1..N-1 -----------------------------------------------------------------------------------------
@@ -304,10 +321,13 @@ def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessin
     pipe.send_bytes(b"joining")
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=config.tensor_parallel_size,
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    core = None
     try:
         core = EngineCore(config, tp_rank=rank)
         serve_steps(core.runner, pipe)
     finally:
+        if core is not None and core.compiled is not None:
+            core.compiled.release_graphs()
         leave_group()
 
 

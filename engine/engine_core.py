@@ -125,6 +125,8 @@ class EngineCore:
         self.backend = get_attention_backend(config.attention_backend or default_backend_name(self.device))
         self.counters = CompileCounters()
         self.compiled = None if config.enforce_eager else self._make_compiled(max_model_len)
+        if self.tp_workers is not None and self.compiled is not None:
+            self.tp_workers.before_leaving.append(self.compiled.release_graphs)
         self.kv_spec = KVCacheSpec(
             model_config.num_layers, kv_heads_per_rank(model_config.num_kv_heads, self.shard.size),
             model_config.head_dim, config.block_size, self.dtype,

@@ -6,6 +6,8 @@ the two runs part, TP=1's own logprobs must show the two tokens within a tie mar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -18,8 +20,18 @@ TIE = 0.05  # nats between the two candidates at a point where the runs part
 
 def run(model: str, tp: int, prompts, max_tokens: int, **kwargs):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    with LLM(model, tensor_parallel_size=tp, **kwargs) as llm:
-        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, tensor_parallel_size=tp, **kwargs)
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        start = time.monotonic()
+        llm.close()
+    # Closing is quick and complete: the workers are reaped and the group is left (NCCL's teardown waits for
+    # every CUDA graph that captured a collective, so the graphs must be dropped first).
+    assert time.monotonic() - start < 20
+    assert not torch.distributed.is_initialized()
+    assert all(not p.is_alive() for p in (llm.engine.tp_workers.processes if tp > 1 else []))
+    return outputs
 
 
 def assert_same_up_to_ties(ref, got) -> None:
