@@ -5,13 +5,11 @@ Offline `LLM` drives it in-process; the server (later) drives the same class in 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +25,7 @@ from kiln.compile import (
 )
 from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers, WorkerDiedError, min_across_ranks
+from kiln.engine.grammar_admission import GrammarAdmission
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.model_source import ModelSource, resolve_model
 from kiln.engine.models.layers import use_fused_kernels
@@ -38,9 +37,6 @@ from kiln.engine.runner_io import StepHandle
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from kiln.engine.structured_output import GrammarCache
 
 logger = logging.getLogger("kiln")
 
@@ -159,10 +155,10 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
         self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
-        # Structured output: the grammar cache (made, and xgrammar loaded, at the first constrained request),
-        # and the requests whose grammar is compiling; they enter the scheduler when it is ready.
-        self.grammars: GrammarCache | None = None
-        self.waiting_for_grammar: dict[str, Request] = {}
+        # Structured output: a constrained request waits in `waiting_for_grammar` while its grammar compiles
+        self.grammar_admission = GrammarAdmission(self._load_tokenizer, model_config.vocab_size,
+                                                  model_config.eos_token_ids)  # fmt: skip
+        self.waiting_for_grammar = self.grammar_admission.waiting  # the same dict
         self.async_scheduling = config.async_scheduling
         self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet
         self.step_timing = StepTiming()
@@ -209,9 +205,7 @@ class EngineCore:
             return
         if request_id in self.scheduler.requests or request_id in self.waiting_for_grammar:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # NOTE: nothing is compiled here (the engine thread must not wait): a worker compiles, `step` admits.
-        request.grammar = self.grammar_cache().request_grammar(params.structured_output)
-        self.waiting_for_grammar[request_id] = request
+        self.grammar_admission.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -238,7 +232,8 @@ class EngineCore:
         """
         outputs: list[EngineCoreOutput] = []
         if self.waiting_for_grammar:
-            self._admit_compiled_grammars()
+            idle = self.in_flight is None and not self.scheduler.has_unfinished_requests()
+            self.grammar_admission.admit(self.scheduler, self.failed_requests, idle)
         if self.in_flight is not None and self.scheduler.needs_sync():
             outputs += self._collect(self.in_flight)
         start = time.perf_counter()
@@ -270,34 +265,6 @@ class EngineCore:
             else:
                 outputs += self._collect(launched)
         return outputs
-
-    def _admit_compiled_grammars(self) -> None:
-        """Requests whose grammar has compiled go to the scheduler; those whose compile failed or ran out
-        of time fail alone. With nothing else to run, wait a moment for a compile rather than spin."""
-        if self.in_flight is None and not self.scheduler.has_unfinished_requests():
-            compiles = [request.grammar.compiled for request in self.waiting_for_grammar.values()]
-            concurrent.futures.wait(compiles, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
-        now = time.monotonic()
-        for request_id, request in list(self.waiting_for_grammar.items()):
-            try:
-                if not request.grammar.poll(now):
-                    continue
-                self.scheduler.add_request(request)
-            except ValueError as e:  # the schema's problem (GrammarError), in words its client can act on
-                self.failed_requests.append((request_id, str(e)))
-            except Exception:  # NOTE: kept waiting, it would raise again at every step and fail every batch
-                logger.exception("request %s: its grammar could not be set up", request_id)
-                self.failed_requests.append((request_id, "internal error while setting up the grammar"))
-            del self.waiting_for_grammar[request_id]
-
-    def grammar_cache(self) -> GrammarCache:
-        """The compiled-grammar cache, made (and xgrammar loaded) at the first constrained request."""
-        if self.grammars is None:
-            from kiln.engine.structured_output import GrammarCache  # noqa: PLC0415  (xgrammar loads on first use)
-
-            self.grammars = GrammarCache(self._load_tokenizer, self.model_config.vocab_size,
-                                         self.model_config.eos_token_ids)  # fmt: skip
-        return self.grammars
 
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""

@@ -105,10 +105,10 @@ def main() -> None:
         llm = LLM(args.model, **kwargs)
         engine = llm.engine
         start = time.perf_counter()
-        engine.grammar_cache().get(StructuredOutputParams(json=SCHEMA)).result()
+        engine.grammar_admission.cache().get(StructuredOutputParams(json=SCHEMA)).result()
         first_compile_s = time.perf_counter() - start  # with the tokenizer's load and xgrammar's view of it
         start = time.perf_counter()
-        engine.grammar_cache().get(StructuredOutputParams(regex="[0-9]{1,6}")).result()
+        engine.grammar_admission.cache().get(StructuredOutputParams(regex="[0-9]{1,6}")).result()
         compile_s = time.perf_counter() - start
         timed_steps(llm, 1, 2, True, True)  # warm-up: the mask kernel, the graphs, xgrammar's threads
         rows = []
