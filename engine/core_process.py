@@ -121,7 +121,7 @@ def _to_wire(out: EngineCoreOutput) -> tuple:
 
 def _stats(core: EngineCore) -> dict[str, float]:
     kv = core.kv_cache_manager
-    waiting = len(core.scheduler.waiting) + len(core.waiting_for_grammar)  # compiling a grammar is waiting too
+    waiting = len(core.scheduler.waiting) + len(core.grammar_admission.waiting)  # compiling a grammar is waiting too
     return {"running": len(core.scheduler.running), "waiting": waiting, "kv_usage": kv.usage,
             "free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_cache_queries,
             "prefix_hits": kv.prefix_cache_hits, "preemptions": core.scheduler.num_preemptions}  # fmt: skip

@@ -155,10 +155,9 @@ class EngineCore:
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
         self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
-        # Structured output: a constrained request waits in `waiting_for_grammar` while its grammar compiles
+        # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(self._load_tokenizer, model_config.vocab_size,
                                                   model_config.eos_token_ids)  # fmt: skip
-        self.waiting_for_grammar = self.grammar_admission.waiting  # the same dict
         self.async_scheduling = config.async_scheduling
         self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet
         self.step_timing = StepTiming()
@@ -203,17 +202,18 @@ class EngineCore:
         if params.structured_output is None:
             self.scheduler.add_request(request)
             return
-        if request_id in self.scheduler.requests or request_id in self.waiting_for_grammar:
+        if request_id in self.scheduler.requests or request_id in self.grammar_admission.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.grammar_admission.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.waiting_for_grammar.pop(request_id, None)
+            self.grammar_admission.waiting.pop(request_id, None)
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.in_flight is not None or self.scheduler.has_unfinished_requests() or bool(self.waiting_for_grammar)
+        waiting = self.scheduler.has_unfinished_requests() or bool(self.grammar_admission.waiting)
+        return self.in_flight is not None or waiting
 
     # ---- one step -------------------------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ class EngineCore:
         Offline, the exception propagates to the caller.
         """
         outputs: list[EngineCoreOutput] = []
-        if self.waiting_for_grammar:
+        if self.grammar_admission.waiting:
             idle = self.in_flight is None and not self.scheduler.has_unfinished_requests()
             self.grammar_admission.admit(self.scheduler, self.failed_requests, idle)
         if self.in_flight is not None and self.scheduler.needs_sync():

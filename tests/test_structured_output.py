@@ -438,16 +438,16 @@ def test_a_grammar_that_cannot_be_set_up_fails_its_request_alone(llm, monkeypatc
     engine = llm.engine
     finished = finish_beside_a_good_request(engine, "broken", SamplingParams(structured_output={"regex": "[0-9]{2}"}))
     assert engine.failed_requests == [("broken", "internal error while setting up the grammar")]
-    assert finished == {"good"} and not engine.waiting_for_grammar
+    assert finished == {"good"} and not engine.grammar_admission.waiting
     engine.failed_requests.clear()
 
 
 def test_abort_while_compiling(llm):
     engine = llm.engine
     engine.add_request("slow", [1, 2], SamplingParams(structured_output={"regex": "[a-f]{1,9}z"}))
-    assert engine.waiting_for_grammar and engine.has_unfinished_requests()
+    assert engine.grammar_admission.waiting and engine.has_unfinished_requests()
     engine.abort_requests(["slow"])
-    assert not engine.waiting_for_grammar and not engine.has_unfinished_requests()
+    assert not engine.grammar_admission.waiting and not engine.has_unfinished_requests()
 
 
 def test_a_token_the_grammar_rejects_fails_its_request_alone(tiny_llama_dir):
