@@ -224,6 +224,9 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     return selected if rows is None else logits.index_copy(0, rows, selected)
 
 
+_ARGMAX_CHUNKS, _CHUNKED_ARGMAX_MAX_ROWS = 128, 32
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor. NOTE: torch's arg-reductions give each row one thread block
     on the GPU, so at a small batch a 128k vocabulary is one block's work (27 µs a step at batch 1 on the
@@ -231,9 +234,6 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cuda" or x.shape[0] >= _CHUNKED_ARGMAX_MAX_ROWS or x.shape[1] % _ARGMAX_CHUNKS:
         return x.argmax(dim=-1)
     return chunked_argmax(x, _ARGMAX_CHUNKS)
-
-
-_ARGMAX_CHUNKS, _CHUNKED_ARGMAX_MAX_ROWS = 128, 32
 
 
 def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
