@@ -230,6 +230,8 @@ class EngineCore:
         time: a request that fails alone is aborted and reported in `failed_requests`, the rest go on.
         Offline, the exception propagates to the caller.
         """
+        if self.runner is None:
+            raise RuntimeError("the engine is closed")
         outputs: list[EngineCoreOutput] = []
         if self.grammar_admission.waiting:
             idle = self.in_flight is None and not self.scheduler.has_unfinished_requests()
@@ -338,10 +340,16 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Stop and reap the tensor-parallel workers (nothing to do with one rank). Idempotent; the engine
-        cannot step afterwards."""
+        """Stop and reap the tensor-parallel workers, and give back the GPU memory this engine holds (CUDA
+        graphs, KV cache, weights) even while the engine object itself stays referenced. Idempotent; the
+        engine cannot step afterwards."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        if getattr(self, "compiled", None) is not None:
+            self.compiled.release_graphs()
+        self.runner = self.compiled = self.kv_caches = self.model = None
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     # ---- start-up -------------------------------------------------------------------------------------
 

@@ -39,3 +39,5 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
                 # kernels, compiled runs Inductor's, and bf16 rounds them differently
                 assert abs(lx[tx].logprob - ly[ty].logprob) < 0.1
     assert graphs.engine.counters.dynamo_traces == 1
+    graphs.close()
+    eager.close()

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.gpu
 
 def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
     prompt = list(range(3, 40))
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=True, max_model_len=256)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    with LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=True, max_model_len=256,
+             kv_cache_memory_bytes=1 << 28) as llm:  # fmt: skip
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -24,13 +25,14 @@ def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
 def test_preset_batch_on_gpu(preset):
-    llm = LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5)
-    assert llm.engine.dtype == torch.bfloat16
-    prompts = [[i + 1] * (10 + 37 * i) for i in range(12)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-    # NOTE: no token-for-token rerun check: dummy weights give near-uniform logits, and a rerun that
-    # reads its prompt from the prefix cache rounds differently in bf16, which flips near-ties.
-    again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert all(o.num_cached_tokens > 0 for o in again[1:])
-    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1
+    with LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5) as llm:
+        assert llm.engine.dtype == torch.bfloat16
+        prompts = [[i + 1] * (10 + 37 * i) for i in range(12)]
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+        # NOTE: no token-for-token rerun check: dummy weights give near-uniform logits, and a rerun that
+        # reads its prompt from the prefix cache rounds differently in bf16, which flips near-ties.
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.num_cached_tokens > 0 for o in again[1:])
+        assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -122,3 +124,14 @@ def test_max_tokens_none_fills_context(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32)
     out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_close_gives_the_memory_back_while_the_llm_is_still_referenced(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        kv, weight = weakref.ref(llm.engine.kv_caches[0]), weakref.ref(llm.engine.model.lm_head.weight)
+    gc.collect()
+    assert kv() is None and weight() is None  # `llm` still names the object: close() let go of the tensors
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()  # idempotent
