@@ -90,7 +90,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+# NOTE: `num_reqs` changes with every batch; specialised (== 1, divisible by 16) it would make new variants to
+# JIT-compile while serving, each a stall of a fraction of a second.
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, num_reqs, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,

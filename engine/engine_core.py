@@ -145,10 +145,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._make_runner(self.kv_caches, max_model_len, self.compiled)
         self.runner.tp_workers = self.tp_workers
-        if self.compiled is not None:
-            self.runner.warm_up(min(16, max_model_len - 1))  # the one Dynamo trace
-            if self.runner.cudagraph_mode != "none":
-                self.runner.capture_cudagraphs(self.counters)
+        if self.compiled is not None or self.device.type == "cuda":
+            self.runner.warm_up()  # the one Dynamo trace, and the Triton kernels' compiles
+        if self.compiled is not None and self.runner.cudagraph_mode != "none":
+            self.runner.capture_cudagraphs(self.counters)
         if tp_rank > 0:
             return  # a tensor-parallel worker: no scheduler; rank 0 schedules, samples and drives its steps
         self.scheduler = Scheduler(

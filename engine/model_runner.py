@@ -339,11 +339,13 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def warm_up(self, num_tokens: int) -> None:
-        """One prefill-shaped and one decode-shaped dummy step (all K/V into the scratch block): traces
-        the compiled model and brings every kernel in before anything is served or captured."""
-        for decode in (False, True):
-            self._dummy_forward(num_tokens if not decode else min(num_tokens, 4), decode, "none")
+    def warm_up(self) -> None:
+        """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one
+        Dynamo trace, and every kernel variant a step can need, so none is JIT-compiled while serving:
+        prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes) and a decode."""
+        longest = min(self.max_model_len - 1, self.input_ids.shape[0])
+        for num_tokens, decode in ((16, False), (64, False), (4, True)):
+            self._dummy_forward(min(num_tokens, longest), decode, "none")
 
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:

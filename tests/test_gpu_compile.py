@@ -41,3 +41,24 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
     assert graphs.engine.counters.dynamo_traces == 1
     graphs.close()
     eager.close()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_triton_compile_while_serving(tiny_llama_dir, tmp_path, enforce_eager):
+    """After start-up no batch JIT-compiles a Triton kernel (each would stall every request for a fraction of a
+    second): batches of 1 to 40 requests, short and long prefills, decodes, prefix-cache hits."""
+    import triton  # noqa: PLC0415
+
+    compiled = []
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28,
+              compile_cache_dir=str(tmp_path), enforce_eager=enforce_eager, cudagraph_capture_sizes=SIZES)  # fmt: skip
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for num in (1, 3, 16, 17, 32, 40, 16):
+            llm.generate([[i % 50 + 1] * (3 + 7 * i) for i in range(num)], params, use_tqdm=False)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+        llm.close()
+    assert compiled == []
