@@ -19,7 +19,7 @@ from torch.fx.node import _get_qualified_name
 
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
-from kiln.compile.cudagraph import PiecewiseCudaGraphs
+from kiln.compile.cudagraph import GraphPool, PiecewiseCudaGraphs
 from kiln.compile.split import split_at_attention
 
 logger = logging.getLogger("kiln")
@@ -28,10 +28,10 @@ logger = logging.getLogger("kiln")
 class CompiledPiece(torch.nn.Module):
     """A compiled compute piece in the split graph; replays a CUDA graph per size when asked to."""
 
-    def __init__(self, compiled, single_output: bool) -> None:
+    def __init__(self, compiled, single_output: bool, pool: GraphPool) -> None:
         super().__init__()
         self.compiled = compiled
-        self.graphs = PiecewiseCudaGraphs(self._run)
+        self.graphs = PiecewiseCudaGraphs(self._run, pool)
         self.single_output = single_output
 
     def _run(self, *args):
@@ -51,6 +51,7 @@ class KilnBackend:
         self.cache = cache
         self.counters = counters
         self.split: torch.fx.GraphModule | None = None  # the traced forward, its pieces compiled
+        self.graph_pool = GraphPool()  # the full graphs' and the pieces' graphs'
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
         self.counters.dynamo_traces += 1
@@ -72,6 +73,7 @@ class KilnBackend:
         for piece in self.split.children() if self.split is not None else ():
             if isinstance(piece, CompiledPiece):
                 piece.graphs.graphs.clear()
+        self.graph_pool.reset()
 
     def compile_piece(self, piece: torch.fx.GraphModule, args: list[Any], digest: str):
         """The piece's Inductor artifact: from the disk cache under `digest`, or compiled and stored."""
@@ -107,7 +109,8 @@ class _PieceCompiler(torch.fx.Interpreter):
             digest = piece_hash(piece, args)
             if digest not in self.by_hash:
                 self.by_hash[digest] = self.backend.compile_piece(piece, list(args), digest)
-            setattr(self.module, target, CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor)))
+            setattr(self.module, target, CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor),
+                                                        self.backend.graph_pool))  # fmt: skip
         return out
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from kiln.compile.backend import KilnBackend
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
-from kiln.compile.cudagraph import graph_pool, weak_ref
+from kiln.compile.cudagraph import weak_ref
 
 # Several engines in one process (tests, benchmarks) each trace their own model: let Dynamo keep them all.
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -76,7 +76,7 @@ class CompiledModel:
         """Record the whole forward for `size` tokens. The caller has set a forward context whose
         metadata lives in persistent buffers, and has warmed this size up once."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool()):
+        with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
             hidden = self(input_ids[:size], positions[:size])
         self.full_graphs[size] = (graph, weak_ref(hidden))
         self.counters.cudagraphs_captured += 1

@@ -1,7 +1,7 @@
 """CUDA graphs: piecewise (each compiled piece captured per size, attention eager between) and full
 (the whole forward, attention inside, for decode-only batches).
 
-All graphs share one memory pool. A piece's outputs are kept only as *weak* views: once its capture
+All graphs of one engine share one memory pool. A piece's outputs are kept only as *weak* views: once its capture
 pass is over, the pool may hand that memory to graphs of other sizes — harmless, since graphs of
 different sizes never run in one forward — and returning weak views at replay costs no memory.
 Within one size, every piece's outputs were alive while the later pieces were captured, so no graph
@@ -16,14 +16,23 @@ import torch
 
 from kiln.backends.forward_context import current_cudagraph_size
 
-_pool = None
 
+class GraphPool:
+    """The memory pool one engine's graphs, full and piecewise, share (a handle made on first use).
 
-def graph_pool():
-    global _pool
-    if _pool is None:
-        _pool = torch.cuda.graph_pool_handle()
-    return _pool
+    NOTE: one per engine, and a new one after `reset`: once every graph of a pool is gone the allocator
+    retires it, and capturing into a retired pool's handle fails an allocator assertion."""
+
+    def __init__(self) -> None:
+        self._handle = None
+
+    def __call__(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def reset(self) -> None:
+        self._handle = None
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -51,8 +60,9 @@ class PiecewiseCudaGraphs:
     """Runs a compiled piece directly, or — when the forward context names a capture size — replays
     (capturing on first use) the piece's CUDA graph for that size."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, pool: GraphPool) -> None:
         self.compiled = compiled
+        self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any, list[int]]] = {}
 
     def __call__(self, *args):
@@ -63,7 +73,7 @@ class PiecewiseCudaGraphs:
         pointers = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
         if entry is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=graph_pool()):
+            with torch.cuda.graph(graph, pool=self.pool()):
                 out = self.compiled(*args)
             self.graphs[size] = (graph, weak_ref(out), pointers)
             return out

@@ -57,7 +57,7 @@ def test_no_triton_compile_while_serving(tiny_llama_dir, tmp_path, enforce_eager
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for num in (1, 3, 16, 17, 32, 40, 16):
-            llm.generate([[i % 50 + 1] * (3 + 7 * i) for i in range(num)], params, use_tqdm=False)
+            llm.generate([[i % 50 + 1] * (3 + 5 * i) for i in range(num)], params, use_tqdm=False)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
         llm.close()
