@@ -30,6 +30,7 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    cudagraph_safe: bool = True  # no host sync and no data-dependent launch shapes: may run inside a CUDA graph
 
     @abstractmethod
     def forward(

@@ -34,6 +34,7 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> 
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    cudagraph_safe = False
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         num_tokens = metadata.num_actual_tokens

@@ -18,9 +18,9 @@ from kiln.engine import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 FP32_TOL = 1e-3  # nats
-# bf16: each run is within ~0.1 nats of the fp32 reference (test_gpu_engine's bound), so two runs can differ by
-# twice that; a wrong shard or a missing all-reduce moves logprobs by whole nats.
-BF16_TOL = 0.2
+# bf16: the logits themselves are bf16, one ulp is 0.125 at |logit| in [16, 32), and the runs were seen 0.12 and
+# 0.22 nats apart (one and two ulps); a wrong shard or a missing all-reduce moves logprobs by whole nats.
+BF16_TOL = 0.5
 
 
 def run(model: str, tp: int, prompts, max_tokens: int, **kwargs):
