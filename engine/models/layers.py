@@ -113,18 +113,27 @@ class RotaryEmbedding(FusedKernelsMixin, nn.Module):
         # NOTE: float32 and not a parameter: the loader never touches it, and `model.to(dtype)` keeps it.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What `rotate` needs for these positions. The model looks up once per forward and every layer
+        rotates with it: the cos and sin rows in the model's dtype ([T, D/2] each; one gather a step, not
+        one a layer), or for the Triton kernel, which reads the table itself, the positions."""
+        if self.fused:
+            return positions
+        return self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+
+    def rotate(self, rope: Any, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D], any token stride. The model passes q and k side by side as one tensor, so
         this is one kernel per layer (Inductor's or the Triton one) rather than one each."""
         if self.fused:
-            return fused_kernels.rotary_embedding(x, positions, self.cos_sin)
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        return _rotate(x, cos, sin)
+            return fused_kernels.rotary_embedding(x, rope, self.cos_sin)
+        return _rotate(x, *rope)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.rotate(self.lookup(positions, x.dtype), x)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]. Matches HF: cos/sin cast to x's dtype before the multiply.
-    cos = cos.to(x.dtype).unsqueeze(1)
-    sin = sin.to(x.dtype).unsqueeze(1)
+    # x: [T, heads, D]; cos/sin [T, D/2] already in x's dtype (as Hugging Face casts them before the multiply)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

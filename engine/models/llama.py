@@ -26,7 +26,8 @@ from kiln.engine.models.parallel import (
 class Attention(nn.Module):
     """This rank's attention heads (all of them with one rank)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int, shard: TensorParallelShard) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding,
+                 shard: TensorParallelShard) -> None:  # fmt: skip
         super().__init__()
         self.layer_index = layer_index
         self.head_dim = config.head_dim
@@ -41,9 +42,10 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
+        """`rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             qk = self._qk_norm(qk)
-        q, k = self.rotary_emb(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotary_emb.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale)
@@ -79,22 +81,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, max_positions: int, shard: TensorParallelShard) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding,
+                 shard: TensorParallelShard) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, layer_index, max_positions, shard)
+        self.self_attn = Attention(config, layer_index, rotary_emb, shard)
         self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rope, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous sub-block is fused into the next norm.
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -103,13 +106,17 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, shard: TensorParallelShard) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, max_positions, shard) for i in range(config.num_layers))
+        # NOTE: one cos/sin table for all layers (a float32 [max_positions, head_dim] each would be 2 GB for the
+        # 8B model at 128k positions), looked up once per forward
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb, shard) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.lookup(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
