@@ -22,6 +22,11 @@ torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.acc
 _instances = itertools.count()
 
 
+def _without_shape_guards(entries) -> list[bool]:
+    """Keep every guard of the traced frame but the symbolic-shape ones (T >= 2 among them)."""
+    return [entry.guard_type != "SHAPE_ENV" for entry in entries]
+
+
 def _private_forward(model: nn.Module):
     """`model(input_ids, positions)` under a code object of its own.
 
@@ -40,16 +45,22 @@ def _private_forward(model: nn.Module):
 class CompiledModel:
     """`model.forward(input_ids[T], positions[T])`, compiled for any T by one Dynamo trace.
 
-    The first call traces (T marked unbacked, so no size — 0 and 1 included — is specialised); every
-    later call runs under `fail_on_recompile`, so a batch that would need a new trace is an error,
-    never a silent compile while serving.
+    The first call traces, with T marked dynamic; every later call runs under `fail_on_recompile`, so a
+    batch that would need a new trace is an error, never a silent compile while serving.
+
+    NOTE: T is a *backed* symbol (traced at a size >= 2, so it has a hint) and the frame keeps no shape
+    guards, so T = 1 runs the same code. Marked unbacked instead (no 0/1 specialisation, no guard to drop),
+    Inductor cannot split the flattened range of a pointwise kernel into (T, hidden) without a hint, and
+    leaves e.g. RMSNorm as a reduction kernel plus a pointwise one (plus the residual add's) instead of one.
+    The model's code never branches on T, so dropping those guards hides nothing it depends on.
     """
 
     def __init__(self, model: nn.Module, cache: CompileCache, counters: CompileCounters) -> None:
         self.model = model
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
-        self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True)
+        self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
+                                      options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
         self.traced = False
         self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -60,8 +71,10 @@ class CompiledModel:
             return self._forward(input_ids, positions)
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        if input_ids.shape[0] < 2:
+            raise ValueError("the first (tracing) call needs at least 2 tokens: a size of 1 would be specialised")
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
         before = self.counters.inductor_seconds + self.counters.cache_load_seconds
         start = time.perf_counter()
         out = self._forward(input_ids, positions)

@@ -349,7 +349,7 @@ class ModelRunner:
         """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one
         Dynamo trace, and every kernel variant a step can need, so none is JIT-compiled while serving:
         prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes) and a decode."""
-        longest = min(self.max_model_len - 1, self.input_ids.shape[0])
+        longest = max(2, min(self.max_model_len - 1, self.input_ids.shape[0]))  # the trace needs >= 2 tokens
         for num_tokens, decode in ((16, False), (64, False), (4, True)):
             self._dummy_forward(min(num_tokens, longest), decode, "none")
 
