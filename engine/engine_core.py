@@ -345,7 +345,7 @@ class EngineCore:
         engine cannot step afterwards."""
         if self.tp_workers is not None:
             self.tp_workers.close()
-        if getattr(self, "compiled", None) is not None:
+        if self.compiled is not None:
             self.compiled.release_graphs()
         self.runner = self.compiled = self.kv_caches = self.model = None
         if torch.cuda.is_initialized():
