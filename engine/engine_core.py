@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends import default_backend_name, get_attention_backend
-from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches
 from kiln.compile import (
     CompileCache,
     CompileCounters,
@@ -32,6 +32,7 @@ from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.outputs import Logprob
+from kiln.engine.profiling import num_kv_blocks
 from kiln.engine.request import Request
 from kiln.engine.runner_io import StepHandle
 from kiln.engine.sampling_params import SamplingParams
@@ -39,9 +40,6 @@ from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
 
 logger = logging.getLogger("kiln")
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
-CUDAGRAPH_RESERVE_BYTES = 1 << 30
 
 
 @dataclass(slots=True)  # one per running request per step: slots make each lighter to build
@@ -119,6 +117,7 @@ class EngineCore:
         use_fused_kernels(self.model, self.device.type == "cuda" and config.enforce_eager)
         self.model_config = model_config
         self.backend = get_attention_backend(config.attention_backend or default_backend_name(self.device))
+        self.cudagraph_mode = self._cudagraph_mode()
         self.counters = CompileCounters()
         self.compiled = None if config.enforce_eager else self._make_compiled(max_model_len)
         if self.tp_workers is not None and self.compiled is not None:
@@ -127,7 +126,7 @@ class EngineCore:
             model_config.num_layers, kv_heads_per_rank(model_config.num_kv_heads, self.shard.size),
             model_config.head_dim, config.block_size, self.dtype,
         )  # fmt: skip
-        num_blocks = self._num_kv_blocks(max_model_len)
+        num_blocks = num_kv_blocks(self, max_model_len)
         if self.shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
         usable_tokens = (num_blocks - 1) * config.block_size
@@ -359,12 +358,23 @@ class EngineCore:
         return ModelRunner(
             self.model, kv_caches, self.backend, config.block_size, config.max_num_batched_tokens,
             config.max_num_seqs, max_model_len, self.model_config.vocab_size,
-            self.model_config.eos_token_ids, self.device, compiled, config.cudagraph_mode, sizes,
+            self.model_config.eos_token_ids, self.device, compiled, self.cudagraph_mode, sizes,
         )  # fmt: skip
 
     def _cache_dir(self) -> str | None:
         cache = self.compiled.backend.cache if self.compiled is not None else None
         return str(cache.directory) if cache is not None and cache.enabled else None
+
+    def _cudagraph_mode(self) -> str:
+        """The configured CUDA-graph mode, or "none" when nothing is compiled, off the GPU, or with an attention
+        backend that cannot run inside a graph (the torch one reads host metadata; warned)."""
+        config = self.config
+        if config.enforce_eager or self.device.type != "cuda" or config.cudagraph_mode == "none":
+            return "none"
+        if not self.backend.cudagraph_safe:
+            logger.warning("the %s attention backend cannot run in CUDA graphs: no graphs", self.backend.name)
+            return "none"
+        return config.cudagraph_mode
 
     def _make_compiled(self, max_model_len: int) -> CompiledModel:
         config = self.config
@@ -378,29 +388,6 @@ class EngineCore:
         root = Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_root()
         return CompiledModel(self.model, CompileCache(root, key), self.counters)
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kv_cache_memory_bytes is not None:
-            return num_blocks_for_budget(self.kv_spec, config.kv_cache_memory_bytes)
-        if self.device.type != "cuda":
-            return num_blocks_for_budget(self.kv_spec, CPU_DEFAULT_KV_BYTES)
-        peak = self._profile_peak_memory(max_model_len)
-        if not config.enforce_eager and config.cudagraph_mode != "none":
-            # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
-            # pool is reserved here up front, and its real size is logged after capture.
-            peak += CUDAGRAPH_RESERVE_BYTES
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
-        return num_blocks_for_budget(self.kv_spec, budget)
-
-    def _profile_peak_memory(self, max_model_len: int) -> int:
-        """Peak GPU memory of a forward pass and sampling at the full token budget, minus the small
-        KV cache made for the run (the real one is sized from what is left)."""
-        from kiln.engine.profiling import profile_forward  # noqa: PLC0415  (GPU start-up only)
-
-        return profile_forward(self, max_model_len)
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:

@@ -7,7 +7,6 @@ per step besides.
 
 from __future__ import annotations
 
-import logging
 import operator
 import os
 from typing import TYPE_CHECKING
@@ -28,8 +27,6 @@ from kiln.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from kiln.engine.structured_output import GrammarBitmask
-
-logger = logging.getLogger("kiln")
 
 Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
 
@@ -67,9 +64,6 @@ class ModelRunner:
         self.time_gpu = False  # record CUDA events around each step (the latency breakdown)
         self.tp_workers = None  # tensor parallel: rank 0's TensorParallelWorkers (engine/distributed.py)
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
-        if use_graphs and not backend.cudagraph_safe:
-            logger.warning("the %s attention backend cannot run inside CUDA graphs: compiled, no graphs", backend.name)
-            use_graphs = False
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
         self.capture_sizes = sorted(capture_sizes or []) if use_graphs else []
         # Padding never needs more rows than the largest capture size or the token budget.

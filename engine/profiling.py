@@ -1,4 +1,5 @@
-"""Measure the GPU memory a step can take, so the KV cache gets what is left (and no more)."""
+"""How many KV-cache blocks an engine gets: on the GPU, what is left after measuring the memory a step can take
+(and no more)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.cache import allocate_kv_caches
+from kiln.cache import allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
@@ -14,9 +15,33 @@ from kiln.engine.scheduler import SchedulerOutput
 if TYPE_CHECKING:
     from kiln.engine.engine_core import EngineCore
 
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CUDAGRAPH_RESERVE_BYTES = 1 << 30
+
+
+def num_kv_blocks(core: EngineCore, max_model_len: int) -> int:
+    """The configured count, or the configured bytes' worth, or (on the GPU) what `gpu_memory_utilization`
+    leaves after the profiled peak of a step and the CUDA graphs' reserve."""
+    config = core.config
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        return num_blocks_for_budget(core.kv_spec, config.kv_cache_memory_bytes)
+    if core.device.type != "cuda":
+        return num_blocks_for_budget(core.kv_spec, CPU_DEFAULT_KV_BYTES)
+    peak = profile_forward(core, max_model_len)
+    if core.cudagraph_mode != "none":
+        # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
+        # pool is reserved here up front, and its real size is logged after capture.
+        peak += CUDAGRAPH_RESERVE_BYTES
+    total = torch.cuda.get_device_properties(core.device).total_memory
+    budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
+    return num_blocks_for_budget(core.kv_spec, budget)
+
 
 def profile_forward(core: EngineCore, max_model_len: int) -> int:
-    """Peak bytes in use during the largest prefill step and the largest sampling step.
+    """Peak bytes in use during the largest prefill step and the largest sampling step (minus the small KV
+    cache made for the run: the real one is sized from what is left).
 
     Weights are counted (they are allocated already), the throwaway KV cache of the run is not, and
     memory outside PyTorch's allocator (CUDA context, library workspaces) is added.
