@@ -72,10 +72,11 @@ for step in $steps; do
         ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
     inductor-code:*)
-      # Inductor's generated code for every piece (which kernels it made, and what it left unfused), gzipped
+      # Inductor's generated code for every piece (which kernels it made, and what it left unfused), gzipped.
+      # NOTE: fresh cache folders, not TORCHINDUCTOR_FORCE_DISABLE_CACHES (standalone_compile cannot save then)
       model=${step#inductor-code:}
-      TORCH_LOGS=output_code TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout -s ABRT -k 15 240 python3 -c "import sys; from kiln.engine import LLM; \
-LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir='/tmp/kiln-code-cache')" "$model" \
+      TORCH_LOGS=output_code TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -s ABRT -k 15 240 python3 -c "import sys; from kiln.engine import LLM; \
+LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys.argv[2])" "$model" "$(mktemp -d)" \
         2>&1 | gzip > "$OUT/inductor_code_$model.log.gz"
       echo "inductor code of $model: $(zcat "$OUT/inductor_code_$model.log.gz" | grep -c 'async_compile.triton(') Triton kernels compiled" \
         | tee -a "$summary" ;;
