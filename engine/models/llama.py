@@ -63,9 +63,10 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_norm.fused:  # eager on the GPU: the Triton kernel on each
             return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
-                            self.k_norm.weight.expand(self.num_kv_heads, -1)])  # fmt: skip
-        return rms_norm(qk, weight, self.q_norm.eps)
+        # NOTE: each head's weight chosen pointwise, not `torch.cat` of the two expanded: Inductor makes a cat a
+        # buffer of its own (two kernels a layer, every step), where a `where` folds into the norm's kernel.
+        is_k = torch.arange(self.num_heads + self.num_kv_heads, device=qk.device).unsqueeze(1) >= self.num_heads
+        return rms_norm(qk, torch.where(is_k, self.k_norm.weight, self.q_norm.weight), self.q_norm.eps)
 
 
 class MLP(nn.Module):
