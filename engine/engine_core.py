@@ -389,7 +389,6 @@ class EngineCore:
         return CompiledModel(self.model, CompileCache(root, key), self.counters)
 
 
-
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):

@@ -60,8 +60,8 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_norm.fused:  # eager on the GPU: the Triton kernel on each
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # NOTE: each head's weight chosen pointwise, not `torch.cat` of the two expanded: Inductor makes a cat a
         # buffer of its own (two kernels a layer, every step), where a `where` folds into the norm's kernel.
