@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | profile:MODEL:BATCH | inductor-code:MODEL
+#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep)
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`.
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
@@ -50,6 +50,10 @@ for step in $steps; do
     attention)
       timeout -s ABRT -k 15 200 python3 scripts/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
       grep -A40 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
+    gemv)
+      timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
+        2>&1 | tee "$OUT/gemv.log" | tail -n 60
+      grep -A60 "^skinny matmul" "$OUT/gemv.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
       hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kiln.backends.skinny_gemm  # noqa: F401  (registers torch.ops.kiln.linear)
 from kiln.backends import fused_kernels
 
 
@@ -22,6 +23,17 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on the GPU through `kiln::linear`, which takes a bandwidth-bound kernel of ours for a
+    handful of rows (small-batch decode) and cuBLAS for the rest."""
+    if x.is_cuda:
+        return torch.ops.kiln.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Embedding(nn.Embedding):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.backends.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
-from kiln.engine.models.layers import Embedding, Linear
+from kiln.engine.models.layers import Embedding, Linear, linear
 
 ShardId = str | int | None  # which Hugging Face tensor of a fused parameter ("q", "k", "v", 0, 1); None: unfused
 
@@ -110,7 +110,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         torch.ops.kiln.all_reduce_(out)
         return out if self.bias is None else out + self.bias
 
