@@ -53,7 +53,7 @@ for step in $steps; do
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
-      grep -A60 "^skinny matmul" "$OUT/gemv.log" >> "$summary" ;;
+      grep -A20 "^one-row matmul" "$OUT/gemv.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
       hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
