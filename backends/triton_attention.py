@@ -135,74 +135,94 @@ def _unified_attention_kernel(
 
 
 @triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
+    2^(max_s - max) and the sum normalised. K-chunks of CHUNK splits keep the registers few."""
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    m_all = tl.full([CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        m_all = tl.maximum(m_all, tl.load(part_max_ptr + part + s0 + offs_c, mask=s0 + offs_c < num_splits,
+                                          other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
+    m_max = tl.max(m_all, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([HEAD_DIM_P], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        ok = s0 + offs_c < num_splits
+        m = tl.load(part_max_ptr + part + s0 + offs_c, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
+        total += w * tl.load(part_sum_ptr + part + s0 + offs_c, mask=ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(part_acc_ptr + (part + s0 + offs_c)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(a * w[:, None], 0)
+    total_all = tl.sum(total, 0)
+    out = acc / tl.where(total_all == 0.0, 1.0, total_all)
+    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
 def _decode_split_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
-    seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_block_table, min_split_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
-    pages; writes the unnormalised partial output with its running max and sum (log2 units). With one
-    split the partial is the whole answer: it is normalised and written straight to the output."""
+    pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
+    pages (one, for a short context: that program normalises and writes the output itself, no
+    partials). With more, each writes its unnormalised partial with its running max and sum (log2
+    units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count), so a
+    decode is one kernel, with no reduction kernel after it."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    pages_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), NUM_SPLITS)
-    start = split * pages_per_split * BLOCK_SIZE
-    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
-
-    offs_m = tl.arange(0, GROUP)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_ok = offs_d < HEAD_DIM
-    row_ok = offs_m < Q_PER_KV
-    head = kv_head * Q_PER_KV + offs_m
-    q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    m_i = tl.full([GROUP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP], tl.float32)
-    acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
-    no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-    table_row = block_table_ptr + req * stride_block_table
-    for start_n in range(start, end, TILE_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
-                                     end, no_causal, offs_d, d_ok, qk_scale,
-                                     NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-    if NUM_SPLITS == 1:
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
-        tl.store(part_max_ptr + part, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, stride_o_t,
-                          stride_o_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
-    """Merge the splits of one (request, head): rescale each by 2^(max_s - max) and normalise."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P)
-    s_ok = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    base = (req * NUM_HEADS + head) * NUM_SPLITS
-    m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0)
-    m_all = tl.max(m, 0)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.where(s_ok & (m > float("-inf")), tl.math.exp2(m - m_all), 0.0)
-    total = tl.sum(w * l_s, 0)
-    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)  # fmt: skip
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
+    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
+    if split < splits:
+        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+        start = split * pages_per_split * BLOCK_SIZE
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
+        offs_m = tl.arange(0, GROUP)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        d_ok = offs_d < HEAD_DIM
+        row_ok = offs_m < Q_PER_KV
+        head = kv_head * Q_PER_KV + offs_m
+        q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        m_i = tl.full([GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP], tl.float32)
+        acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
+        no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+        table_row = block_table_ptr + req * stride_block_table
+        for start_n in range(start, end, TILE_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+                                         end, no_causal, offs_d, d_ok, qk_scale,
+                                         NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+        if splits == 1:
+            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+            tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
+            tl.store(part_max_ptr + part, m_i, mask=row_ok)
+            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+            # NOTE: every thread's stores before one thread's release of the count (the barrier orders them);
+            # the last arrival's acquire then sees all partials (read past L1: .cg).
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+                for i in tl.static_range(Q_PER_KV):
+                    h = kv_head * Q_PER_KV + i
+                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, (req * NUM_HEADS + h) * NUM_SPLITS,
+                                  splits, token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P, 16)  # fmt: skip
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
@@ -211,9 +231,18 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
     at batch 64, 512 programs with one split beat 1,024 with two at every context from 256 to 32k; at
     batch 16, four splits were best from 2k up.) It depends only on the batch size, so a CUDA graph
     captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at
-    most log2(max_splits) + 1 variants to compile."""
+    most log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the
+    kernel's `min_split_pages`)."""
     splits = max(1, min(max_splits, 4 * num_sms // (num_reqs * num_kv_heads)))
     return 1 << (splits.bit_length() - 1)
+
+
+# Each decode's (request, kv head) counts its splits' arrivals here; the last one resets its count to 0, so
+# the counts are all zero between kernels. One buffer per device, made at the first decode (the warm-up, never
+# inside a CUDA-graph capture) and big enough for any batch: 512 capture rows x 128 KV heads.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+MAX_ARRIVAL_SLOTS = 512 * 128
+MIN_SPLIT_TOKENS = 128  # below two 64-key tiles a split costs more than it saves
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -234,32 +263,29 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
     )  # fmt: skip
 
 
-def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                    num_splits: int) -> None:  # fmt: skip
-    """Decode-only batch (one query per request), flash-decoding style: partials, then a reduction
-    (none with one split)."""
+def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, num_splits: int,
+                    min_split_tokens: int = MIN_SPLIT_TOKENS) -> None:  # fmt: skip
+    """Decode-only batch (one query per request), flash-decoding style, in one kernel: up to `num_splits`
+    partials a request (as many as have `min_split_tokens` each), merged by the last split to finish."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
+    assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
+    if query.device not in _ARRIVALS:
+        _ARRIVALS[query.device] = torch.zeros(MAX_ARRIVAL_SLOTS, dtype=torch.int32, device=query.device)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, part_acc, part_max, part_sum, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0),
+        out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, kv_cache[0], kv_cache[1],
+        metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
+        max(1, -(-min_split_tokens // block_size)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=kv_cache.shape[2], TILE_N=64, NUM_SPLITS=num_splits,
-    )  # fmt: skip
-    if num_splits == 1:
-        return
-    _decode_reduce_kernel[(num_reqs, num_heads)](
-        out, part_acc, part_max, part_sum, metadata.query_start_loc, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-        SPLITS_P=triton.next_power_of_2(num_splits),
+        BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=num_splits,
     )  # fmt: skip
 
 

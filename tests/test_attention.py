@@ -6,7 +6,7 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from kiln.backends import get_attention_backend
+from kiln.backends import get_attention_backend, triton_attention
 from kiln.backends.triton_attention import decode_num_splits, split_kv_decode, write_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,18 +73,23 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("min_split_tokens", [16, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
-def test_split_kv_decode(num_splits, num_heads, num_kv_heads, head_dim):
-    """Some splits get no pages at all (short contexts): the reduction must ignore them."""
-    query_lens, context_lens = [1, 1, 1, 1], [3, 40, 100, 17]
+def test_split_kv_decode(num_splits, min_split_tokens, num_heads, num_kv_heads, head_dim):
+    """Contexts from under one page to many splits' worth: some requests use every split, some fewer,
+    some one (written directly); the last split to finish merges the rest. Twice, because the arrival
+    counts must be back at zero for the next kernel."""
+    query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
     )
     write_kv(kv_cache, k, v, metadata.slot_mapping)
-    out = torch.empty_like(q)
-    split_kv_decode(q, kv_cache, metadata, head_dim**-0.5, out, num_splits)
     ref = reference_attention(q, history, query_lens, head_dim**-0.5)
-    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        split_kv_decode(q, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens)
+        torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+        assert not triton_attention._ARRIVALS[q.device].any()
 
 
 def test_kv_write_skips_negative_slots():
