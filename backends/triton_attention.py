@@ -136,29 +136,21 @@ def _unified_attention_kernel(
 
 @triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
-    2^(max_s - max) and the sum normalised. K-chunks of CHUNK splits keep the registers few."""
-    offs_c = tl.arange(0, CHUNK)
+    2^(max_s - max) and the sum normalised. All three loads at once (none waits for another)."""
+    offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    m_all = tl.full([CHUNK], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        m_all = tl.maximum(m_all, tl.load(part_max_ptr + part + s0 + offs_c, mask=s0 + offs_c < num_splits,
-                                          other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
-    m_max = tl.max(m_all, 0)
+    ok = offs_s < num_splits
+    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
+                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros([CHUNK], tl.float32)
-    acc = tl.zeros([HEAD_DIM_P], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        ok = s0 + offs_c < num_splits
-        m = tl.load(part_max_ptr + part + s0 + offs_c, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
-        total += w * tl.load(part_sum_ptr + part + s0 + offs_c, mask=ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(part_acc_ptr + (part + s0 + offs_c)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += tl.sum(a * w[:, None], 0)
-    total_all = tl.sum(total, 0)
-    out = acc / tl.where(total_all == 0.0, 1.0, total_all)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -169,7 +161,7 @@ def _decode_split_kernel(
     stride_block_table, min_split_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -221,8 +213,9 @@ def _decode_split_kernel(
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
                 for i in tl.static_range(Q_PER_KV):
                     h = kv_head * Q_PER_KV + i
-                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, (req * NUM_HEADS + h) * NUM_SPLITS,
-                                  splits, token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P, 16)  # fmt: skip
+                    first = (req * NUM_HEADS + h) * NUM_SPLITS
+                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                  token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P, SPLITS_P)  # fmt: skip
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
@@ -285,7 +278,7 @@ def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, 
         max(1, -(-min_split_tokens // block_size)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
     )  # fmt: skip
 
 

@@ -87,9 +87,9 @@ def test_linear_op_takes_the_kernel_for_one_row_and_f_linear_beyond(monkeypatch)
     kernel = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape) or kernel(*a))
     weight, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
-    for x in (torch.randn(1, 40), torch.randn(1, 1, 40), torch.randn(2, 40), torch.randn(9, 40),
-              torch.randn(40, 2).T[:1]):  # the last: one row, not contiguous  # fmt: skip
-        x = x.to(DEVICE)
+    for shape in ((1, 40), (1, 1, 40), (2, 40), (9, 40), (40, 2)):
+        x = torch.randn(*shape, device=DEVICE)
+        x = x.T[:1] if shape == (40, 2) else x  # one row, not contiguous
         out = torch.ops.kiln.linear(x, weight, bias)
         assert out.shape == (*x.shape[:-1], 24)
         close(out, matmul_reference(x, weight, bias).float(), torch.float32)
