@@ -1,5 +1,5 @@
-"""Paged attention in Triton: a KV-write kernel, one unified kernel for any mix of prefill chunks and
-decodes, and a split-KV (flash-decoding) path for decode-only batches.
+"""Paged attention in Triton: a KV-write kernel and one unified kernel for any mix of prefill chunks and
+decodes, and a split-KV (flash-decoding) kernel for decode-only batches that writes the K/V itself.
 
 Every kernel reads its per-step metadata from device tensors and launches a grid that depends only on
 the (padded) token count, the request count and constants: no host sync, nothing data-dependent,
@@ -156,9 +156,9 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_s
 
 @triton.jit
 def _decode_split_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_block_table, min_split_pages,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
+    v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
+    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
@@ -167,8 +167,9 @@ def _decode_split_kernel(
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
     pages (one, for a short context: that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
-    units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count), so a
-    decode is one kernel, with no reduction kernel after it."""
+    units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
+    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
+    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,6 +184,15 @@ def _decode_split_kernel(
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
+        if split == splits - 1:
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
@@ -256,15 +266,18 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
     )  # fmt: skip
 
 
-def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, num_splits: int,
-                    min_split_tokens: int = MIN_SPLIT_TOKENS) -> None:  # fmt: skip
-    """Decode-only batch (one query per request), flash-decoding style, in one kernel: up to `num_splits`
-    partials a request (as many as have `min_split_tokens` each), merged by the last split to finish."""
+def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                    num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS) -> None:  # fmt: skip
+    """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
+    the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
+    `num_splits` partials a request (as many as have `min_split_tokens` each), merged by the last split
+    to finish."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
+    assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
@@ -272,10 +285,10 @@ def split_kv_decode(query, kv_cache, metadata: AttentionMetadata, scale: float, 
     if query.device not in _ARRIVALS:
         _ARRIVALS[query.device] = torch.zeros(MAX_ARRIVAL_SLOTS, dtype=torch.int32, device=query.device)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, kv_cache[0], kv_cache[1],
-        metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-        max(1, -(-min_split_tokens // block_size)),
+        out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, key, value, kv_cache[0], kv_cache[1],
+        metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
+        query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
+        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
@@ -292,10 +305,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
-        num_tokens = metadata.num_actual_tokens
-        write_kv(kv_cache, key, value, metadata.slot_mapping[:num_tokens])
         if metadata.max_query_len == 1:
             num_splits = decode_num_splits(metadata.seq_lens.shape[0], kv_cache.shape[-2], self.num_sms)
-            split_kv_decode(query, kv_cache, metadata, scale, output, num_splits)
+            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits)
         else:
+            write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])
             unified_attention(query, kv_cache, metadata, scale, output)

@@ -46,7 +46,7 @@ def graph_time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench_decode(batch: int, context: int, backend, splits: list[int]) -> dict:
+def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int]) -> dict:
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -64,9 +64,12 @@ def bench_decode(batch: int, context: int, backend, splits: list[int]) -> dict:
     out = torch.empty_like(q)
     ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
     chosen = decode_num_splits(batch, NUM_KV_HEADS, backend.num_sms)
-    # The decode kernels alone (no K/V write) at each split count: what the split heuristic should pick
-    sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, kv_cache, metadata, HEAD_DIM**-0.5, out, s)) * 1e3
-             for s in splits}  # fmt: skip
+    # The decode kernel alone (it writes the K/V too) at each split count: what the split heuristic should pick
+    sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out,
+                                                          s)) * 1e3 for s in splits}  # fmt: skip
+    # ... and at the chosen split count, with each smallest split size (MIN_SPLIT_TOKENS is the default)
+    min_sweep = {t: graph_time_ms(lambda t=t: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5,
+                                                              out, chosen, t)) * 1e3 for t in min_tokens}  # fmt: skip
     kv_cache = None  # free it before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -78,7 +81,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int]) -> dict:
     util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
     return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
             "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms), "splits": chosen,
-            "split_sweep_us": sweep}  # fmt: skip
+            "split_sweep_us": sweep, "min_split_tokens_us": min_sweep}  # fmt: skip
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -108,14 +111,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
     p.add_argument("--json")
     p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
+    p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     args = p.parse_args()
     splits = [int(x) for x in args.split_sweep.split(",") if x]
+    min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
     rows = []
     for batch in (1, 16, 64, 256):
         for context in (256, 2048, 8192, 32768):
             if batch * context <= args.max_tokens:
-                rows.append(bench_decode(batch, context, backend, splits))
+                rows.append(bench_decode(batch, context, backend, splits, min_tokens))
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
@@ -129,6 +134,12 @@ def main() -> None:
         for r in rows:
             print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
                   + " ".join(f"{r['split_sweep_us'][s]:>9.1f}" for s in splits))  # fmt: skip
+    if min_tokens:
+        print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{f'>= {t} tok':>9}" for t in min_tokens)
+              + "   (decode kernel at the chosen split count, smallest split, us)")  # fmt: skip
+        for r in rows:
+            print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
+                  + " ".join(f"{r['min_split_tokens_us'][t]:>9.1f}" for t in min_tokens))  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:
