@@ -125,6 +125,7 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
   esac
 done
 # Only a few files come back from the device: every log and json in one archive, the summary beside it
-( cd "$OUT" && tar czf logs.tgz --exclude=summary.txt --exclude=logs.tgz . \
-  && find . -type f ! -name summary.txt ! -name logs.tgz -delete )
+# (made outside $OUT: tar fails on an archive growing inside the folder it reads)
+( cd "$OUT" && tar czf /tmp/kiln-logs.tgz --exclude=./summary.txt . && find . -type f ! -name summary.txt -delete \
+  && mv /tmp/kiln-logs.tgz logs.tgz )
 echo; echo "==== summary ===="; cat "$summary"
