@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# KILN_SKINNY_GEMM=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
-ENABLED = os.environ.get("KILN_SKINNY_GEMM", "1") != "0"
+# KILN_GEMV=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
+ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
 
 
 @triton.jit
