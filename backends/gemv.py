@@ -10,10 +10,10 @@ twelve layer shapes of the three presets measured (by 3-75%).
 
 With more rows it does not: a [BLOCK_M, BLOCK_N, BLOCK_K] product tile in registers was slower than
 cuBLAS from 2 rows on the larger shapes and at 8 rows 1.2-4.7x slower even at its best config, where
-cuBLAS's time has not yet grown (the same sweep). So `kiln::linear`, the op the model's Linear layers call on CUDA, takes this kernel
-for exactly one row and `F.linear` for the rest. It is opaque to Dynamo (the compiled pieces call it
-as an extern, as they do cuBLAS) and decides per call on the host, so each CUDA graph records the
-kernel of its own size.
+cuBLAS's time has not yet grown (the same sweep). So `kiln::linear`, the op the model's Linear layers
+call on CUDA, takes this kernel for exactly one row and `F.linear` for the rest. It is opaque to
+Dynamo (the compiled pieces call it as an extern, as they do cuBLAS) and decides per call on the host,
+so each CUDA graph records the kernel of its own size.
 """
 
 from __future__ import annotations

@@ -106,6 +106,13 @@ def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) 
     return rows
 
 
+def print_sweep(rows: list[dict], key: str, columns: dict[int, str], what: str) -> None:
+    print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{c:>9}" for c in columns.values())
+          + f"   ({what})")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} " + " ".join(f"{r[key][c]:>9.1f}" for c in columns))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
@@ -129,17 +136,10 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%}")  # fmt: skip
     if splits:
-        print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{f'{s} splits':>9}" for s in splits)
-              + "   (decode kernels alone, us)")  # fmt: skip
-        for r in rows:
-            print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
-                  + " ".join(f"{r['split_sweep_us'][s]:>9.1f}" for s in splits))  # fmt: skip
+        print_sweep(rows, "split_sweep_us", {s: f"{s} splits" for s in splits}, "decode kernel alone, us")
     if min_tokens:
-        print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{f'>= {t} tok':>9}" for t in min_tokens)
-              + "   (decode kernel at the chosen split count, smallest split, us)")  # fmt: skip
-        for r in rows:
-            print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
-                  + " ".join(f"{r['min_split_tokens_us'][t]:>9.1f}" for t in min_tokens))  # fmt: skip
+        print_sweep(rows, "min_split_tokens_us", {t: f">= {t} tok" for t in min_tokens},
+                    "decode kernel at the chosen split count, smallest split, us")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:
