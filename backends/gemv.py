@@ -75,7 +75,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
-@torch.library.custom_op("kiln::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear over the last dim of x; by the one-row kernel when x is a single contiguous row."""
     if ENABLED and x.numel() == x.shape[-1] > 0 and x.is_contiguous() and weight.stride(-1) == 1:
@@ -83,6 +82,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-@linear.register_fake
+# NOTE: registered on a plain Library rather than with `torch.library.custom_op`, whose Python wrapper costs
+# ~25 µs a call more (measured on the CPU machine): the compiled pieces call this op four times a layer.
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_lib.impl("linear", linear, "CPU")
+_lib.impl("linear", linear, "CUDA")
+
+
+@torch.library.register_fake("kiln::linear", lib=_lib)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -96,6 +96,24 @@ def test_linear_op_takes_the_kernel_for_one_row_and_f_linear_beyond(monkeypatch)
     assert calls == [(1, 40), (1, 1, 40)]
 
 
+def test_linear_op_compiled_by_inductor_chooses_at_run_time(monkeypatch):
+    """Traced, `kiln::linear` is an opaque node that Inductor calls as an extern with a symbolic row count:
+    the compiled code equals eager, and the one-row kernel runs for one row only, decided per call."""
+    calls = []
+    kernel = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    weight, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
+
+    def f(x):
+        return torch.relu(torch.ops.kiln.linear(x * 2, weight, bias)) + 1
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for rows in (3, 1, 5):
+        x = torch.randn(rows, 40, device=DEVICE)
+        close(compiled(x), torch.relu((x * 2).double() @ weight.double().T + bias.double()).float() + 1, torch.float32)
+    assert calls == [1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (1024, 2048), (6144, 1024), (1024, 3072)])
 def test_gemv_on_gpu_at_model_shapes(n, k):

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln.backends.gemv  # noqa: F401  (registers torch.ops.kiln.linear)
-from kiln.backends import fused_kernels
+from kiln.backends import fused_kernels, gemv
 
 
 class Linear(nn.Linear):
@@ -29,11 +28,14 @@ class Linear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on the GPU through `kiln::linear`, which takes a kernel of ours for one row (a batch-1
-    decode; cuBLAS reads the weights at 8-60% of the bandwidth there) and cuBLAS for the rest."""
-    if x.is_cuda:
+    """F.linear; on the GPU, a kernel of ours for one row (a batch-1 decode; cuBLAS reads the weights at
+    8-60% of the bandwidth there) and cuBLAS for the rest. Traced, that choice is the `kiln::linear` op
+    (made per call, at run time); eager, the same function called directly, not through the dispatcher."""
+    if not x.is_cuda:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
         return torch.ops.kiln.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return gemv.linear(x, weight, bias)
 
 
 class Embedding(nn.Embedding):
