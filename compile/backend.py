@@ -20,7 +20,7 @@ from torch.fx.node import _get_qualified_name
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import GraphPool, PiecewiseCudaGraphs
-from kiln.compile.split import split_at_attention
+from kiln.compile.split import call_attention_directly, split_at_attention
 
 logger = logging.getLogger("kiln")
 
@@ -63,6 +63,7 @@ class KilnBackend:
         compiler = _PieceCompiler(split, compute, self)
         with fake_mode:
             compiler.run(*fake_args)
+        call_attention_directly(split, attention)
         self.counters.unique_pieces = len(compiler.by_hash)
         self.cache.write_text("split_graph.py", _readable(split, compiler.codes, len(attention)))
         self.split = split

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kiln.backends.attention import attend
+from kiln.compile.backend import CompiledPiece
 from kiln.engine import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
@@ -28,6 +30,11 @@ def test_compiled_equals_eager_and_never_recompiles(model_dir, tmp_path):
     assert stats["dynamo_traces"] == 1
     assert stats["compute_pieces"] == num_layers + 1 and stats["attention_ops"] == num_layers
     assert stats["inductor_compiles"] == stats["unique_pieces"] <= 3  # identical middle layers share one
+    # the attention pieces call the op's body directly, not through the dispatcher
+    split = compiled.engine.compiled.backend.split
+    calls = [node.target for _, piece in split.named_children() if not isinstance(piece, CompiledPiece)
+             for node in piece.graph.nodes if node.op == "call_function"]  # fmt: skip
+    assert calls == [attend] * num_layers
 
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     a = compiled.generate(PROMPTS, params, use_tqdm=False)

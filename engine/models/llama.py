@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kiln.backends.attention  # noqa: F401  (registers torch.ops.kiln.unified_attention)
+from kiln.backends.attention import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm
 from kiln.engine.models.parallel import (
@@ -56,7 +56,10 @@ class Attention(nn.Module):
         q, k = self.rotary_emb.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale)
+        if torch.compiler.is_compiling():  # the op: opaque to Dynamo, where the graph is split
+            torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale)
+        else:
+            attend(q, k, v, out, self.layer_index, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
