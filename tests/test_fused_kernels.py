@@ -82,10 +82,15 @@ def test_gemv_against_float64(dtype, n, k, config):
         close(out, matmul_reference(x, weight, b).to(dtype), dtype)
 
 
-def test_linear_op_takes_the_kernel_for_one_row_and_f_linear_beyond(monkeypatch):
-    calls = []
-    kernel = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape) or kernel(*a))
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """The shape of x at every call of the one-row kernel (which still runs)."""
+    calls, kernel = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(tuple(a[0].shape)) or kernel(*a))
+    return calls
+
+
+def test_linear_op_takes_the_kernel_for_one_row_and_f_linear_beyond(gemv_calls):
     weight, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
     for shape in ((1, 40), (1, 1, 40), (2, 40), (9, 40), (40, 2)):
         x = torch.randn(*shape, device=DEVICE)
@@ -93,15 +98,12 @@ def test_linear_op_takes_the_kernel_for_one_row_and_f_linear_beyond(monkeypatch)
         out = torch.ops.kiln.linear(x, weight, bias)
         assert out.shape == (*x.shape[:-1], 24)
         close(out, matmul_reference(x, weight, bias).float(), torch.float32)
-    assert calls == [(1, 40), (1, 1, 40)]
+    assert gemv_calls == [(1, 40), (1, 1, 40)]
 
 
-def test_linear_op_compiled_by_inductor_chooses_at_run_time(monkeypatch):
+def test_linear_op_compiled_by_inductor_chooses_at_run_time(gemv_calls):
     """Traced, `kiln::linear` is an opaque node that Inductor calls as an extern with a symbolic row count:
     the compiled code equals eager, and the one-row kernel runs for one row only, decided per call."""
-    calls = []
-    kernel = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     weight, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
 
     def f(x):
@@ -111,7 +113,7 @@ def test_linear_op_compiled_by_inductor_chooses_at_run_time(monkeypatch):
     for rows in (3, 1, 5):
         x = torch.randn(rows, 40, device=DEVICE)
         close(compiled(x), torch.relu((x * 2).double() @ weight.double().T + bias.double()).float() + 1, torch.float32)
-    assert calls == [1]
+    assert gemv_calls == [(1, 40)]
 
 
 @pytest.mark.gpu
