@@ -246,6 +246,7 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 MAX_ARRIVAL_SLOTS = 512 * 128
 MIN_SPLIT_TOKENS = 64  # one 64-key tile; 128 was as fast or slower at every batch x context measured
+DECODE_CONFIG = (64, 4, 3)  # (TILE_N, num_warps, num_stages) of the decode kernel; Triton's defaults for the last two
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -267,16 +268,18 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 
 
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                    num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS) -> None:  # fmt: skip
+                    num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                    config: tuple[int, int, int] = DECODE_CONFIG) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each), merged by the last split
-    to finish."""
+    to finish. `config`: (keys per tile, warps, pipeline stages)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
+    tile_n, num_warps, num_stages = config
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -291,7 +294,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

@@ -46,7 +46,8 @@ def graph_time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int]) -> dict:
+def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
+                 configs: list[tuple[int, int, int]]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -55,7 +56,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     block_table = block_table.to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    slot_mapping = (block_table[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)  # the new token: last slot
+    slot_mapping = block_table[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1  # the new token: last slot
     metadata = AttentionMetadata(batch, qsl.to(device), seq_lens.to(device), block_table, slot_mapping, 1, context,
                                  qsl, seq_lens)  # fmt: skip
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -70,6 +71,15 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     # ... and at the chosen split count, with each smallest split size (MIN_SPLIT_TOKENS is the default)
     min_sweep = {t: graph_time_ms(lambda t=t: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5,
                                                               out, chosen, t)) * 1e3 for t in min_tokens}  # fmt: skip
+    # ... and with each launch config (keys per tile, warps, stages)
+    decode_with = lambda c: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c)  # noqa: E731
+    config_sweep = {}
+    for c in configs:
+        try:
+            config_sweep["x".join(map(str, c))] = graph_time_ms(lambda c=c: decode_with(c)) * 1e3
+        except Exception as e:  # e.g. a tile too big for shared memory
+            print(f"config {c}: {type(e).__name__}: {str(e)[:200]}")
+            config_sweep["x".join(map(str, c))] = float("nan")
     kv_cache = None  # free it before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -81,7 +91,8 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
     return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
             "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms), "splits": chosen,
-            "split_sweep_us": sweep, "min_split_tokens_us": min_sweep}  # fmt: skip
+            "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
+            "config_us": config_sweep}  # fmt: skip
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -119,7 +130,10 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
+    p.add_argument("--config-sweep", default="",
+                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2")  # fmt: skip
     args = p.parse_args()
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c]
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
@@ -127,7 +141,7 @@ def main() -> None:
     for batch in (1, 16, 64, 256):
         for context in (256, 2048, 8192, 32768):
             if batch * context <= args.max_tokens:
-                rows.append(bench_decode(batch, context, backend, splits, min_tokens))
+                rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
@@ -140,6 +154,9 @@ def main() -> None:
     if min_tokens:
         print_sweep(rows, "min_split_tokens_us", {t: f">= {t} tok" for t in min_tokens},
                     "decode kernel at the chosen split count, smallest split, us")  # fmt: skip
+    if configs:
+        print_sweep(rows, "config_us", {"x".join(map(str, c)): "x".join(map(str, c)) for c in configs},
+                    "decode kernel at the chosen split count, tile x warps x stages, us")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:
