@@ -23,6 +23,26 @@ def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
         assert abs(lp.logprob - ref[token_id].item()) < 0.1
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bf16_decode_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, enforce_eager):
+    """Batch-1 decode steps (the one-row kernels with the norm and SiLU-and-mul folded in; compiled, the ops in
+    the full CUDA graph) against the fp32 Hugging Face model run over the same tokens."""
+    prompt = list(range(3, 40))
+    common = dict(max_model_len=256, kv_cache_memory_bytes=1 << 28, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
+             cudagraph_capture_sizes=(1, 2), **common) as llm:  # fmt: skip
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    ref = torch.log_softmax(logits.double(), -1)
+    assert len(out.logprobs) == 8
+    for step, logprobs in enumerate(out.logprobs):
+        for token_id, lp in logprobs.items():
+            assert abs(lp.logprob - ref[step, token_id].item()) < 0.1, (step, token_id)
+
+
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
 def test_preset_batch_on_gpu(preset):
     with LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5) as llm:
