@@ -218,7 +218,7 @@ class ModelRunner:
         context = ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size=piecewise_size)
         model = self.compiled if self.compiled is not None else self.model
         with set_forward_context(context):
-            return model(self.input_ids[: plan.num_tokens], self.positions[: plan.num_tokens])
+            return model(self.input_ids_buf.prefix(plan.num_tokens), self.positions_buf.prefix(plan.num_tokens))
 
     # ---- inputs ---------------------------------------------------------------------------------------
 
@@ -325,14 +325,14 @@ class ModelRunner:
         full = plan.mode == "full"
         metadata = AttentionMetadata(
             num_actual_tokens=n if full else num_tokens,  # a full graph writes K/V for padding too (to scratch)
-            query_start_loc=self.query_start_loc[: padded_reqs + 1],
-            seq_lens=self.seq_lens[:padded_reqs],
-            block_table=self.block_table[:padded_reqs],
-            slot_mapping=self.slot_mapping[: n if full else num_tokens],
+            query_start_loc=self.query_start_loc_buf.prefix(padded_reqs + 1),
+            seq_lens=self.seq_lens_buf.prefix(padded_reqs),
+            block_table=self.block_table_buf.prefix(padded_reqs),
+            slot_mapping=self.slot_mapping_buf.prefix(n if full else num_tokens),
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=self.query_start_loc_buf.host[p][: padded_reqs + 1],
-            seq_lens_cpu=self.seq_lens_buf.host[p][:padded_reqs],
+            query_start_loc_cpu=self.query_start_loc_buf.prefix(padded_reqs + 1, p),
+            seq_lens_cpu=self.seq_lens_buf.prefix(padded_reqs, p),
         )
         return metadata, logits_indices
 

@@ -44,9 +44,19 @@ class StagedBuffer:
         pin = device.type == "cuda"
         self.host = [torch.zeros(*shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.np = [h.numpy() for h in self.host]
+        # NOTE: slicing a tensor costs ~3 µs of host time, and a step takes a dozen prefixes of these buffers;
+        # the views never change (the buffers are never reallocated), so each is made once
+        self._prefixes: dict[tuple[int, int], torch.Tensor] = {}
+
+    def prefix(self, n: int, parity: int = -1) -> torch.Tensor:
+        """`gpu[:n]`, or with a parity that mirror's `host[parity][:n]`."""
+        view = self._prefixes.get((parity, n))
+        if view is None:
+            view = self._prefixes[(parity, n)] = (self.gpu if parity < 0 else self.host[parity])[:n]
+        return view
 
     def copy(self, parity: int, n: int) -> None:
-        self.gpu[:n].copy_(self.host[parity][:n], non_blocking=True)
+        self.prefix(n).copy_(self.prefix(n, parity), non_blocking=True)
 
 
 @dataclass(frozen=True)
