@@ -81,12 +81,15 @@ def _gemv_kernel(y_ptr, x_ptr, w_ptr, b_ptr, residual_ptr, residual_out_ptr, nor
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): a K chunk of up to 2,048, and rows enough for a 4,096-weight tile
-    up to K = 2,048, one row beyond. The best or within 2% of the best of 38 configs on each of the 12
+def default_config(n: int, k: int, variant: str = "plain") -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps). Plain: a K chunk of up to 2,048, and rows enough for a 4,096-weight
+    tile up to K = 2,048, one row beyond. The best or within 2% of the best of 38 configs on each of the 12
     shapes of `bench_gemv.py --sweep` on the H200 (K = 1,024: 4 x 1,024; K = 2,048: 2 x 2,048; K from
-    3,072 to 14,336: 1 x 2,048)."""
-    return max(1, 4096 // triton.next_power_of_2(k)), min(2048, triton.next_power_of_2(k)), 4
+    3,072 to 14,336: 1 x 2,048). The fused forms ("norm", "silu") work on each x chunk before the dot, once
+    per program: more rows a program share that work."""
+    if variant == "plain":
+        return max(1, 4096 // triton.next_power_of_2(k)), min(2048, triton.next_power_of_2(k)), 4
+    return 8, min(512, triton.next_power_of_2(k)), 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -114,7 +117,8 @@ def _launch(x, weight, bias, config, norm_weight=None, eps=0.0, residual=None, r
     n, k = weight.shape
     assert x.numel() == x.shape[-1] == (2 * k if silu_mul else k) and x.is_contiguous()
     assert weight.stride(1) == 1 and (residual is None or residual.is_contiguous() and residual.numel() == k)
-    block_n, block_k, num_warps = config or default_config(n, k)
+    variant = "norm" if norm_weight is not None else "silu" if silu_mul else "plain"
+    block_n, block_k, num_warps = config or default_config(n, k, variant)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         y, x, weight, bias if bias is not None else weight, residual if residual is not None else x,

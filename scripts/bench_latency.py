@@ -133,7 +133,7 @@ def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> li
                 print(f"{row['mode']:<18} {batch:>5} step {row['step_ms']:7.3f} ms  host {row['host_ms']:7.3f}  "
                       f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
                       f"{row['tokens_per_s']:9.0f} tok/s", flush=True)  # fmt: skip
-            del llm
+            llm.close()  # (its KV cache too: the next mode's engine sizes its own from what is free)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows
