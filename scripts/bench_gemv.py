@@ -6,11 +6,8 @@ cycles through enough copies of the weight (>= 256 MB) that none is read from th
 real step. Bandwidth = weight bytes / time, against 4.3 TB/s.
 
     python scripts/bench_gemv.py [--models llama-3.2-1b,qwen3-0.6b,llama-3.1-8b] [--rows 1,2,4,8] [--sweep]
-    python scripts/bench_gemv.py --fused [--sweep]
 
-(The other row counts show how cuBLAS's time grows past one row: barely, to 8.) `--fused` times instead the
-kernel's two fused forms where the model uses them, RMSNorm + residual add before qkv and gate_up, SiLU-and-mul
-before down, beside the plain kernel plus the separate norm or activation kernel they replace.
+(The other row counts show how cuBLAS's time grows past one row: barely, to 8.)
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import graph_time_ms  # noqa: E402
 
-from kiln.backends import fused_kernels  # noqa: E402
-from kiln.backends.gemv import default_config, gemv, rms_norm_gemv, silu_mul_gemv  # noqa: E402
+from kiln.backends.gemv import default_config, gemv  # noqa: E402
 from kiln.engine.presets import PRESETS  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -71,70 +67,13 @@ def bench(n: int, k: int, rows: list[int], sweep: bool) -> dict:
     return result
 
 
-def bench_fused(n: int, k: int, variant: str, sweep: bool) -> dict:
-    """The fused kernel (`variant`: "norm" or "silu") against what it replaces: the norm (or activation)
-    kernel, then the plain one-row kernel."""
-    nbytes = n * k * 2
-    copies = max(2, min(64, -(-(256 << 20) // nbytes)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16)
-    norm_weight = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-    if variant == "norm":
-        fused = lambda w, cfg=None: rms_norm_gemv(x, residual, norm_weight, 1e-5, w, None, cfg)  # noqa: E731
-        unfused = lambda w: gemv(fused_kernels.rms_norm(x, norm_weight, 1e-5, residual)[0], w)  # noqa: E731
-    else:
-        fused = lambda w, cfg=None: silu_mul_gemv(gate_up, w, None, cfg)  # noqa: E731
-        unfused = lambda w: gemv(fused_kernels.silu_and_mul(gate_up), w)  # noqa: E731
-    result = {"n": n, "k": k, "variant": variant, "default": default_config(n, k, variant),
-              "unfused_us": time_us(unfused, weights), "fused_us": time_us(fused, weights)}  # fmt: skip
-    if sweep:
-        times = {cfg: time_us(lambda w, cfg=cfg: fused(w, cfg), weights) for cfg in sweep_configs(k)}
-        best = min(times, key=times.get)
-        result.update(best=best, best_us=times[best], sweep={",".join(map(str, c)): t for c, t in times.items()})
-    del weights
-    torch.cuda.empty_cache()
-    return result
-
-
-def main_fused(args) -> None:
-    print(f"\none-row matmul with its input's norm or activation, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}; unfused = the norm/activation kernel + the "
-          f"plain one-row kernel")  # fmt: skip
-    print(f"{'model':14} {'layer':8} {'N':>6} {'K':>6} {'unfused':>8} {'fused':>8}"
-          + ("  best us  best (BN, BK, warps)" if args.sweep else ""), flush=True)  # fmt: skip
-    results = []
-    for model in args.models.split(","):
-        shapes = layer_shapes(PRESETS[model])
-        for layer, variant in (("qkv", "norm"), ("gate_up", "norm"), ("down", "silu")):
-            n, k = shapes[layer]
-            r = {"model": model, "layer": layer, **bench_fused(n, k, variant, args.sweep)}
-            results.append(r)
-            line = f"{model:14} {layer:8} {n:6} {k:6} {r['unfused_us']:8.2f} {r['fused_us']:8.2f}"
-            if args.sweep:
-                line += f" {r['best_us']:8.2f}  {r['best']}"
-            print(line, flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    if args.sweep:
-        for variant in ("norm", "silu"):
-            rs = [r for r in results if r["variant"] == variant]
-            common = set.intersection(*(set(r["sweep"]) for r in rs))
-            mean = {c: sum(r["sweep"][c] / r["best_us"] for r in rs) / len(rs) for c in common}
-            ranked = sorted(mean.items(), key=lambda kv: kv[1])[:5]
-            print(f"{variant} configs by mean slowdown: " + ", ".join(f"({c}) {t:.2f}x" for c, t in ranked))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-3.2-1b,qwen3-0.6b,llama-3.1-8b")
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of (BLOCK_N, BLOCK_K, warps)")
-    parser.add_argument("--fused", action="store_true", help="the fused forms (norm / SiLU-and-mul) instead")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if args.fused:
-        return main_fused(args)
     rows = [int(m) for m in args.rows.split(",")]
     print(f"\none-row matmul, bf16, CUDA graph, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1")  # fmt: skip

@@ -3,8 +3,7 @@
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep; GEMV_FUSED=1: the
-#   fused forms)
+#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep)
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x stages). Logs come back as $OUT/logs.tgz.
@@ -54,7 +53,7 @@ for step in $steps; do
         ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
       grep -A60 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
     gemv)
-      timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} ${GEMV_FUSED:+--fused} --json "$OUT/gemv.json" \
+      timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
       grep -A20 "^one-row matmul" "$OUT/gemv.log" >> "$summary" ;;
     latency:*)

@@ -23,9 +23,8 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """`silu_mul`: x is gate | up, and the layer's input is silu(gate) * up (see `silu_mul_linear`)."""
-        return (silu_mul_linear if silu_mul else linear)(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,33 +36,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         return torch.ops.kiln.linear(x, weight, bias)
     return gemv.linear(x, weight, bias)
-
-
-# The two matmuls below take their input's last step with them: on the GPU, with one row, that step happens as
-# the one-row kernel loads x, so a batch-1 decode has no kernel of its own for the norm or the activation (four
-# launches a layer fewer, each a few µs of a step that is a chain of small kernels). Beyond one row, and traced
-# for Inductor, they are the Triton kernel and cuBLAS as before, behind one opaque op.
-
-
-def norm_linear(norm: RMSNorm, proj: nn.Linear, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`(proj(norm(x + residual)), x + residual)`, or without a residual `(proj(norm(x)), x)`."""
-    if not x.is_cuda:
-        normed, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return proj(normed), residual
-    args = (x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-    compiling = torch.compiler.is_compiling()
-    out, new_residual = torch.ops.kiln.rms_norm_linear(*args) if compiling else gemv.rms_norm_linear(*args)
-    return out, x if residual is None else new_residual
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(silu(gate) * up)` for gate_up = gate | up (last dim)."""
-    if not gate_up.is_cuda:
-        return F.linear(silu_and_mul(gate_up), weight, bias)
-    if torch.compiler.is_compiling():
-        return torch.ops.kiln.silu_mul_linear(gate_up, weight, bias)
-    return gemv.silu_mul_linear(gate_up, weight, bias)
 
 
 class Embedding(nn.Embedding):
@@ -115,12 +87,8 @@ class SiluAndMul(FusedKernelsMixin, nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return fused_kernels.silu_and_mul(gate_up)
-        return silu_and_mul(gate_up)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from kiln.backends.attention import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm_linear, rms_norm
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm
 from kiln.engine.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -44,10 +44,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
 
-    def forward(self, rope, qkv: torch.Tensor) -> torch.Tensor:
-        """`qkv`: the qkv projection's output (the layer runs it, with the norm before it); `rope`: the
-        rotary's lookup for this step's positions, made once for all layers."""
-        num_tokens = qkv.shape[0]
+    def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
+        """`rope`: the rotary's lookup for this step's positions, made once for all layers."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
@@ -80,11 +80,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, shard)
         self.act = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """`gate_up`: the gate_up projection's output (the layer runs it, with the norm before it)."""
-        if gate_up.is_cuda:  # the down projection applies silu(gate) * up as it reads its input
-            return self.down_proj(gate_up, silu_mul=True)
-        return self.down_proj(self.act(gate_up))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -99,12 +96,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, rope, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sub-block is fused into the next norm, and the norm into the matmul
-        # after it (on the GPU; see `norm_linear`).
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn(rope, qkv)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp(gate_up), residual
+        # The residual add of the previous sub-block is fused into the next norm.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.backends.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
-from kiln.engine.models.layers import Embedding, Linear, linear, silu_mul_linear
+from kiln.engine.models.layers import Embedding, Linear, linear
 
 ShardId = str | int | None  # which Hugging Face tensor of a fused parameter ("q", "k", "v", 0, 1); None: unfused
 
@@ -107,10 +107,10 @@ class RowParallelLinear(Linear):
         super().__init__(shard.split(in_features, "projection input size"), out_features, bias=bias)
         self.full_in_features, self.tp_size, self.start = in_features, shard.size, shard.rank * self.in_features
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return super().forward(x, silu_mul)
-        out = (silu_mul_linear if silu_mul else linear)(x, self.weight)
+            return super().forward(x)
+        out = linear(x, self.weight)
         torch.ops.kiln.all_reduce_(out)
         return out if self.bias is None else out + self.bias
 
