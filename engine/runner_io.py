@@ -52,6 +52,8 @@ class StagedBuffer:
         """`gpu[:n]`, or with a parity that mirror's `host[parity][:n]`."""
         view = self._prefixes.get((parity, n))
         if view is None:
+            if len(self._prefixes) >= 1024:  # without graphs every token count is a size: keep the memo small
+                self._prefixes.clear()
             view = self._prefixes[(parity, n)] = (self.gpu if parity < 0 else self.host[parity])[:n]
         return view
 
