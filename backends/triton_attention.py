@@ -246,10 +246,17 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 MAX_ARRIVAL_SLOTS = 512 * 128
 MIN_SPLIT_TOKENS = 64  # one 64-key tile; 128 was as fast or slower at every batch x context measured
-# (TILE_N, num_warps, num_stages) of the decode kernel: the fastest of 10, or within 1% of it, at all 15 batch x
-# context points of `bench_attention.py --config-sweep` on the H200 (2 warps beat Triton's default 4 by 1-28%,
-# e.g. batch 16 x 256: 10.2 against 14.1 µs, batch 256 x 256: 77.8 against 85.3)
+# (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (19
+# configs in two runs): 64 x 2 x 3 is the fastest or within 2% of it at all 15 batch x context points but one
+# (2 warps beat Triton's default 4 by 1-28%, e.g. batch 16 x 256: 10.2 against 14.1 µs); at batch 256 (2,048
+# programs) 32 x 2 x 2 is faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
 DECODE_CONFIG = (64, 2, 3)
+DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
+
+
+def decode_config(num_programs: int) -> tuple[int, int, int]:
+    """The decode kernel's launch config for a grid of `num_programs`: fixed by the batch size, so graph-safe."""
+    return DECODE_CONFIG_MANY if num_programs >= 2048 else DECODE_CONFIG
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -272,17 +279,17 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                    config: tuple[int, int, int] = DECODE_CONFIG) -> None:  # fmt: skip
+                    config: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each), merged by the last split
-    to finish. `config`: (keys per tile, warps, pipeline stages)."""
+    to finish. `config`: (keys per tile, warps, pipeline stages), by default `decode_config`'s."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
-    tile_n, num_warps, num_stages = config
+    tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits)
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)

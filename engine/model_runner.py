@@ -343,9 +343,10 @@ class ModelRunner:
         """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one
         Dynamo trace, and every kernel variant a step can need, so none is JIT-compiled while serving:
         prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), and decodes of
-        one token (the one-row matmul kernel) and four."""
+        one token (the one-row matmul kernel), four, and as many requests as a step holds (the decode
+        kernel's launch config for a large grid)."""
         longest = max(2, min(self.max_model_len - 1, self.input_ids.shape[0]))  # the trace needs >= 2 tokens
-        for num_tokens, decode in ((16, False), (64, False), (1, True), (4, True)):
+        for num_tokens, decode in ((16, False), (64, False), (1, True), (4, True), (longest, True)):
             most = min(longest, self.seq_lens.shape[0]) if decode else longest  # a decode: one request a token
             self._dummy_forward(min(num_tokens, most), decode, "none")
 

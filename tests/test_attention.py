@@ -7,7 +7,13 @@ import torch
 from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import get_attention_backend, triton_attention
-from kiln.backends.triton_attention import decode_num_splits, split_kv_decode, write_kv
+from kiln.backends.triton_attention import (
+    DECODE_CONFIG_MANY,
+    decode_config,
+    decode_num_splits,
+    split_kv_decode,
+    write_kv,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
@@ -72,13 +78,15 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
     torch.testing.assert_close(flat_v[metadata.slot_mapping], v)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("min_split_tokens", [16, 128])
+@pytest.mark.parametrize("num_splits,min_split_tokens,config", [
+    (1, 16, None), (3, 16, None), (8, 16, None), (1, 128, None), (3, 128, None), (8, 128, None),
+    (3, 16, DECODE_CONFIG_MANY), (1, 16, DECODE_CONFIG_MANY)])  # fmt: skip
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
-def test_split_kv_decode(num_splits, min_split_tokens, num_heads, num_kv_heads, head_dim):
+def test_split_kv_decode(num_splits, min_split_tokens, config, num_heads, num_kv_heads, head_dim):
     """Contexts from under one page to many splits' worth: some requests use every split, some fewer,
     some one (written directly); the last split to finish merges the rest; the new K/V reach the cache
-    from the same kernel. Twice, because the arrival counts must be back at zero for the next kernel."""
+    from the same kernel. Twice, because the arrival counts must be back at zero for the next kernel.
+    Both launch configs (the large grids' has a smaller key tile)."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
@@ -86,7 +94,7 @@ def test_split_kv_decode(num_splits, min_split_tokens, num_heads, num_kv_heads, 
     ref = reference_attention(q, history, query_lens, head_dim**-0.5)
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
-        split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens)
+        split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens, config)
         torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
         assert not triton_attention._ARRIVALS[q.device].any()
         # the kernel wrote each token's K/V into its slot (the reference read them from k, v)
@@ -104,6 +112,10 @@ def test_kv_write_skips_negative_slots():
     torch.testing.assert_close(flat[0, [17, 63]], key[[0, 2]])
     torch.testing.assert_close(flat[1, [17, 63]], key[[0, 2]] + 1)
     assert flat[:, [i for i in range(64) if i not in (17, 63)]].abs().sum() == 0
+
+
+def test_decode_config_by_grid_size():
+    assert decode_config(512) != decode_config(2048) == decode_config(4096) == DECODE_CONFIG_MANY
 
 
 def test_decode_num_splits_fills_the_gpu():
