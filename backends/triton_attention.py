@@ -246,10 +246,11 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 MAX_ARRIVAL_SLOTS = 512 * 128
 MIN_SPLIT_TOKENS = 64  # one 64-key tile; 128 was as fast or slower at every batch x context measured
-# (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (19
-# configs in two runs): 64 x 2 x 3 is the fastest or within 2% of it at all 15 batch x context points but one
-# (2 warps beat Triton's default 4 by 1-28%, e.g. batch 16 x 256: 10.2 against 14.1 µs); at batch 256 (2,048
-# programs) 32 x 2 x 2 is faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
+# (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (18
+# configs in two runs): 2 warps beat Triton's default 4 by 1-28% (e.g. batch 16 x 256: 10.2 against 14.1 µs), and
+# in one run 64 x 2 x 3 was the fastest or within 3% of it at 12 of the 15 batch x context points (64 x 2 x 2 was
+# 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
+# faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
 DECODE_CONFIG = (64, 2, 3)
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 
