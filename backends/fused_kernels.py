@@ -104,3 +104,60 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (x2.shape[0], triton.cdiv(n, block))
         _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block)
     return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(out_ptr, x_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps, stride_x_t, stride_x_h,
+                         stride_cos, stride_sin, stride_o_t, stride_o_h, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+                         HALF_P: tl.constexpr):  # fmt: skip
+    """Program (token, head): RMSNorm of the head's row with the q or k weight, then neox RoPE of it, rounded
+    as the plain-torch forms round (the norm in float32, cast, times the weight; the rotation in x's dtype)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF_P)
+    mask = offs < HALF
+    x_row = x_ptr + token * stride_x_t + head * stride_x_h
+    x1 = tl.load(x_row + offs, mask=mask, other=0.0)
+    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / (2 * HALF) + eps)
+    w_ptr = tl.where(head >= NUM_Q_HEADS, k_weight_ptr, q_weight_ptr)
+    y1 = (a * rstd).to(x1.dtype) * tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y2 = (b * rstd).to(x1.dtype) * tl.load(w_ptr + HALF + offs, mask=mask, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=mask, other=0.0).to(x1.dtype)
+    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=mask, other=0.0).to(x1.dtype)
+    o_row = out_ptr + token * stride_o_t + head * stride_o_h
+    tl.store(o_row + offs, y1 * cos - y2 * sin, mask=mask)
+    tl.store(o_row + HALF + offs, y2 * cos + y1 * sin, mask=mask)
+
+
+def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, num_q_heads: int) -> torch.Tensor:  # fmt: skip
+    """Qwen3's per-head RMSNorm of q and k (q's heads first, then k's, side by side in qk [T, heads, D], any token
+    and head strides) followed by neox RoPE with cos, sin [T, D/2]: one kernel instead of a reduction and two
+    pointwise passes. Returns a new contiguous [T, heads, D]."""
+    num_tokens, num_heads, head_dim = qk.shape
+    assert qk.stride(2) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    if num_tokens:
+        half = head_dim // 2
+        _qk_norm_rope_kernel[(num_tokens, num_heads)](
+            out, qk, cos, sin, q_weight, k_weight, eps, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
+            out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return out
+
+
+# NOTE: an op for the compiled pieces, where Inductor makes this two kernels (a reduction that stores the
+# normalised rows, then the rotation, which reads each row at two offsets); a plain Library registration, as
+# `kiln::linear` (the custom_op wrapper's host cost). On the CPU it runs only in the tests (Triton's interpreter).
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define("qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
+            "int num_q_heads) -> Tensor")  # fmt: skip
+_lib.impl("qk_norm_rope", qk_norm_rope, "CPU")
+_lib.impl("qk_norm_rope", qk_norm_rope, "CUDA")
+
+
+@torch.library.register_fake("kiln::qk_norm_rope", lib=_lib)
+def _(qk, cos, sin, q_weight, k_weight, eps, num_q_heads) -> torch.Tensor:
+    return qk.new_empty(qk.shape)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.backends import fused_kernels, gemv
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, use_fused_kernels
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, _rotate, rms_norm, use_fused_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
@@ -46,6 +46,33 @@ def test_rotary_embedding(dtype, head_dim, scaling):
     use_fused_kernels(rope, True)
     close(rope(positions, qk), ref, dtype)
     close(rope(positions, qk.contiguous()), ref, dtype)
+
+
+def qk_norm_rope_reference(qk, cos, sin, q_weight, k_weight, eps, num_q_heads):
+    """The model's plain-torch path: RMSNorm of each head with q's or k's weight, then the rotation."""
+    weight = torch.cat([q_weight.expand(num_q_heads, -1), k_weight.expand(qk.shape[1] - num_q_heads, -1)])
+    return _rotate(rms_norm(qk, weight, eps), cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_k_heads,head_dim", [(4, 2, 64), (2, 1, 128)])
+def test_qk_norm_rope(dtype, num_q_heads, num_k_heads, head_dim):
+    """q and k side by side in a strided view of the fused qkv projection (as the model passes them), cos and
+    sin as the model's lookup gives them (halves of one [T, D] row), against the plain-torch norm + rotation."""
+    torch.manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 5, 300, 511, 17], device=DEVICE)
+    heads = num_q_heads + num_k_heads
+    qkv = torch.randn(5, (heads + num_k_heads) * head_dim, device=DEVICE, dtype=dtype) * 3
+    qk = qkv[:, : heads * head_dim].view(5, heads, head_dim)
+    cos, sin = rope.lookup(positions, dtype)
+    q_weight, k_weight = torch.randn(2, head_dim, device=DEVICE, dtype=dtype)
+    ref = qk_norm_rope_reference(qk, cos, sin, q_weight, k_weight, 1e-6, num_q_heads)
+    out = fused_kernels.qk_norm_rope(qk, cos, sin, q_weight, k_weight, 1e-6, num_q_heads)
+    assert out.shape == qk.shape and out.is_contiguous()
+    close(out, ref, dtype)
+    compiled = torch.compile(lambda *a: torch.ops.kiln.qk_norm_rope(*a) * 2, fullgraph=True, dynamic=True)
+    close(compiled(qk, cos, sin, q_weight, k_weight, 1e-6, num_q_heads), 2 * ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -51,9 +51,15 @@ class Attention(nn.Module):
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
-            qk = self._qk_norm(qk)
-        q, k = self.rotary_emb.rotate(rope, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        if hasattr(self, "q_norm") and qk.is_cuda and torch.compiler.is_compiling():
+            # one Triton kernel for both (Inductor makes two: the norm's rows are read at two offsets by the rotation)
+            qk = torch.ops.kiln.qk_norm_rope(qk, *rope, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             self.num_heads)  # fmt: skip
+        else:
+            if hasattr(self, "q_norm"):
+                qk = self._qk_norm(qk)
+            qk = self.rotary_emb.rotate(rope, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         if torch.compiler.is_compiling():  # the op: opaque to Dynamo, where the graph is split
