@@ -2,8 +2,9 @@
 
 They serve `--enforce-eager` on the GPU, where each would otherwise be several kernel launches and
 several trips through memory. Under torch.compile the layers use their plain-torch forms instead, and
-Inductor fuses those itself. Each kernel rounds as the plain-torch form does (float32 math, the same
-casts), so outputs agree to within a few ulps.
+Inductor fuses those itself, except Qwen3's q/k norm + rotary, which Inductor leaves as two kernels: the
+compiled pieces call `kiln::qk_norm_rope` for it. Each kernel rounds as the plain-torch form does (float32
+math, the same casts), so outputs agree to within a few ulps.
 """
 
 from __future__ import annotations
