@@ -342,13 +342,17 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one
         Dynamo trace, and every kernel variant a step can need, so none is JIT-compiled while serving:
-        prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), and decodes of
-        one token (the one-row matmul kernel), four, and as many requests as a step holds (the decode
-        kernel's launch config for a large grid)."""
+        prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), and on the GPU
+        decodes of every power-of-two batch and of the largest (the decode kernel is specialised on its split
+        count, which halves as the batch doubles, and has a launch config of its own for large grids; one
+        request is also the one-row matmul kernel's case)."""
         longest = max(2, min(self.max_model_len - 1, self.input_ids.shape[0]))  # the trace needs >= 2 tokens
-        for num_tokens, decode in ((16, False), (64, False), (1, True), (4, True), (longest, True)):
-            most = min(longest, self.seq_lens.shape[0]) if decode else longest  # a decode: one request a token
-            self._dummy_forward(min(num_tokens, most), decode, "none")
+        for num_tokens in (16, 64):
+            self._dummy_forward(min(num_tokens, longest), False, "none")
+        most = min(self.seq_lens.shape[0], self.input_ids.shape[0])  # a decode: one request a token, at position 0
+        sizes = [1 << i for i in range(most.bit_length())] + [most] if self.device.type == "cuda" else [1, 4]
+        for num_reqs in sorted({min(size, most) for size in sizes}):
+            self._dummy_forward(num_reqs, True, "none")
 
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:

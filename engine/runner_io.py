@@ -32,6 +32,9 @@ class StepHandle:
     gpu_seconds: float | None = None
 
 
+MAX_PREFIXES = 1024  # prefix views kept a buffer: without CUDA graphs every token count is a size of its own
+
+
 class StagedBuffer:
     """A persistent device buffer (fixed address, as graph replay needs) fed from pinned host mirrors.
 
@@ -45,14 +48,14 @@ class StagedBuffer:
         self.host = [torch.zeros(*shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.np = [h.numpy() for h in self.host]
         # NOTE: slicing a tensor costs ~3 µs of host time, and a step takes a dozen prefixes of these buffers;
-        # the views never change (the buffers are never reallocated), so each is made once
+        # the views never change (the buffers are never reallocated), so each is kept for the next step
         self._prefixes: dict[tuple[int, int], torch.Tensor] = {}
 
     def prefix(self, n: int, parity: int = -1) -> torch.Tensor:
         """`gpu[:n]`, or with a parity that mirror's `host[parity][:n]`."""
         view = self._prefixes.get((parity, n))
         if view is None:
-            if len(self._prefixes) >= 1024:  # without graphs every token count is a size: keep the memo small
+            if len(self._prefixes) >= MAX_PREFIXES:
                 self._prefixes.clear()
             view = self._prefixes[(parity, n)] = (self.gpu if parity < 0 else self.host[parity])[:n]
         return view

@@ -117,7 +117,7 @@ def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) 
     return rows
 
 
-def print_sweep(rows: list[dict], key: str, columns: dict[int, str], what: str) -> None:
+def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
     print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{c:>9}" for c in columns.values())
           + f"   ({what})")  # fmt: skip
     for r in rows:

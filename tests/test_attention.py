@@ -8,6 +8,7 @@ from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import get_attention_backend, triton_attention
 from kiln.backends.triton_attention import (
+    DECODE_CONFIG,
     DECODE_CONFIG_MANY,
     decode_config,
     decode_num_splits,
@@ -115,7 +116,7 @@ def test_kv_write_skips_negative_slots():
 
 
 def test_decode_config_by_grid_size():
-    assert decode_config(512) != decode_config(2048) == decode_config(4096) == DECODE_CONFIG_MANY
+    assert decode_config(2047) == DECODE_CONFIG != DECODE_CONFIG_MANY == decode_config(2048) == decode_config(4096)
 
 
 def test_decode_num_splits_fills_the_gpu():

@@ -55,7 +55,7 @@ def qk_norm_rope_reference(qk, cos, sin, q_weight, k_weight, eps, num_q_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads,num_k_heads,head_dim", [(4, 2, 64), (2, 1, 128)])
+@pytest.mark.parametrize("num_q_heads,num_k_heads,head_dim", [(4, 2, 64), (2, 1, 128), (2, 2, 96)])
 def test_qk_norm_rope(dtype, num_q_heads, num_k_heads, head_dim):
     """q and k side by side in a strided view of the fused qkv projection (as the model passes them), cos and
     sin as the model's lookup gives them (halves of one [T, D] row), against the plain-torch norm + rotation."""

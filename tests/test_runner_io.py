@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.engine.runner_io import StagedBuffer
+from kiln.engine.runner_io import MAX_PREFIXES, StagedBuffer
 
 
 def test_copy_moves_only_the_prefix_of_one_mirror():
@@ -34,4 +34,4 @@ def test_prefix_memo_stays_bounded():
     buf = StagedBuffer(4096, dtype=torch.int64, device=torch.device("cpu"))
     for n in range(1, 4097):
         assert buf.prefix(n, n % 2).shape == (n,)
-    assert len(buf._prefixes) <= 1024
+    assert len(buf._prefixes) <= MAX_PREFIXES

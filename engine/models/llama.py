@@ -53,7 +53,8 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if hasattr(self, "q_norm") and qk.is_cuda and torch.compiler.is_compiling():
             # one Triton kernel for both (Inductor makes two: the norm's rows are read at two offsets by the rotation)
-            qk = torch.ops.kiln.qk_norm_rope(qk, *rope, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            cos, sin = rope  # traced, the layers take their plain forms: the lookup gave the cos and sin rows
+            qk = torch.ops.kiln.qk_norm_rope(qk, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                              self.num_heads)  # fmt: skip
         else:
             if hasattr(self, "q_norm"):
@@ -72,7 +73,8 @@ class Attention(nn.Module):
         if self.q_norm.fused:  # eager on the GPU: the Triton kernel on each
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # NOTE: each head's weight chosen pointwise, not `torch.cat` of the two expanded: Inductor makes a cat a
+        # NOTE (compiled on the CPU; on the GPU the compiled pieces call kiln::qk_norm_rope instead): each head's
+        # weight chosen pointwise, not `torch.cat` of the two expanded: Inductor makes a cat a
         # buffer of its own (two kernels a layer, every step), where a `where` folds into the norm's kernel.
         is_k = torch.arange(self.num_heads + self.num_kv_heads, device=qk.device).unsqueeze(1) >= self.num_heads
         return rms_norm(qk, torch.where(is_k, self.k_norm.weight, self.q_norm.weight), self.q_norm.eps)
