@@ -47,7 +47,7 @@ def graph_time_ms(fn, iters: int = 50) -> float:
 
 
 def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: list[tuple[int, int, int]]) -> dict:  # fmt: skip
+                 configs: dict[str, tuple[int, int, int]]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -72,14 +72,14 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     min_sweep = {t: graph_time_ms(lambda t=t: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5,
                                                               out, chosen, t)) * 1e3 for t in min_tokens}  # fmt: skip
     # ... and with each launch config (keys per tile, warps, stages)
-    decode_with = lambda c: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c)  # noqa: E731
     config_sweep = {}
-    for c in configs:
+    for name, c in configs.items():
         try:
-            config_sweep["x".join(map(str, c))] = graph_time_ms(lambda c=c: decode_with(c)) * 1e3
+            config_sweep[name] = graph_time_ms(lambda c=c: split_kv_decode(
+                q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c)) * 1e3  # fmt: skip
         except Exception as e:  # e.g. a tile too big for shared memory
-            print(f"config {c}: {type(e).__name__}: {str(e)[:200]}")
-            config_sweep["x".join(map(str, c))] = float("nan")
+            print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
+            config_sweep[name] = float("nan")
     kv_cache = None  # free it before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--config-sweep", default="",
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2")  # fmt: skip
     args = p.parse_args()
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c]
+    configs = {c: tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c}
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
@@ -155,7 +155,7 @@ def main() -> None:
         print_sweep(rows, "min_split_tokens_us", {t: f">= {t} tok" for t in min_tokens},
                     "decode kernel at the chosen split count, smallest split, us")  # fmt: skip
     if configs:
-        print_sweep(rows, "config_us", {"x".join(map(str, c)): "x".join(map(str, c)) for c in configs},
+        print_sweep(rows, "config_us", {name: name for name in configs},
                     "decode kernel at the chosen split count, tile x warps x stages, us")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
