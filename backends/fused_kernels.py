@@ -13,11 +13,28 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.backends import pdl
+
+
+@triton.jit
+def _wait_for_previous_kernel():
+    """With PDL (see kiln.backends.pdl): these kernels read only what earlier kernels wrote, so they wait first."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """The launch keywords (USE_PDL and Triton's launch_pdl) for a kernel on x's device."""
+    on = pdl.enabled(x)
+    return {"USE_PDL": on, **pdl.launch_options(on)}
+
 
 @triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr, eps, stride_x, stride_r,
                      stride_o, stride_ro, N: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+                     HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    if USE_PDL:
+        _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -42,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             out, x2, r2, residual_out, weight, eps, x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, **_pdl(x),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)
@@ -50,15 +67,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_sin_ptr, stride_x_t, stride_x_h, stride_o_t, stride_o_h,
-                 NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):  # fmt: skip
+def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_cs, stride_x_t, stride_x_h, stride_o_t,
+                 stride_o_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 HEADS_P: tl.constexpr, BY_POSITION: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """Program: one token's heads. cos, sin: the rows of a table indexed by the token's position (BY_POSITION),
+    or the token's own rows."""
+    if USE_PDL:
+        _wait_for_previous_kernel()
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    if BY_POSITION:
+        row = tl.load(positions_ptr + token).to(tl.int64)
+    else:
+        row = token
     offs_h = tl.arange(0, HEADS_P)
     offs_d = tl.arange(0, HALF_P)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=offs_d < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    cos = tl.load(cos_ptr + row * stride_cs + offs_d, mask=offs_d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + row * stride_cs + offs_d, mask=offs_d < HALF, other=0.0)
     x_base = x_ptr + token * stride_x_t + offs_h[:, None] * stride_x_h + offs_d[None, :]
     x1 = tl.load(x_base, mask=mask, other=0.0)
     x2 = tl.load(x_base + HALF, mask=mask, other=0.0)
@@ -69,22 +94,39 @@ def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_sin_ptr, stride_x_t, stride_
     tl.store(o_base + HALF, x2 * cos + x1 * sin, mask=mask)
 
 
-def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style RoPE of x [T, heads, D] from a float32 table cos_sin [max_pos, D] (cos half, sin half)."""
+def _launch_rope(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
     num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    half = head_dim // 2
+    assert x.stride(2) == 1 and out.stride(2) == 1 and cos.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
     if num_tokens:
-        half = head_dim // 2
         _rope_kernel[(num_tokens,)](
-            out, x, positions, cos_sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
-            HEADS_P=triton.next_power_of_2(num_heads),
+            out, x, positions if positions is not None else x, cos, sin, cos.stride(0), x.stride(0), x.stride(1),
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            HEADS_P=triton.next_power_of_2(num_heads), BY_POSITION=positions is not None, **_pdl(x),
         )  # fmt: skip
     return out
 
 
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE of x [T, heads, D] from a float32 table cos_sin [max_pos, D] (cos half, sin half)."""
+    half = x.shape[-1] // 2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launch_rope(x, out, positions, cos_sin[:, :half], cos_sin[:, half:])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Neox-style RoPE of x [T, heads, D] with token t's cos[t], sin[t] ([T, D/2] rows of one stride, e.g. the
+    halves of one lookup); into `out` (x itself is fine: each program reads its token's heads before writing)."""
+    return _launch_rope(x, out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device), None,
+                        cos, sin)  # fmt: skip
+
+
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):  # fmt: skip
+    if USE_PDL:
+        _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -103,16 +145,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(n, block))
-        _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block)
+        _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block, **_pdl(x))
     return out.view(*x.shape[:-1], n)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(out_ptr, x_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps, stride_x_t, stride_x_h,
                          stride_cos, stride_sin, stride_o_t, stride_o_h, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         HALF_P: tl.constexpr):  # fmt: skip
+                         HALF_P: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """Program (token, head): RMSNorm of the head's row with the q or k weight, then neox RoPE of it, rounded
     as the plain-torch forms round (the norm in float32, cast, times the weight; the rotation in x's dtype)."""
+    if USE_PDL:
+        _wait_for_previous_kernel()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, HALF_P)
@@ -145,6 +189,7 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weigh
         _qk_norm_rope_kernel[(num_tokens, num_heads)](
             out, qk, cos, sin, q_weight, k_weight, eps, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
             out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            **_pdl(qk),
         )  # fmt: skip
     return out
 

@@ -25,61 +25,170 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.backends import fused_kernels, pdl
+
 # KILN_GEMV=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
 ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
 
 
 @triton.jit
-def _gemv_kernel(y_ptr, x_ptr, w_ptr, b_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
+def _gemv_kernel(y_ptr, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, N, K, stride_wn, ROT_ROWS, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                 HALF: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """A program dots BLOCK_N weight rows with x, or with an epilogue BLOCK_N pairs of rows: "silu_mul", gate row
+    i and up row N + i (N outputs, the gate's rows then the up's in w); "rope", rows j and j + HALF of a head (N
+    pairs), rotated as neox RoPE by the token's cos, sin [HALF] when the head's rows lie below ROT_ROWS (q, k)."""
+    idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = idx < N
     # NOTE: rows past N re-read row N-1 rather than masking, so every weight load is a full-width vector
-    w_ptrs = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    clamped = tl.minimum(idx, N - 1)
+    if EPILOGUE == "rope":
+        rows_a = (clamped // HALF) * (2 * HALF) + clamped % HALF
+        rows_b = rows_a + HALF
+    else:
+        rows_a = clamped
+        rows_b = clamped + N
+    offs_k = tl.arange(0, BLOCK_K)
+    wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    # The first K chunk of the weights is loaded before waiting on the previous kernel: nothing writes them.
+    if EVEN_K:
+        wa = tl.load(wa_ptrs)
+        if EPILOGUE != "":
+            wb = tl.load(wb_ptrs)
+    else:
+        mask_k0 = offs_k < K
+        wa = tl.load(wa_ptrs, mask=mask_k0[None, :], other=0.0)
+        if EPILOGUE != "":
+            wb = tl.load(wb_ptrs, mask=mask_k0[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if EVEN_K:
+        x = tl.load(x_ptr + offs_k).to(tl.float32)[None, :]
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mask_k0, other=0.0).to(tl.float32)[None, :]
+    acc_a = tl.sum(wa.to(tl.float32) * x, axis=1)
+    if EPILOGUE != "":
+        acc_b = tl.sum(wb.to(tl.float32) * x, axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs + k0)
-            x = tl.load(x_ptr + k0 + offs_k)
+            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            acc_a += tl.sum(tl.load(wa_ptrs + k0).to(tl.float32) * x, axis=1)
+            if EPILOGUE != "":
+                acc_b += tl.sum(tl.load(wb_ptrs + k0).to(tl.float32) * x, axis=1)
         else:
             mask_k = (k0 + offs_k) < K
-            w = tl.load(w_ptrs + k0, mask=mask_k[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + offs_k, mask=mask_k, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            x = tl.load(x_ptr + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            acc_a += tl.sum(tl.load(wa_ptrs + k0, mask=mask_k[None, :], other=0.0).to(tl.float32) * x, axis=1)
+            if EPILOGUE != "":
+                wb = tl.load(wb_ptrs + k0, mask=mask_k[None, :], other=0.0)
+                acc_b += tl.sum(wb.to(tl.float32) * x, axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
+        if EPILOGUE != "":
+            acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    if EPILOGUE == "":
+        tl.store(y_ptr + idx, acc_a.to(dtype), mask=mask_n)
+    elif EPILOGUE == "silu_mul":
+        # rounded as the plain form: the matmul's output in the model's dtype, SiLU in float32, cast, times up
+        gate = acc_a.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        tl.store(y_ptr + idx, silu * acc_b.to(dtype), mask=mask_n)
+    else:
+        # rounded as the compiled plain form: the matmul's output and cos, sin in the model's dtype, the rotation
+        # in float32
+        x1, x2 = acc_a.to(dtype).to(tl.float32), acc_b.to(dtype).to(tl.float32)
+        j = clamped % HALF
+        cos = tl.load(cos_ptr + j).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + j).to(dtype).to(tl.float32)
+        rotate = rows_a < ROT_ROWS
+        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
+        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
+        tl.store(y_ptr + rows_a, y1.to(dtype), mask=mask_n)
+        tl.store(y_ptr + rows_b, y2.to(dtype), mask=mask_n)
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): a K chunk of up to 2,048, and rows enough for a 4,096-weight tile
     up to K = 2,048, one row beyond. The best or within 2% of the best of 38 configs on each of the 12
     shapes of `bench_gemv.py --sweep` on the H200 (K = 1,024: 4 x 1,024; K = 2,048: 2 x 2,048; K from
-    3,072 to 14,336: 1 x 2,048)."""
+    3,072 to 14,336: 1 x 2,048). With an epilogue, BLOCK_N counts pairs of rows: half as many."""
     return max(1, 4096 // triton.next_power_of_2(k)), min(2048, triton.next_power_of_2(k)), 4
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, n: int,
+            config: tuple[int, int, int] | None, epilogue: str = "", cos: torch.Tensor | None = None,
+            sin: torch.Tensor | None = None, rot_rows: int = 0, half: int = 1) -> torch.Tensor:  # fmt: skip
+    k = x.shape[-1]
+    assert x.numel() == k and x.is_contiguous() and weight.shape[1] == k and weight.stride(1) == 1
+    block_n, block_k, num_warps = config or default_config(weight.shape[0], k)
+    if epilogue and config is None:
+        block_n = max(1, block_n // 2)
+    use_pdl = pdl.enabled(x)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        y, x, weight, bias if bias is not None else weight, cos if cos is not None else x,
+        sin if sin is not None else x, n, k, weight.stride(0), rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue, HALF=half, USE_PDL=use_pdl,
+        num_warps=num_warps, **pdl.launch_options(use_pdl),
+    )  # fmt: skip
+    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """x [K] or [1, K] (contiguous) times weight [N, K] (rows contiguous) transposed: [1, N]."""
-    k = x.shape[-1]
     n = weight.shape[0]
-    assert x.numel() == k and x.is_contiguous() and weight.shape[1] == k and weight.stride(1) == 1
-    block_n, block_k, num_warps = config or default_config(n, k)
+    return _launch(x, weight, bias, torch.empty(1, n, dtype=x.dtype, device=x.device), n, config)
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """silu(gate) * up of the one-row matmul with weight [2N, K] (gate's rows, then up's): [1, N], in one
+    kernel (a batch-1 step's MLP without its SiLU-and-mul launch)."""
+    n = weight.shape[0] // 2
+    return _launch(x, weight, None, torch.empty(1, n, dtype=x.dtype, device=x.device), n, config, "silu_mul")
+
+
+def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              rot_rows: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """The one-row qkv matmul with neox RoPE applied to its first rot_rows outputs (q's and k's heads) by cos,
+    sin [.., D/2] (this token's row): [1, N], in one kernel (a batch-1 step without its rotary launch)."""
+    n, half = weight.shape[0], cos.shape[-1]
+    assert n % (2 * half) == 0 and rot_rows % (2 * half) == 0 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        y, x, weight, bias if bias is not None else weight, n, k, weight.stride(0), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps,
-    )  # fmt: skip
-    return y
+    return _launch(x, weight, bias, y, n // 2, config, "rope", cos, sin, rot_rows, half)
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return ENABLED and x.numel() == x.shape[-1] > 0 and x.is_contiguous() and weight.stride(-1) == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear over the last dim of x; by the one-row kernel when x is a single contiguous row."""
-    if ENABLED and x.numel() == x.shape[-1] > 0 and x.is_contiguous() and weight.stride(-1) == 1:
+    if _one_row(x, weight):
         return gemv(x, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of F.linear(x, weight), weight [2N, K] the gate's rows then the up's: one kernel for one
+    row; else cuBLAS and the SiLU-and-mul kernel."""
+    if _one_row(x, weight):
+        return gemv_silu_mul(x, weight).view(*x.shape[:-1], weight.shape[0] // 2)
+    return fused_kernels.silu_and_mul(F.linear(x, weight))
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, rot_rows: int) -> torch.Tensor:  # fmt: skip
+    """F.linear(x, weight, bias) [T, N] with neox RoPE on its first rot_rows columns, heads of cos.shape[-1] * 2,
+    token t rotated by cos[t], sin[t]: one kernel for one row; else cuBLAS and the rotary kernel, in place."""
+    if _one_row(x, weight):
+        return gemv_rope(x, weight, bias, cos, sin, rot_rows).view(*x.shape[:-1], weight.shape[0])
+    y = F.linear(x, weight, bias)
+    rotated = y.view(-1, y.shape[-1])[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
+    fused_kernels.rotate(rotated, cos, sin, out=rotated)
+    return y
 
 
 # NOTE: registered on a plain Library rather than with `torch.library.custom_op`, whose Python wrapper costs
@@ -88,8 +197,24 @@ _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 _lib.impl("linear", linear, "CPU")
 _lib.impl("linear", linear, "CUDA")
+_lib.define("linear_silu_mul(Tensor x, Tensor weight) -> Tensor")
+_lib.impl("linear_silu_mul", linear_silu_mul, "CPU")
+_lib.impl("linear_silu_mul", linear_silu_mul, "CUDA")
+_lib.define("linear_rope(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, int rot_rows) -> Tensor")
+_lib.impl("linear_rope", linear_rope, "CPU")
+_lib.impl("linear_rope", linear_rope, "CUDA")
 
 
 @torch.library.register_fake("kiln::linear", lib=_lib)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("kiln::linear_silu_mul", lib=_lib)
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@torch.library.register_fake("kiln::linear_rope", lib=_lib)
+def _(x, weight, bias, cos, sin, rot_rows) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])

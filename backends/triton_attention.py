@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.backends import pdl
 from kiln.backends.attention import AttentionBackend, register_backend
 from kiln.backends.forward_context import AttentionMetadata
 
@@ -161,7 +162,7 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -170,6 +171,9 @@ def _decode_split_kernel(
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
     it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -298,6 +302,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
     if query.device not in _ARRIVALS:
         _ARRIVALS[query.device] = torch.zeros(MAX_ARRIVAL_SLOTS, dtype=torch.int32, device=query.device)
+    use_pdl = pdl.enabled(query)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
@@ -306,7 +311,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(use_pdl),
     )  # fmt: skip
 
 

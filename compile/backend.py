@@ -9,14 +9,20 @@ loads that piece's artifact from the disk cache. Identical middle layers have id
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
+from torch._inductor import config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.virtualized import V
 from torch.fx.node import _get_qualified_name
 
+from kiln.backends import pdl
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import GraphPool, PiecewiseCudaGraphs
@@ -85,11 +91,50 @@ class KilnBackend:
         if artifact is not None:
             self.counters.cache_hits += 1
             return artifact
-        with self.counters.timed("inductor_seconds"):
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        with self.counters.timed("inductor_seconds"), inductor_settings(on_cuda):
             artifact = standalone_compile(piece, list(args), dynamic_shapes="from_tracing_context")
         self.counters.inductor_compiles += 1
         self.cache.save(digest, artifact)
         return artifact
+
+
+# Inductor makes an inner reduction over more than 1,024 elements a looped one: two passes over the row (the
+# sum of squares, then the scaling) where one would do. The models' RMSNorms (hidden 2,048-4,096) are such rows;
+# at batch 1 the looped kernel took 2.0 µs against the persistent one's 1.5 µs at hidden 1,024 (H200 profiles,
+# BENCHMARKS.md), 33-65 of them a step.
+PERSISTENT_REDUCTION_MAX = 4096
+
+
+class _KilnChoices(InductorChoices):
+    """Inductor's heuristics, with inner reductions up to PERSISTENT_REDUCTION_MAX elements persistent."""
+
+    def uuid(self) -> str:  # for Inductor's own cache key (its `inductor_choices_class` setting)
+        return f"kiln-persistent-reductions-{PERSISTENT_REDUCTION_MAX}"
+
+    @staticmethod
+    def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
+        if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs):
+            return True
+        if cooperative_reduction or not inductor_config.triton.persistent_reductions:
+            return False
+        if features.get_reduction_hint() != ReductionHint.INNER:
+            return False
+        return V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_REDUCTION_MAX)
+
+
+@contextlib.contextmanager
+def inductor_settings(on_cuda: bool):
+    """Kiln's Inductor settings while a piece compiles: the persistent-reduction choice above and, on a GPU that
+    has it, programmatic dependent launch for the generated kernels (`kiln.backends.pdl`; where this torch's
+    Inductor has the switch, `triton.enable_pdl`)."""
+    # NOTE: the handler is what Inductor consults; the class setting (where this torch has it) puts the choice in
+    # Inductor's own cache key, which otherwise would hand back a piece compiled with the default heuristics.
+    patches = {"inductor_choices_class": _KilnChoices} if hasattr(inductor_config, "inductor_choices_class") else {}
+    if on_cuda and pdl.ENABLED and hasattr(inductor_config.triton, "enable_pdl"):
+        patches["triton.enable_pdl"] = pdl.enabled(torch.empty(0, device="cuda"))
+    with inductor_config.patch(patches), V.set_choices_handler(_KilnChoices()):
+        yield
 
 
 class _PieceCompiler(torch.fx.Interpreter):

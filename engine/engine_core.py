@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.backends import default_backend_name, get_attention_backend
+from kiln.backends import default_backend_name, get_attention_backend, pdl
 from kiln.cache import KVCacheManager, KVCacheSpec, allocate_kv_caches
 from kiln.compile import (
     CompileCache,
@@ -381,7 +381,7 @@ class EngineCore:
         settings = {
             "cudagraph_mode": config.cudagraph_mode, "capture_sizes": config.cudagraph_capture_sizes,
             "max_model_len": max_model_len, "attention_backend": self.backend.name,
-            "tensor_parallel_size": config.tensor_parallel_size,
+            "tensor_parallel_size": config.tensor_parallel_size, "pdl": pdl.ENABLED,
         }  # fmt: skip
         key = cache_key_inputs(kiln_version(), self.model, dataclasses.asdict(self.model_config), self.dtype,
                                self.device, settings)  # fmt: skip

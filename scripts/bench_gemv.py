@@ -1,7 +1,10 @@
 """One-row matmuls (a batch-1 decode's linear layers): kiln's kernel beside cuBLAS, under a CUDA graph.
 
 For each preset's four layer shapes (qkv, o, gate_up, down): cuBLAS (`F.linear`) at each row count, and
-kiln's one-row kernel with its default config and with --sweep the best of a grid of configs. Each timing
+kiln's one-row kernel with its default config (with and without programmatic dependent launch: back to
+back in one graph, each call's weight reads may start while the previous call finishes), for gate_up and
+qkv also with the SiLU-and-mul or the rotary inside it against it followed by that kernel, and with --sweep
+the best of a grid of configs. Each timing
 cycles through enough copies of the weight (>= 256 MB) that none is read from the 50 MB L2, as in a
 real step. Bandwidth = weight bytes / time, against 4.3 TB/s.
 
@@ -25,7 +28,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import graph_time_ms  # noqa: E402
 
-from kiln.backends.gemv import default_config, gemv  # noqa: E402
+from kiln.backends import fused_kernels, pdl  # noqa: E402
+from kiln.backends.gemv import default_config, gemv, gemv_rope, gemv_silu_mul  # noqa: E402
 from kiln.engine.presets import PRESETS  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -49,7 +53,34 @@ def time_us(fn, weights: list[torch.Tensor]) -> float:
     return graph_time_ms(lambda: [fn(w) for w in weights], iters=20) * 1e3 / len(weights)
 
 
-def bench(n: int, k: int, rows: list[int], sweep: bool) -> dict:
+def with_pdl(on: bool, fn):
+    """fn() with Kiln's kernels launched with programmatic dependent launch or without (`kiln.backends.pdl`)."""
+    saved, pdl.ENABLED = pdl.ENABLED, on
+    try:
+        return fn()
+    finally:
+        pdl.ENABLED = saved
+
+
+def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
+    """(fused, unfused) for the layers with an epilogue: gate_up's SiLU-and-mul, qkv's rotary; else None."""
+    if layer == "gate_up":
+        return (lambda w: gemv_silu_mul(x, w)), (lambda w: fused_kernels.silu_and_mul(gemv(x, w)))
+    if layer == "qkv":
+        cs = torch.randn(1, head_dim, device="cuda", dtype=torch.bfloat16)
+        cos, sin = cs[:, : head_dim // 2], cs[:, head_dim // 2 :]
+
+        def unfused(w):
+            y = gemv(x, w)
+            heads = y[:, :rot_rows].unflatten(1, (-1, head_dim))
+            return fused_kernels.rotate(heads, cos, sin, out=heads)
+
+        return (lambda w: gemv_rope(x, w, None, cos, sin, rot_rows)), unfused
+    return None
+
+
+def bench(n: int, k: int, rows: list[int], sweep: bool, layer: str = "", head_dim: int = 0,
+          rot_rows: int = 0) -> dict:  # fmt: skip
     nbytes = n * k * 2
     copies = max(2, min(64, -(-(256 << 20) // nbytes)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -57,12 +88,16 @@ def bench(n: int, k: int, rows: list[int], sweep: bool) -> dict:
     x = xs.get(1, torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
     result = {"n": n, "k": k, "default": default_config(n, k),
               "cublas_us": {m: time_us(lambda w, m=m: F.linear(xs[m], w), weights) for m in rows},
-              "kiln_us": time_us(lambda w: gemv(x, w), weights)}  # fmt: skip
+              "kiln_us": time_us(lambda w: gemv(x, w), weights),
+              "kiln_no_pdl_us": with_pdl(False, lambda: time_us(lambda w: gemv(x, w), weights))}  # fmt: skip
+    fns = epilogue_fns(layer, x, head_dim, rot_rows)
+    if fns is not None:  # the layer's one-row kernel with its epilogue inside, against it followed by its kernel
+        result["fused_us"], result["unfused_us"] = (time_us(fn, weights) for fn in fns)
     if sweep:
         times = {cfg: time_us(lambda w, cfg=cfg: gemv(x, w, None, cfg), weights) for cfg in sweep_configs(k)}
         best = min(times, key=times.get)
         result.update(best=best, best_us=times[best], sweep={",".join(map(str, c)): t for c, t in times.items()})
-    del weights
+    weights.clear()
     torch.cuda.empty_cache()
     return result
 
@@ -78,20 +113,25 @@ def main() -> None:
     print(f"\none-row matmul, bf16, CUDA graph, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1")  # fmt: skip
     header = f"{'model':14} {'layer':8} {'N':>6} {'K':>6} " + " ".join(f"{f'cuBLAS M={m}':>12}" for m in rows)
-    header += f" {'util':>5} {'kiln us':>8} {'util':>5}"
+    header += f" {'util':>5} {'kiln us':>8} {'util':>5} {'no PDL':>7} {'+epilogue':>9} {'unfused':>8}"
     print(header + ("  best us  util  best (BN, BK, warps)" if args.sweep else ""), flush=True)
     results = []
     for model in args.models.split(","):
-        for layer, (n, k) in layer_shapes(PRESETS[model]).items():
-            r = {"model": model, "layer": layer, **bench(n, k, rows, args.sweep)}
+        preset = PRESETS[model]
+        head_dim = preset.get("head_dim", preset["hidden_size"] // preset["num_attention_heads"])
+        rot_rows = (preset["num_attention_heads"] + preset["num_key_value_heads"]) * head_dim
+        for layer, (n, k) in layer_shapes(preset).items():
+            r = {"model": model, "layer": layer, **bench(n, k, rows, args.sweep, layer, head_dim, rot_rows)}
             results.append(r)
 
             def util(us: float, n: int = n, k: int = k) -> str:
                 return f"{n * k * 2 / (us * 1e-6) / PEAK_BYTES_PER_S:5.0%}"
 
             cublas = r["cublas_us"]
+            epilogue = f" {r['fused_us']:9.2f} {r['unfused_us']:8.2f}" if "fused_us" in r else f" {'':9} {'':8}"
             line = (f"{model:14} {layer:8} {n:6} {k:6} " + " ".join(f"{cublas[m]:12.2f}" for m in rows)
-                    + f" {util(cublas[rows[0]])} {r['kiln_us']:8.2f} {util(r['kiln_us'])}")  # fmt: skip
+                    + f" {util(cublas[rows[0]])} {r['kiln_us']:8.2f} {util(r['kiln_us'])} {r['kiln_no_pdl_us']:7.2f}"
+                    + epilogue)  # fmt: skip
             if args.sweep:
                 line += f" {r['best_us']:8.2f} {util(r['best_us'])}  {r['best']}"
             print(line, flush=True)

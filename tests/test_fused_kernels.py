@@ -154,3 +154,101 @@ def test_gemv_on_gpu_at_model_shapes(n, k):
     # within a bf16 rounding of the exact result, as cuBLAS is
     torch.testing.assert_close(ours.double(), ref, atol=2e-2, rtol=1e-2)
     assert (ours.double() - ref).abs().max() <= 2 * (cublas.double() - ref).abs().max() + 1e-3
+
+
+def silu_mul_reference(x, weight):
+    gate, up = matmul_reference(x, weight, None).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_reference(x, weight, bias, cos, sin, rot_rows):
+    """F.linear in float64, then the first rot_rows columns rotated per head (the plain form's `_rotate`)."""
+    y = matmul_reference(x, weight, bias)
+    heads = y[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
+    return torch.cat([_rotate(heads, cos.double(), sin.double()).flatten(1), y[:, rot_rows:]], dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,config", [(48, 96, None), (34, 100, None), (64, 64, (4, 32, 4)), (14, 48, (1, 16, 1))])
+def test_gemv_silu_mul_against_float64(dtype, n, k, config):
+    """The gate's rows then the up's in one weight, N/2 outputs not a multiple of the row tile, K a multiple of
+    the K tile or not."""
+    torch.manual_seed(n)
+    weight, x = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5, torch.randn(1, k, device=DEVICE, dtype=dtype)
+    out = gemv.gemv_silu_mul(x, weight, config)
+    assert out.shape == (1, n // 2) and out.dtype == dtype
+    close(out, silu_mul_reference(x, weight).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,config", [(4, 2, 16, 96, None), (2, 1, 24, 100, None),
+                                                               (4, 1, 8, 64, (2, 32, 4)), (3, 3, 12, 48, (8, 16, 1))])
+def test_gemv_rope_against_float64(dtype, heads, kv_heads, head_dim, k, config):
+    """q, k and v rows of a fused projection with a bias; q's and k's heads rotated by the token's cos, sin, v's
+    not; head_dim/2 not a power of two (12), a program's pairs spanning heads (8 pairs of 4-row halves)."""
+    torch.manual_seed(head_dim)
+    n, rot_rows = (heads + 2 * kv_heads) * head_dim, (heads + kv_heads) * head_dim
+    weight, bias = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5, torch.randn(n, device=DEVICE, dtype=dtype)
+    x = torch.randn(1, k, device=DEVICE, dtype=dtype)
+    cos, sin = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE).lookup(torch.tensor([37], device=DEVICE), dtype)
+    out = gemv.gemv_rope(x, weight, bias, cos, sin, rot_rows, config)
+    assert out.shape == (1, n) and out.dtype == dtype
+    close(out, rope_reference(x, weight, bias, cos, sin, rot_rows).to(dtype), dtype)
+
+
+def test_rotate_in_place_matches_the_plain_rotation():
+    rope = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE)
+    cos, sin = rope.lookup(torch.tensor([0, 9, 63], device=DEVICE), torch.float32)
+    y = torch.randn(3, 5 * 16, device=DEVICE)
+    heads = y[:, : 3 * 16].unflatten(1, (3, 16))  # a strided view: the first three heads of each row
+    ref = torch.cat([_rotate(heads, cos, sin).flatten(1), y[:, 48:]], dim=1)
+    fused_kernels.rotate(heads, cos, sin, out=heads)
+    close(y, ref, torch.float32)
+
+
+def test_fused_projection_ops_take_the_kernel_for_one_row_only_and_compile(monkeypatch):
+    """`kiln::linear_silu_mul` and `kiln::linear_rope`: the one-row kernels for one row, F.linear and the SiLU or
+    rotary kernel beyond; equal to the float64 references either way, eager and compiled by Inductor with a
+    symbolic row count."""
+    calls = []
+    for name in ("gemv_silu_mul", "gemv_rope"):
+        kernel = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
+    torch.manual_seed(0)
+    head_dim, rot_rows = 8, 48
+    weight, bias = torch.randn(64, 40, device=DEVICE) / 40**0.5, torch.randn(64, device=DEVICE)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+
+    def both(x, cos, sin):
+        rotated = torch.ops.kiln.linear_rope(x, weight, bias, cos, sin, rot_rows)
+        return torch.ops.kiln.linear_silu_mul(x, weight), rotated
+
+    compiled = torch.compile(both, fullgraph=True, dynamic=True)
+    for rows in (3, 1, 5, 1):
+        x = torch.randn(rows, 40, device=DEVICE)
+        cos, sin = rope.lookup(torch.arange(rows, device=DEVICE) * 7, torch.float32)
+        for fn in (both, compiled):
+            silu_mul, rotated = fn(x, cos, sin)
+            close(silu_mul, silu_mul_reference(x, weight).float(), torch.float32)
+            close(rotated, rope_reference(x, weight, bias, cos, sin, rot_rows).float(), torch.float32)
+    assert calls == ["gemv_silu_mul", "gemv_rope"] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"])
+def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
+    """bf16 at the presets' gate_up and qkv shapes, default configs, against float64."""
+    from kiln.engine.presets import PRESETS
+
+    p = PRESETS[model]
+    hidden, head_dim = p["hidden_size"], p.get("head_dim", p["hidden_size"] // p["num_attention_heads"])
+    q, kv = p["num_attention_heads"] * head_dim, p["num_key_value_heads"] * head_dim
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(2 * p["intermediate_size"], hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    torch.testing.assert_close(gemv.gemv_silu_mul(x, gate_up).double(), silu_mul_reference(x, gate_up),
+                               atol=2e-2, rtol=2e-2)  # fmt: skip
+    qkv = torch.randn(q + 2 * kv, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None).to("cuda")
+    cos, sin = rope.lookup(torch.tensor([3001], device="cuda"), torch.bfloat16)
+    torch.testing.assert_close(gemv.gemv_rope(x, qkv, None, cos, sin, q + kv).double(),
+                               rope_reference(x, qkv, None, cos, sin, q + kv), atol=3e-2, rtol=2e-2)  # fmt: skip

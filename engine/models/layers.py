@@ -38,6 +38,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv.linear(x, weight, bias)
 
 
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the merged gate/up projection (weight: the gate's rows, then the up's). On the GPU the
+    same choice as `linear`, with the SiLU-and-mul inside the one-row kernel (a batch-1 step launches no kernel for
+    it); traced, the `kiln::linear_silu_mul` op."""
+    if not x.is_cuda:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.linear_silu_mul(x, weight)
+    return gemv.linear_silu_mul(x, weight)
+
+
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         pass

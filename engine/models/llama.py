@@ -12,7 +12,7 @@ from torch import nn
 
 from kiln.backends.attention import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, linear_silu_mul, rms_norm
 from kiln.engine.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -47,6 +47,12 @@ class Attention(nn.Module):
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
         """`rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
+        if hidden.is_cuda and torch.compiler.is_compiling() and not hasattr(self, "q_norm"):
+            # the rotary inside the projection's op: at batch 1 the one-row kernel rotates q and k (no launch of
+            # its own); beyond it, cuBLAS then the rotary kernel in place
+            qkv = torch.ops.kiln.linear_rope(hidden, self.qkv_proj.weight, self.qkv_proj.bias, *rope,
+                                             self.q_size + self.kv_size)  # fmt: skip
+            return self._attend(qkv)
         qkv = self.qkv_proj(hidden)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
@@ -60,6 +66,13 @@ class Attention(nn.Module):
             if hasattr(self, "q_norm"):
                 qk = self._qk_norm(qk)
             qk = self.rotary_emb.rotate(rope, qk)
+        return self._attend(qkv, qk)
+
+    def _attend(self, qkv: torch.Tensor, qk: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the projection's q, k (rotated: `qk` [T, Hq + Hk, D], else qkv's own) and v, then o."""
+        num_tokens = qkv.shape[0]
+        if qk is None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -89,6 +102,8 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one kernel at batch 1 (the activation inside the matmul)
+            return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

@@ -1,0 +1,35 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while the
+kernel before it in the stream is still finishing, and waits (`griddepcontrol.wait`, Triton's
+`gdc_wait`) only where it first needs that kernel's results. Kiln's Triton kernels load what no earlier
+kernel writes (a matmul's weights) before that wait, so the next layer's weight reads overlap the tail of
+the previous kernel and its launch, which at batch 1 is a large part of a 2-10 µs kernel.
+
+Rule for every kernel launched with PDL: call `gdc_wait` before the first store and before the first load
+of anything an earlier kernel may have written (an output buffer may be memory the previous kernel still
+reads). Then `gdc_launch_dependents` lets the next kernel launch. `KILN_PDL=0` turns it off (A/B runs);
+it is on by default on GPUs of compute capability 9 and up.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("KILN_PDL", "1") != "0"
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels writing to t's device launch with PDL."""
+    return ENABLED and t.is_cuda and _supported(t.device.index if t.device.index is not None else 0)
+
+
+def launch_options(on: bool) -> dict:
+    """Extra launch keywords for a Triton kernel: `launch_pdl` only when on (Triton's interpreter has none)."""
+    return {"launch_pdl": True} if on else {}
