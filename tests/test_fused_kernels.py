@@ -231,7 +231,7 @@ def test_fused_projection_ops_take_the_kernel_for_one_row_only_and_compile(monke
             silu_mul, rotated = fn(x, cos, sin)
             close(silu_mul, silu_mul_reference(x, weight).float(), torch.float32)
             close(rotated, rope_reference(x, weight, bias, cos, sin, rot_rows).float(), torch.float32)
-    assert calls == ["gemv_silu_mul", "gemv_rope"] * 4
+    assert sorted(calls) == ["gemv_rope"] * 4 + ["gemv_silu_mul"] * 4  # (Inductor may order the two either way)
 
 
 @pytest.mark.gpu
