@@ -10,7 +10,6 @@ loads that piece's artifact from the disk cache. Identical middle layers have id
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 from typing import Any
@@ -96,54 +95,21 @@ class KilnBackend:
         return artifact
 
 
-# Inductor makes an inner reduction over more than 1,024 elements a looped one: two passes over the row (the
-# sum of squares, then the scaling) where one would do. The models' RMSNorms (hidden 2,048-4,096) are such rows;
-# at batch 1 the looped kernel took 2.0 µs against the persistent one's 1.5 µs at hidden 1,024 (H200 profiles,
-# BENCHMARKS.md), 33-65 of them a step.
-PERSISTENT_REDUCTION_MAX = 4096
-
-
-@functools.cache
-def _kiln_choices():
-    """Inductor's heuristics (`InductorChoices`), with inner reductions up to PERSISTENT_REDUCTION_MAX elements
-    persistent. Made at the first compile: importing Inductor's heuristics costs ~2 s, which a warm start skips."""
-    from torch._inductor import config as inductor_config  # noqa: PLC0415
-    from torch._inductor.choices import InductorChoices  # noqa: PLC0415
-    from torch._inductor.runtime.hints import ReductionHint  # noqa: PLC0415
-    from torch._inductor.virtualized import V  # noqa: PLC0415
-
-    class KilnChoices(InductorChoices):
-        def uuid(self) -> str:  # for Inductor's own cache key (its `inductor_choices_class` setting)
-            return f"kiln-persistent-reductions-{PERSISTENT_REDUCTION_MAX}"
-
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
-            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs):
-                return True
-            if cooperative_reduction or not inductor_config.triton.persistent_reductions:
-                return False
-            if features.get_reduction_hint() != ReductionHint.INNER:
-                return False
-            return V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_REDUCTION_MAX)
-
-    return KilnChoices
-
-
 @contextlib.contextmanager
 def inductor_settings(on_cuda: bool):
-    """Kiln's Inductor settings while a piece compiles: the persistent-reduction choice above and, on a GPU that
+    """Kiln's Inductor settings while a piece compiles: its heuristics (`inductor_choices.py`) and, on a GPU that
     has it, programmatic dependent launch for the generated kernels (`kiln.backends.pdl`; where this torch's
     Inductor has the switch, `triton.enable_pdl`)."""
     from torch._inductor import config as inductor_config  # noqa: PLC0415
     from torch._inductor.virtualized import V  # noqa: PLC0415
 
-    choices = _kiln_choices()
+    from kiln.compile.inductor_choices import KilnChoices  # noqa: PLC0415
     # NOTE: the handler is what Inductor consults; the class setting (where this torch has it) puts the choice in
     # Inductor's own cache key, which otherwise would hand back a piece compiled with the default heuristics.
-    patches = {"inductor_choices_class": choices} if hasattr(inductor_config, "inductor_choices_class") else {}
+    patches = {"inductor_choices_class": KilnChoices} if hasattr(inductor_config, "inductor_choices_class") else {}
     if on_cuda and pdl.ENABLED and hasattr(inductor_config.triton, "enable_pdl"):
         patches["triton.enable_pdl"] = pdl.enabled(torch.empty(0, device="cuda"))
-    with inductor_config.patch(patches), V.set_choices_handler(choices()):
+    with inductor_config.patch(patches), V.set_choices_handler(KilnChoices()):
         yield
 
 
