@@ -181,6 +181,10 @@ class Sampler(torch.nn.Module):
         if logits.shape != (metadata.num_rows, metadata.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the metadata "
                              f"({metadata.num_rows}, {metadata.vocab_size})")
+        if metadata.all_greedy and metadata.max_num_logprobs is None and not needs_processing(metadata):
+            # NOTE: the argmax of the logits in their own dtype: bf16 or fp16 to float32 is exact, so the argmax (ties
+            # included) is float32's, without a cast of the whole vocabulary each step (a kernel at batch 1)
+            return SamplerOutput(row_argmax(logits), None)
         logits = logits.to(torch.float32)
         # Logprobs describe the model's own distribution, before any request's processing (vLLM V1).
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
@@ -193,7 +197,7 @@ class Sampler(torch.nn.Module):
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Logit bias, min_tokens and penalties: everything that can change the argmax. Returns a new
     float32 tensor when anything applies, ``logits`` itself otherwise."""
-    if metadata.logit_bias is None and metadata.min_tokens_block is None and metadata.penalties is None:
+    if not needs_processing(metadata):
         return logits
     logits = logits.to(torch.float32, copy=True)
     if (bias := metadata.logit_bias) is not None:
@@ -203,6 +207,10 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.penalties is not None:
         logits = apply_penalties(logits, metadata.penalties)
     return logits
+
+
+def needs_processing(metadata: SamplingMetadata) -> bool:
+    return metadata.logit_bias is not None or metadata.min_tokens_block is not None or metadata.penalties is not None
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
