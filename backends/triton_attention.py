@@ -67,53 +67,28 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n, visible_end, offs_d, d_ok,
-                  ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr):  # fmt: skip
-    """K [HEAD_DIM_P, TILE_N] (transposed, for q @ k) and V [TILE_N, HEAD_DIM_P] of keys [start_n, start_n + TILE_N),
-    zero past visible_end."""
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
+                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
+                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE_N: tl.constexpr):  # fmt: skip
+    """One online-softmax step over keys [start_n, start_n + TILE_N): row r may see key n when
+    n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
     page = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
     base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _softmax_step(q, m_i, l_i, acc, k, v, start_n, visible_end, causal_limit, qk_scale, TILE_N: tl.constexpr):
-    """One online-softmax step over the keys k, v of [start_n, start_n + TILE_N): row r may see key n when
-    n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
     s = tl.dot(q, k) * qk_scale
-    allowed = (offs_n < visible_end)[None, :] & (offs_n[None, :] <= causal_limit[:, None])
+    allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
+    v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
-                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
-                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr):  # fmt: skip
-    k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n, visible_end, offs_d, d_ok,
-                         ROW, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-    return _softmax_step(q, m_i, l_i, acc, k, v, start_n, visible_end, causal_limit, qk_scale, TILE_N)
-
-
-@triton.jit
-def _with_new_token(k, v, k_new, v_new, start_n, new_pos, TILE_N: tl.constexpr):
-    """The tile's K, V with the decoded token's own (at position new_pos) from registers: the tile may have been
-    read before this kernel wrote them to the cache."""
-    is_new = (start_n + tl.arange(0, TILE_N)) == new_pos
-    return tl.where(is_new[None, :], k_new[:, None], k), tl.where(is_new[:, None], v_new[None, :], v)
 
 
 # NOTE: `num_reqs` changes with every batch; specialised (== 1, divisible by 16) it would make new variants to
@@ -194,13 +169,11 @@ def _decode_split_kernel(
     pages (one, for a short context: that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    last split's program also writes the token's own K/V (this kv head's) into its slot. So a decode is
-    one kernel: no K/V write before it, no reduction after it.
-
-    With PDL (kiln.backends.pdl) the step's metadata and the split's first K/V tile are read before waiting on
-    the previous kernel (the q/k/v projection): the host copied the metadata in before the step's first kernel,
-    and earlier steps wrote the cache. Only q and the new token's K/V come after; the new token's K/V are taken
-    from registers wherever a tile holds its position, so no tile waits for the write."""
+    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
+    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,20 +188,15 @@ def _decode_split_kernel(
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
-        table_row = block_table_ptr + req * stride_block_table
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end, offs_d, d_ok,
-                             NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-        v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
         if split == splits - 1:
             slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
                 tl.store(k_cache_ptr + row, k_new, mask=d_ok)
                 tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
@@ -237,13 +205,11 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-        k, v = _with_new_token(k, v, k_new, v_new, start, seq_len - 1, TILE_N)
-        m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, start, end, no_causal, qk_scale, TILE_N)
-        for start_n in range(start + TILE_N, end, TILE_N):
-            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n, end, offs_d, d_ok,
-                                 NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-            k, v = _with_new_token(k, v, k_new, v_new, start_n, seq_len - 1, TILE_N)
-            m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, start_n, end, no_causal, qk_scale, TILE_N)
+        table_row = block_table_ptr + req * stride_block_table
+        for start_n in range(start, end, TILE_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+                                         end, no_causal, offs_d, d_ok, qk_scale,
+                                         NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]

@@ -169,7 +169,9 @@ def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
 def hf_tokens_per_s(model_name: str, batch: int) -> float:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    model = AutoModelForCausalLM.from_config(resolve_model(model_name).hf_config, dtype=torch.bfloat16).cuda().eval()
+    # NOTE: built on the GPU: the random initialisation of an 8B model on the CPU outlasted a device call's step
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(resolve_model(model_name).hf_config, dtype=torch.bfloat16).eval()
     ids = torch.randint(1, 1000, (batch, PROMPT_LEN), device="cuda")
 
     def timed(new: int) -> float:
