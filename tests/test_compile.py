@@ -144,3 +144,33 @@ def test_each_gpu_has_its_own_cache_key(monkeypatch):
     gpu0, gpu1 = device_target(torch.device("cuda", 0)), device_target(torch.device("cuda", 1))
     assert gpu0 != gpu1
     assert device_target(torch.device("cuda")) == gpu1  # no index: the current GPU
+
+
+def test_kiln_choices_make_norm_sized_rows_persistent():
+    """Inductor's own heuristic loops over an inner reduction of more than 1,024 elements (two passes over an
+    RMSNorm row of hidden 2,048); Kiln's takes rows up to 4,096 in one pass and leaves the rest as Inductor does."""
+    from types import SimpleNamespace
+
+    import sympy
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    from kiln.compile.inductor_choices import PERSISTENT_REDUCTION_MAX, KilnChoices
+
+    def features(numel, hint=ReductionHint.INNER):
+        return SimpleNamespace(reduction_numel=sympy.Integer(numel), numel=1, get_reduction_hint=lambda: hint)
+
+    graph = SimpleNamespace(sizevars=SimpleNamespace(statically_known_leq=lambda a, b: bool(a <= b),
+                                                     optimization_hint=lambda n: n))  # fmt: skip
+    with V.set_graph_handler(graph):
+        ours, inductors = KilnChoices(), InductorChoices()
+        for numel in (512, 1024, 2048, PERSISTENT_REDUCTION_MAX, 2 * PERSISTENT_REDUCTION_MAX):
+            expected = numel <= PERSISTENT_REDUCTION_MAX
+            assert bool(ours.should_use_persistent_reduction(features(numel), False)) == expected, numel
+            assert bool(inductors.should_use_persistent_reduction(features(numel), False)) == (numel <= 1024), numel
+            # a cooperative reduction (rows split across programs) stays Inductor's call
+            assert bool(ours.should_use_persistent_reduction(features(numel), True)) == \
+                bool(inductors.should_use_persistent_reduction(features(numel), True))  # fmt: skip
+        assert not ours.should_use_persistent_reduction(features(2048, ReductionHint.OUTER), False)
+    assert ours.uuid() != getattr(inductors, "uuid", lambda: None)()  # its own entry in Inductor's cache key
