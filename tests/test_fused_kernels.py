@@ -252,3 +252,51 @@ def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
     cos, sin = rope.lookup(torch.tensor([3001], device="cuda"), torch.bfloat16)
     torch.testing.assert_close(gemv.gemv_rope(x, qkv, None, cos, sin, q + kv).double(),
                                rope_reference(x, qkv, None, cos, sin, q + kv), atol=3e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without():
+    """One-row matmuls (plain, SiLU-and-mul, rotary), norms and rotations back to back in one CUDA graph, each
+    reading the one before's output: launched with programmatic dependent launch, a load placed before its wait
+    would read a stale value. Bit-for-bit the same chain without PDL (the same kernels, launched plainly)."""
+    from kiln.backends import pdl
+
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    hidden, head_dim = 2048, 64
+    dev, dt = "cuda", torch.bfloat16
+    square = [torch.randn(hidden, hidden, device=dev, dtype=dt) / hidden**0.5 for _ in range(3)]
+    gate_up = torch.randn(2 * hidden, hidden, device=dev, dtype=dt) / hidden**0.5
+    norm_w = torch.randn(hidden, device=dev, dtype=dt)
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(dev)
+    cos, sin = rope.lookup(torch.tensor([1234], device=dev), dt)
+    x0 = torch.randn(1, hidden, device=dev, dtype=dt)
+
+    def chain():
+        x, residual = x0, torch.zeros_like(x0)
+        for _ in range(4):
+            x, residual = fused_kernels.rms_norm(x, norm_w, 1e-6, residual)
+            x = gemv.gemv_rope(x, square[0], None, cos, sin, hidden // 2)
+            x = fused_kernels.rotate(x.view(1, -1, head_dim), cos, sin).view(1, hidden)
+            x = gemv.gemv(x, square[1])
+            x = gemv.gemv_silu_mul(fused_kernels.silu_and_mul(torch.cat([x, x], dim=1)), gate_up)
+            x = gemv.gemv(x, square[2])
+        return x
+
+    outs = {}
+    for on in (True, False):
+        saved, pdl.ENABLED = pdl.ENABLED, on
+        try:
+            chain()  # compile the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            outs[on] = out.clone()
+        finally:
+            pdl.ENABLED = saved
+    assert torch.isfinite(outs[True]).all()
+    assert torch.equal(outs[True], outs[False])
