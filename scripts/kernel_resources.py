@@ -1,0 +1,164 @@
+"""Registers, spilled bytes and shared memory of Kiln's hot Triton kernels, compiled for the H200 on any machine.
+
+Triton compiles for whatever target it is given (sm_90 here) without a GPU, and its bundled `cuobjdump` reads
+the resources of the result. A kernel that runs out of registers spills to local memory (STACK > 0): 6d67307's
+decode kernel (each K/V tile patched with the new token in registers) used 255 registers and 936 bytes of stack
+against the kept kernel's 205 and none, and ran long contexts 1.5x slower on the H200. This shows such a change
+before a device call. The kernels at the presets' shapes and the launch configs the backends choose:
+
+    python scripts/kernel_resources.py            # the table
+    python scripts/kernel_resources.py --check    # exits 1 if any kernel spills
+    python scripts/kernel_resources.py --families decode,gemv --models llama-3.1-8b
+
+(Run it without TRITON_INTERPRET: under the interpreter there are no compiled kernels to read.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kiln.backends import fused_kernels, gemv
+from kiln.backends import triton_attention as ta
+from kiln.engine.presets import PRESETS
+
+TARGET = GPUTarget("cuda", 90, 32)
+MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
+POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
+    "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "arrivals_ptr": "*i32",
+    "slot_mapping_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+}  # fmt: skip
+FLOATS = {"qk_scale", "eps"}
+
+
+def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int = 3):
+    """The kernel compiled for sm_90 with these constexprs; every other argument a bf16 pointer (`*_ptr`, but
+    those in POINTERS), a float (FLOATS) or an int32."""
+    names = kernel.arg_names
+
+    def arg_type(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return POINTERS.get(name, "*bf16")
+        return "fp32" if name in FLOATS else "i32"
+
+    source = ASTSource(fn=kernel, signature={n: arg_type(n) for n in names},
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})  # fmt: skip
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resources(compiled) -> dict[str, int]:
+    """REG, STACK (spilled bytes) and LOCAL of the compiled kernel as `cuobjdump` reports them, and SHARED: the
+    dynamic shared memory Triton asks for at launch (cuobjdump sees only the static part)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        report = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                check=True).stdout  # fmt: skip
+    found = {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", report)}
+    return {**found, "SHARED": compiled.metadata.shared}
+
+
+def shapes(model: str) -> dict:
+    p = PRESETS[model]
+    head_dim = p.get("head_dim") or p["hidden_size"] // p["num_attention_heads"]
+    return dict(hidden=p["hidden_size"], inter=p["intermediate_size"], heads=p["num_attention_heads"],
+                kv_heads=p["num_key_value_heads"], head_dim=head_dim)  # fmt: skip
+
+
+def decode_variants(model: str):
+    """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
+    s = shapes(model)
+    q_per_kv = s["heads"] // s["kv_heads"]
+    for num_splits in (1, 64):
+        for tile_n, warps, stages in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_MANY):
+            constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
+                              GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
+                              HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
+                              NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True)  # fmt: skip
+            yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", ta._decode_split_kernel, constexprs, warps, stages
+
+
+def prefill_variants(model: str):
+    """The unified (prefill and mixed) kernel at a long query (BLOCK_M 64) and a short one (16)."""
+    s = shapes(model)
+    q_per_kv = s["heads"] // s["kv_heads"]
+    group = triton.next_power_of_2(q_per_kv)
+    for block_m in (64, 16):
+        constexprs = dict(NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=max(block_m // group, 1),
+                          HEAD_DIM=s["head_dim"], HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16,
+                          TILE_N=32)  # fmt: skip
+        yield f"block_m {block_m}", ta._unified_attention_kernel, constexprs, 4, 3
+
+
+def gemv_variants(model: str):
+    """The one-row matmul at the model's four layers, with the epilogues the models use, default configs."""
+    s = shapes(model)
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    layers = {"qkv": (q + 2 * kv, s["hidden"], "rope"), "o": (s["hidden"], q, ""),
+              "gate_up": (2 * s["inter"], s["hidden"], "silu_mul"), "down": (s["hidden"], s["inter"], "")}  # fmt: skip
+    for layer, (n, k, epilogue) in layers.items():
+        for ep in dict.fromkeys(("", epilogue)):
+            block_n, block_k, warps = gemv.default_config(n, k)
+            if ep:
+                block_n = max(1, block_n // 2)
+            constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=False, EPILOGUE=ep,
+                              HALF=s["head_dim"] // 2, USE_PDL=True)  # fmt: skip
+            yield f"{layer} {ep or 'plain'}", gemv._gemv_kernel, constexprs, warps, 3
+
+
+def qk_norm_rope_variants(model: str):
+    s = shapes(model)
+    half = s["head_dim"] // 2
+    constexprs = dict(NUM_Q_HEADS=s["heads"], HALF=half, HALF_P=triton.next_power_of_2(half), USE_PDL=True)
+    yield "", fused_kernels._qk_norm_rope_kernel, constexprs, 4, 3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope")
+    p.add_argument("--check", action="store_true", help="exit 1 if any kernel spills registers")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("kernel_resources.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+    print(f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}); STACK = bytes spilled a thread")
+    print(f"{'model':14} {'kernel':22} {'variant':28} {'REG':>4} {'STACK':>6} {'SHARED':>7}")
+    seen: dict[tuple, dict[str, int]] = {}
+    spills = []
+    families = {"decode": decode_variants, "prefill": prefill_variants, "gemv": gemv_variants,
+                "qk_norm_rope": qk_norm_rope_variants}  # fmt: skip
+    for model in args.models.split(","):
+        for family in args.families.split(","):
+            variants = families[family]
+            if family == "qk_norm_rope" and not PRESETS[model]["architectures"][0].startswith("Qwen3"):
+                continue  # only Qwen3 normalises q and k
+            for variant, kernel, constexprs, warps, stages in variants(model):
+                key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, stages)
+                if key not in seen:  # several layers share a specialisation
+                    seen[key] = resources(compile_for_h200(kernel, constexprs, warps, stages))
+                r = seen[key]
+                spilled = r.get("STACK", 0) + r.get("LOCAL", 0)
+                if spilled:
+                    spills.append(f"{model} {family} {variant}")
+                print(f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7}",
+                      flush=True)  # fmt: skip
+    if spills:
+        print("spills: " + "; ".join(spills))
+    if args.check and spills:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
