@@ -23,12 +23,6 @@ def _wait_for_previous_kernel():
     tl.extra.cuda.gdc_launch_dependents()
 
 
-def _pdl(x: torch.Tensor) -> dict:
-    """The launch keywords (USE_PDL and Triton's launch_pdl) for a kernel on x's device."""
-    on = pdl.enabled(x)
-    return {"USE_PDL": on, **pdl.launch_options(on)}
-
-
 @triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr, eps, stride_x, stride_r,
                      stride_o, stride_ro, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -59,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             out, x2, r2, residual_out, weight, eps, x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, **_pdl(x),
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, **pdl.launch_kwargs(x),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)
@@ -103,7 +97,7 @@ def _launch_rope(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor | N
         _rope_kernel[(num_tokens,)](
             out, x, positions if positions is not None else x, cos, sin, cos.stride(0), x.stride(0), x.stride(1),
             out.stride(0), out.stride(1), NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
-            HEADS_P=triton.next_power_of_2(num_heads), BY_POSITION=positions is not None, **_pdl(x),
+            HEADS_P=triton.next_power_of_2(num_heads), BY_POSITION=positions is not None, **pdl.launch_kwargs(x),
         )  # fmt: skip
     return out
 
@@ -145,7 +139,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(n, block))
-        _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block, **_pdl(x))
+        _silu_and_mul_kernel[grid](out, x2, x2.stride(0), out.stride(0), N=n, BLOCK=block, **pdl.launch_kwargs(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -189,7 +183,7 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weigh
         _qk_norm_rope_kernel[(num_tokens, num_heads)](
             out, qk, cos, sin, q_weight, k_weight, eps, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
             out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
-            **_pdl(qk),
+            **pdl.launch_kwargs(qk),
         )  # fmt: skip
     return out
 

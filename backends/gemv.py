@@ -126,12 +126,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     block_n, block_k, num_warps = config or default_config(weight.shape[0], k)
     if epilogue and config is None:
         block_n = max(1, block_n // 2)
-    use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         y, x, weight, bias if bias is not None else weight, cos if cos is not None else x,
         sin if sin is not None else x, n, k, weight.stride(0), rot_rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue, HALF=half, USE_PDL=use_pdl,
-        num_warps=num_warps, **pdl.launch_options(use_pdl),
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue, HALF=half, num_warps=num_warps,
+        **pdl.launch_kwargs(x),
     )  # fmt: skip
     return y
 

@@ -26,10 +26,14 @@ def _supported(device_index: int) -> bool:
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Whether kernels writing to t's device launch with PDL."""
-    return ENABLED and t.is_cuda and _supported(t.device.index if t.device.index is not None else 0)
+    """Whether kernels on t's device launch with PDL (t may be a fake tensor: only its device is read)."""
+    if not (ENABLED and t.is_cuda):
+        return False
+    return _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(on: bool) -> dict:
-    """Extra launch keywords for a Triton kernel: `launch_pdl` only when on (Triton's interpreter has none)."""
-    return {"launch_pdl": True} if on else {}
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """The keywords for launching a Kiln Triton kernel on t's device: its `USE_PDL` constexpr (which places the
+    wait) and, when on, Triton's `launch_pdl` (absent otherwise: Triton's interpreter has no such option)."""
+    on = enabled(t)
+    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}

@@ -302,7 +302,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
     if query.device not in _ARRIVALS:
         _ARRIVALS[query.device] = torch.zeros(MAX_ARRIVAL_SLOTS, dtype=torch.int32, device=query.device)
-    use_pdl = pdl.enabled(query)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
@@ -311,7 +310,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(use_pdl),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
     )  # fmt: skip
 
 

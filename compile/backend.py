@@ -87,8 +87,9 @@ class KilnBackend:
         if artifact is not None:
             self.counters.cache_hits += 1
             return artifact
-        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-        with self.counters.timed("inductor_seconds"), inductor_settings(on_cuda):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        use_pdl = any(pdl.enabled(t) for t in tensors)  # (fake tensors: their devices are the piece's)
+        with self.counters.timed("inductor_seconds"), inductor_settings(use_pdl):
             artifact = standalone_compile(piece, list(args), dynamic_shapes="from_tracing_context")
         self.counters.inductor_compiles += 1
         self.cache.save(digest, artifact)
@@ -96,10 +97,10 @@ class KilnBackend:
 
 
 @contextlib.contextmanager
-def inductor_settings(on_cuda: bool):
-    """Kiln's Inductor settings while a piece compiles: its heuristics (`inductor_choices.py`) and, on a GPU that
-    has it, programmatic dependent launch for the generated kernels (`kiln.backends.pdl`; where this torch's
-    Inductor has the switch, `triton.enable_pdl`)."""
+def inductor_settings(use_pdl: bool):
+    """Kiln's Inductor settings while a piece compiles: its heuristics (`inductor_choices.py`) and, with `use_pdl`
+    (`kiln.backends.pdl`), programmatic dependent launch for the generated kernels where this torch's Inductor
+    has the switch (`triton.enable_pdl`)."""
     from torch._inductor import config as inductor_config  # noqa: PLC0415
     from torch._inductor.virtualized import V  # noqa: PLC0415
 
@@ -107,8 +108,8 @@ def inductor_settings(on_cuda: bool):
     # NOTE: the handler is what Inductor consults; the class setting (where this torch has it) puts the choice in
     # Inductor's own cache key, which otherwise would hand back a piece compiled with the default heuristics.
     patches = {"inductor_choices_class": KilnChoices} if hasattr(inductor_config, "inductor_choices_class") else {}
-    if on_cuda and pdl.ENABLED and hasattr(inductor_config.triton, "enable_pdl"):
-        patches["triton.enable_pdl"] = pdl.enabled(torch.empty(0, device="cuda"))
+    if use_pdl and hasattr(inductor_config.triton, "enable_pdl"):
+        patches["triton.enable_pdl"] = True
     with inductor_config.patch(patches), V.set_choices_handler(KilnChoices()):
         yield
 
