@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends import pdl
+from kiln.backends import ops, pdl
 
 
 @triton.jit
@@ -189,15 +189,6 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weigh
 
 
 # NOTE: an op for the compiled pieces, where Inductor makes this two kernels (a reduction that stores the
-# normalised rows, then the rotation, which reads each row at two offsets); a plain Library registration, as
-# `kiln::linear` (the custom_op wrapper's host cost). On the CPU it runs only in the tests (Triton's interpreter).
-_lib = torch.library.Library("kiln", "FRAGMENT")
-_lib.define("qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
-            "int num_q_heads) -> Tensor")  # fmt: skip
-_lib.impl("qk_norm_rope", qk_norm_rope, "CPU")
-_lib.impl("qk_norm_rope", qk_norm_rope, "CUDA")
-
-
-@torch.library.register_fake("kiln::qk_norm_rope", lib=_lib)
-def _(qk, cos, sin, q_weight, k_weight, eps, num_q_heads) -> torch.Tensor:
-    return qk.new_empty(qk.shape)
+# normalised rows, then the rotation, which reads each row at two offsets).
+ops.define("qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
+           "int num_q_heads) -> Tensor", qk_norm_rope, lambda qk, *_: qk.new_empty(qk.shape))

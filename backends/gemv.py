@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.backends import fused_kernels, pdl
+from kiln.backends import fused_kernels, ops, pdl
 
 # KILN_GEMV=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
 ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
@@ -190,30 +190,9 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-# NOTE: registered on a plain Library rather than with `torch.library.custom_op`, whose Python wrapper costs
-# ~25 µs a call more (measured on the CPU machine): the compiled pieces call this op four times a layer.
-_lib = torch.library.Library("kiln", "FRAGMENT")
-_lib.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
-_lib.impl("linear", linear, "CPU")
-_lib.impl("linear", linear, "CUDA")
-_lib.define("linear_silu_mul(Tensor x, Tensor weight) -> Tensor")
-_lib.impl("linear_silu_mul", linear_silu_mul, "CPU")
-_lib.impl("linear_silu_mul", linear_silu_mul, "CUDA")
-_lib.define("linear_rope(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, int rot_rows) -> Tensor")
-_lib.impl("linear_rope", linear_rope, "CPU")
-_lib.impl("linear_rope", linear_rope, "CUDA")
-
-
-@torch.library.register_fake("kiln::linear", lib=_lib)
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.register_fake("kiln::linear_silu_mul", lib=_lib)
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
-
-
-@torch.library.register_fake("kiln::linear_rope", lib=_lib)
-def _(x, weight, bias, cos, sin, rot_rows) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+ops.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", linear,
+           lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
+ops.define("linear_silu_mul(Tensor x, Tensor weight) -> Tensor", linear_silu_mul,
+           lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0] // 2))
+ops.define("linear_rope(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, int rot_rows) -> Tensor",
+           linear_rope, lambda x, weight, *_: x.new_empty(*x.shape[:-1], weight.shape[0]))

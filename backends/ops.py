@@ -1,0 +1,24 @@
+"""Kiln's own torch ops for the compiled pieces (`kiln::linear`, `kiln::qk_norm_rope`, ...): opaque to Dynamo,
+called by Inductor's code as externs, each with a fake for tracing.
+
+NOTE: a plain `torch.library.Library` rather than `torch.library.custom_op`, whose Python wrapper costs ~25 µs a
+call more (measured on the CPU machine): the compiled pieces call these several times a layer. The CPU
+registration serves the tests (the kernels under Triton's interpreter); the models call them on the GPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_lib = torch.library.Library("kiln", "FRAGMENT")
+
+
+def define(schema: str, impl: Callable, fake: Callable) -> None:
+    """`kiln::<name>` from its schema ("name(Tensor x, ...) -> Tensor"), on the CPU and CUDA, and its fake."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    for device in ("CPU", "CUDA"):
+        _lib.impl(name, impl, device)
+    torch.library.register_fake(f"kiln::{name}", fake, lib=_lib)
