@@ -3,10 +3,10 @@
 For each preset's four layer shapes (qkv, o, gate_up, down): cuBLAS (`F.linear`) at each row count, and
 kiln's one-row kernel with its default config (with and without programmatic dependent launch: back to
 back in one graph, each call's weight reads may start while the previous call finishes), for gate_up and
-qkv also with the SiLU-and-mul or the rotary inside it against it followed by that kernel, and with --sweep
-the best of a grid of configs. Each timing
-cycles through enough copies of the weight (>= 256 MB) that none is read from the 50 MB L2, as in a
-real step. Bandwidth = weight bytes / time, against 4.3 TB/s.
+qkv also with the SiLU-and-mul or the rotary inside it against it followed by that kernel, and with the
+layer's add + RMSNorm inside too against the norm kernel before it, and with --sweep the best of a grid of
+configs. Each timing cycles through enough copies of the weight (>= 256 MB) that none is read from the 50 MB
+L2, as in a real step. Bandwidth = weight bytes / time, against 4.3 TB/s.
 
     python scripts/bench_gemv.py [--models llama-3.2-1b,qwen3-0.6b,llama-3.1-8b] [--rows 1,2,4,8] [--sweep]
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import graph_time_ms  # noqa: E402
 
 from kiln.backends import fused_kernels, pdl  # noqa: E402
-from kiln.backends.gemv import default_config, gemv, gemv_rope, gemv_silu_mul  # noqa: E402
+from kiln.backends.gemv import add_norm_linear, default_config, gemv, gemv_rope, gemv_silu_mul  # noqa: E402
 from kiln.engine.presets import PRESETS  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -63,9 +63,17 @@ def with_pdl(on: bool, fn):
 
 
 def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
-    """(fused, unfused) for the layers with an epilogue: gate_up's SiLU-and-mul, qkv's rotary; else None."""
+    """For the layers with an epilogue (gate_up's SiLU-and-mul, qkv's rotary; else None): (fused, unfused), and
+    the same with the layer's add + RMSNorm before it: (inside the matmul, the norm kernel then the fused form)."""
+    residual, norm_weight = torch.randn_like(x), torch.randn(x.shape[-1], device="cuda", dtype=torch.bfloat16)
+
+    def norm_first(fn):
+        return lambda w: fn(fused_kernels.rms_norm(x, norm_weight, 1e-6, residual)[0], w)
+
     if layer == "gate_up":
-        return (lambda w: gemv_silu_mul(x, w)), (lambda w: fused_kernels.silu_and_mul(gemv(x, w)))
+        return ((lambda w: gemv_silu_mul(x, w)), (lambda w: fused_kernels.silu_and_mul(gemv(x, w))),
+                (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, epilogue="silu_mul")),
+                norm_first(gemv_silu_mul))  # fmt: skip
     if layer == "qkv":
         cs = torch.randn(1, head_dim, device="cuda", dtype=torch.bfloat16)
         cos, sin = cs[:, : head_dim // 2], cs[:, head_dim // 2 :]
@@ -75,7 +83,9 @@ def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
             heads = y[:, :rot_rows].unflatten(1, (-1, head_dim))
             return fused_kernels.rotate(heads, cos, sin, out=heads)
 
-        return (lambda w: gemv_rope(x, w, None, cos, sin, rot_rows)), unfused
+        return ((lambda w: gemv_rope(x, w, None, cos, sin, rot_rows)), unfused,
+                (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, None, "rope", cos, sin, rot_rows)),
+                norm_first(lambda xn, w: gemv_rope(xn, w, None, cos, sin, rot_rows)))  # fmt: skip
     return None
 
 
@@ -92,7 +102,8 @@ def bench(n: int, k: int, rows: list[int], sweep: bool, layer: str = "", head_di
               "kiln_no_pdl_us": with_pdl(False, lambda: time_us(lambda w: gemv(x, w), weights))}  # fmt: skip
     fns = epilogue_fns(layer, x, head_dim, rot_rows)
     if fns is not None:  # the layer's one-row kernel with its epilogue inside, against it followed by its kernel
-        result["fused_us"], result["unfused_us"] = (time_us(fn, weights) for fn in fns)
+        times = [time_us(fn, weights) for fn in fns]
+        result["fused_us"], result["unfused_us"], result["norm_fused_us"], result["norm_unfused_us"] = times
     if sweep:
         times = {cfg: time_us(lambda w, cfg=cfg: gemv(x, w, None, cfg), weights) for cfg in sweep_configs(k)}
         best = min(times, key=times.get)
@@ -114,6 +125,7 @@ def main() -> None:
           f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1")  # fmt: skip
     header = f"{'model':14} {'layer':8} {'N':>6} {'K':>6} " + " ".join(f"{f'cuBLAS M={m}':>12}" for m in rows)
     header += f" {'util':>5} {'kiln us':>8} {'util':>5} {'no PDL':>7} {'+epilogue':>9} {'unfused':>8}"
+    header += f" {'+norm':>7} {'norm, then':>10}"
     print(header + ("  best us  util  best (BN, BK, warps)" if args.sweep else ""), flush=True)
     results = []
     for model in args.models.split(","):
@@ -128,7 +140,8 @@ def main() -> None:
                 return f"{n * k * 2 / (us * 1e-6) / PEAK_BYTES_PER_S:5.0%}"
 
             cublas = r["cublas_us"]
-            epilogue = f" {r['fused_us']:9.2f} {r['unfused_us']:8.2f}" if "fused_us" in r else f" {'':9} {'':8}"
+            epilogue = (f" {r['fused_us']:9.2f} {r['unfused_us']:8.2f} {r['norm_fused_us']:7.2f} "
+                        f"{r['norm_unfused_us']:10.2f}" if "fused_us" in r else "")  # fmt: skip
             line = (f"{model:14} {layer:8} {n:6} {k:6} " + " ".join(f"{cublas[m]:12.2f}" for m in rows)
                     + f" {util(cublas[rows[0]])} {r['kiln_us']:8.2f} {util(r['kiln_us'])} {r['kiln_no_pdl_us']:7.2f}"
                     + epilogue)  # fmt: skip

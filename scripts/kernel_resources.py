@@ -16,6 +16,7 @@ before a device call. The kernels at the presets' shapes and the launch configs 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -109,13 +110,14 @@ def gemv_variants(model: str):
     layers = {"qkv": (q + 2 * kv, s["hidden"], "rope"), "o": (s["hidden"], q, ""),
               "gate_up": (2 * s["inter"], s["hidden"], "silu_mul"), "down": (s["hidden"], s["inter"], "")}  # fmt: skip
     for layer, (n, k, epilogue) in layers.items():
-        for ep in dict.fromkeys(("", epilogue)):
+        # the layer norm comes inside the projections that follow one (qkv, gate_up)
+        for ep, norm in itertools.product(dict.fromkeys(("", epilogue)), (False, True) if epilogue else (False,)):
             block_n, block_k, warps = gemv.default_config(n, k)
             if ep:
                 block_n = max(1, block_n // 2)
             constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=False, EPILOGUE=ep,
-                              HALF=s["head_dim"] // 2, USE_PDL=True)  # fmt: skip
-            yield f"{layer} {ep or 'plain'}", gemv._gemv_kernel, constexprs, warps, 3
+                              HALF=s["head_dim"] // 2, NORM=norm, USE_PDL=True)  # fmt: skip
+            yield f"{layer} {ep or 'plain'}{' +norm' if norm else ''}", gemv._gemv_kernel, constexprs, warps, 3
 
 
 def qk_norm_rope_variants(model: str):

@@ -234,6 +234,60 @@ def test_fused_projection_ops_take_the_kernel_for_one_row_only_and_compile(monke
     assert sorted(calls) == ["gemv_rope"] * 4 + ["gemv_silu_mul"] * 4  # (Inductor may order the two either way)
 
 
+def add_norm_reference(x, residual, norm_weight, eps):
+    """(rms_norm(x + residual) * norm_weight in float64, x + residual in x's dtype)."""
+    h = x + residual
+    h64 = h.double()
+    return h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double(), h
+
+
+def projection_reference(x, weight, bias, epilogue, cos, sin, rot_rows):
+    if epilogue == "silu_mul":
+        return silu_mul_reference(x, weight)
+    if epilogue == "rope":
+        return rope_reference(x, weight, bias, cos, sin, rot_rows)
+    return matmul_reference(x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("epilogue", ["", "silu_mul", "rope"])
+@pytest.mark.parametrize("k,config", [(100, None), (96, (2, 32, 4))])
+def test_add_norm_linear_op_one_row_and_beyond_eager_and_compiled(monkeypatch, dtype, epilogue, k, config):
+    """`kiln::add_norm_linear`: the projection of rms_norm(x + residual), and x + residual, against float64; one
+    row takes the one-row kernel with the norm inside it (K in one or several chunks, a multiple of the chunk or
+    not), more rows the add + norm kernel then the projection; eager and compiled by Inductor with a symbolic row
+    count."""
+    launches = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch",
+                        lambda *a, **kw: launches.append(kw.get("norm") is not None) or launch(*a, **kw))  # fmt: skip
+    if config is not None:
+        monkeypatch.setattr(gemv, "default_config", lambda n, k: config)
+    torch.manual_seed(k)
+    head_dim, rot_rows, eps = 8, 48, 1e-5
+    weight = torch.randn(64, k, device=DEVICE, dtype=dtype) / k**0.5
+    bias = torch.randn(64, device=DEVICE, dtype=dtype) if epilogue != "silu_mul" else None
+    norm_weight = torch.randn(k, device=DEVICE, dtype=dtype)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+
+    def op(x, residual, cos, sin):
+        return torch.ops.kiln.add_norm_linear(x, residual, norm_weight, eps, weight, bias, epilogue, cos, sin,
+                                              rot_rows)  # fmt: skip
+
+    compiled = torch.compile(op, fullgraph=True, dynamic=True)
+    for rows in (3, 1, 5, 1):
+        x, residual = (torch.randn(rows, k, device=DEVICE, dtype=dtype) for _ in range(2))
+        cos, sin = rope.lookup(torch.arange(rows, device=DEVICE) * 7, dtype)
+        normed, h_ref = add_norm_reference(x, residual, norm_weight, eps)
+        ref = projection_reference(normed, weight, bias, epilogue, cos, sin, rot_rows)
+        for fn in (op, compiled):
+            y, h = fn(x, residual, cos, sin)
+            assert y.dtype == h.dtype == dtype and y.shape == ref.shape
+            close(h, h_ref, dtype)
+            close(y, ref.to(dtype), dtype)
+    assert launches.count(True) == 4  # the one-row calls, eager and compiled, and no other call has the norm
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"])
 def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
@@ -252,11 +306,19 @@ def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
     cos, sin = rope.lookup(torch.tensor([3001], device="cuda"), torch.bfloat16)
     torch.testing.assert_close(gemv.gemv_rope(x, qkv, None, cos, sin, q + kv).double(),
                                rope_reference(x, qkv, None, cos, sin, q + kv), atol=3e-2, rtol=2e-2)  # fmt: skip
+    # the layer norm inside the matmul (x + residual of a real scale: the residual stream grows layer by layer)
+    x, residual, norm_weight = (torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(3))
+    normed, h_ref = add_norm_reference(x, residual, norm_weight, 1e-6)
+    y, h = gemv.add_norm_linear(x, residual, norm_weight, 1e-6, gate_up, epilogue="silu_mul")
+    assert torch.equal(h, h_ref)
+    torch.testing.assert_close(y.double(), silu_mul_reference(normed, gate_up), atol=2e-2, rtol=2e-2)
+    y, h = gemv.add_norm_linear(x, residual, norm_weight, 1e-6, qkv, None, "rope", cos, sin, q + kv)
+    torch.testing.assert_close(y.double(), rope_reference(normed, qkv, None, cos, sin, q + kv), atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without():
-    """One-row matmuls (plain, SiLU-and-mul, rotary), norms and rotations back to back in one CUDA graph, each
+    """One-row matmuls (plain, SiLU-and-mul, rotary, with the norm inside), norms and rotations back to back in one CUDA graph, each
     reading the one before's output: launched with programmatic dependent launch, a load placed before its wait
     would read a stale value. Bit-for-bit the same chain without PDL (the same kernels, launched plainly)."""
     from kiln.backends import pdl
@@ -279,7 +341,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without():
             x, residual = fused_kernels.rms_norm(x, norm_w, 1e-6, residual)
             x = gemv.gemv_rope(x, square[0], None, cos, sin, hidden // 2)
             x = fused_kernels.rotate(x.view(1, -1, head_dim), cos, sin).view(1, hidden)
-            x = gemv.gemv(x, square[1])
+            x, residual = gemv.add_norm_linear(x, residual, norm_w, 1e-6, square[1])
+            x, residual = gemv.add_norm_linear(x, residual, norm_w, 1e-6, gate_up, epilogue="silu_mul")
             x = gemv.gemv_silu_mul(fused_kernels.silu_and_mul(torch.cat([x, x], dim=1)), gate_up)
             x = gemv.gemv(x, square[2])
         return x

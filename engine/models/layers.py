@@ -50,6 +50,31 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gemv.linear_silu_mul(x, weight)
 
 
+def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, epilogue: str = "", rope: Any = None,
+                rot_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A sub-block's input: `norm(x + residual)` (`norm(x)` without a residual, the first layer's) projected by
+    weight, with the projection's epilogue: "" plain, "silu_mul" (`linear_silu_mul`) or "rope" (`kiln::linear_rope`,
+    the rotary by `rope`'s cos, sin, for the compiled GPU pieces only). Returns (the projection, the new residual).
+    On the GPU with a residual, the `kiln::add_norm_linear` op: at batch 1 the norm inside the one-row matmul (no
+    kernel of its own), beyond it the add + norm kernel and the projection."""
+    if x.is_cuda and residual is not None:
+        cos, sin = rope if rope is not None else (None, None)
+        args = (x, residual, norm.weight, norm.eps, weight, bias, epilogue, cos, sin, rot_rows)
+        if torch.compiler.is_compiling():
+            return torch.ops.kiln.add_norm_linear(*args)
+        return gemv.add_norm_linear(*args)
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm(x, residual)
+    if epilogue == "silu_mul":
+        return linear_silu_mul(x, weight), residual
+    if epilogue == "rope":
+        return torch.ops.kiln.linear_rope(x, weight, bias, *rope, rot_rows), residual
+    return linear(x, weight, bias), residual
+
+
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         pass

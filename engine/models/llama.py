@@ -12,7 +12,7 @@ from torch import nn
 
 from kiln.backends.attention import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, linear_silu_mul, rms_norm
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, norm_linear, rms_norm
 from kiln.engine.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -44,16 +44,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
 
-    def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
-        """`rope`: the rotary's lookup for this step's positions, made once for all layers."""
+    def forward(self, rope, norm: RMSNorm, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention over norm(hidden + residual) (see `norm_linear`), then o: (o's output, the new residual).
+        `rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
         if hidden.is_cuda and torch.compiler.is_compiling() and not hasattr(self, "q_norm"):
             # the rotary inside the projection's op: at batch 1 the one-row kernel rotates q and k (no launch of
             # its own); beyond it, cuBLAS then the rotary kernel in place
-            qkv = torch.ops.kiln.linear_rope(hidden, self.qkv_proj.weight, self.qkv_proj.bias, *rope,
-                                             self.q_size + self.kv_size)  # fmt: skip
-            return self._attend(qkv)
-        qkv = self.qkv_proj(hidden)
+            qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj.weight, self.qkv_proj.bias, "rope",
+                                        rope, self.q_size + self.kv_size)  # fmt: skip
+            return self._attend(qkv), residual
+        qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj.weight, self.qkv_proj.bias)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
@@ -66,7 +68,7 @@ class Attention(nn.Module):
             if hasattr(self, "q_norm"):
                 qk = self._qk_norm(qk)
             qk = self.rotary_emb.rotate(rope, qk)
-        return self._attend(qkv, qk)
+        return self._attend(qkv, qk), residual
 
     def _attend(self, qkv: torch.Tensor, qk: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over the projection's q, k (rotated: `qk` [T, Hq + Hk, D], else qkv's own) and v, then o."""
@@ -99,12 +101,13 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], shard)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, shard)
-        self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one kernel at batch 1 (the activation inside the matmul)
-            return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, norm: RMSNorm, hidden: torch.Tensor,
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The MLP of norm(hidden + residual): (its output, the new residual)."""
+        # at batch 1 on the GPU one kernel for the norm, the gate/up matmul and the activation
+        act, residual = norm_linear(norm, hidden, residual, self.gate_up_proj.weight, epilogue="silu_mul")
+        return self.down_proj(act), residual
 
 
 class DecoderLayer(nn.Module):
@@ -119,14 +122,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, rope, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sub-block is fused into the next norm.
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # The residual add of the previous sub-block is fused into the next norm (and on the GPU the norm into the
+        # projection after it).
+        hidden, residual = self.self_attn(rope, self.input_layernorm, hidden, residual)
+        return self.mlp(self.post_attention_layernorm, hidden, residual)
 
 
 class DecoderModel(nn.Module):
