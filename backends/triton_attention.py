@@ -169,8 +169,10 @@ def _decode_split_kernel(
     pages (one, for a short context: that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
-    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    token's own key and value (this kv head's) are the last split's first key: it takes them from the
+    projection's output, not the cache, and stores them into their slot for later steps (nothing in this
+    kernel reads that slot, so no barrier between the store and the reads). So a decode is one kernel: no
+    K/V write before it, no reduction after it."""
     if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -184,19 +186,11 @@ def _decode_split_kernel(
     if split < splits:
         token = tl.load(query_start_loc_ptr + req).to(tl.int64)
         start = split * pages_per_split * BLOCK_SIZE
-        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
+        # the cached keys end before the token's own (seq_len - 1), which the last split takes first
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len - 1)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
-        if split == splits - 1:
-            slot = tl.load(slot_mapping_ptr + token)
-            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
-            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
@@ -204,6 +198,19 @@ def _decode_split_kernel(
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
+        if (split == splits - 1) & (seq_len > 0):  # (a padded request of a full graph has no token)
+            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            # the online softmax starts from this one key (score in float32; a tile's is a bf16 dot), before the
+            # loop, so its float32 temporaries are not live across it
+            m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            l_i = tl.full([GROUP], 1.0, tl.float32)
+            acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32) + v_new.to(tl.float32)[None, :]
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
         for start_n in range(start, end, TILE_N):
