@@ -307,7 +307,8 @@ def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
     torch.testing.assert_close(gemv.gemv_rope(x, qkv, None, cos, sin, q + kv).double(),
                                rope_reference(x, qkv, None, cos, sin, q + kv), atol=3e-2, rtol=2e-2)  # fmt: skip
     # the layer norm inside the matmul (x + residual of a real scale: the residual stream grows layer by layer)
-    x, residual, norm_weight = (torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(3))
+    x, residual = (torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(2))
+    norm_weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     normed, h_ref = add_norm_reference(x, residual, norm_weight, 1e-6)
     y, h = gemv.add_norm_linear(x, residual, norm_weight, 1e-6, gate_up, epilogue="silu_mul")
     assert torch.equal(h, h_ref)
@@ -318,9 +319,10 @@ def test_fused_one_row_kernels_on_gpu_at_model_shapes(model):
 
 @pytest.mark.gpu
 def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without():
-    """One-row matmuls (plain, SiLU-and-mul, rotary, with the norm inside), norms and rotations back to back in one CUDA graph, each
-    reading the one before's output: launched with programmatic dependent launch, a load placed before its wait
-    would read a stale value. Bit-for-bit the same chain without PDL (the same kernels, launched plainly)."""
+    """One-row matmuls (plain, SiLU-and-mul, rotary, with the norm inside), norms and rotations back to back in one
+    CUDA graph, each reading the one before's output: launched with programmatic dependent launch, a load placed
+    before its wait would read a stale value. Bit-for-bit the same chain without PDL (the same kernels, launched
+    plainly)."""
     from kiln.backends import pdl
 
     if not torch.cuda.get_device_capability()[0] >= 9:
