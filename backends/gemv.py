@@ -29,8 +29,11 @@ from kiln.backends import fused_kernels, ops, pdl
 
 # KILN_GEMV=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
 ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
-# KILN_GEMV_NORM=0 keeps the layer norms out of the one-row matmuls (their own kernel, for A/B benchmarks)
-NORM_ENABLED = os.environ.get("KILN_GEMV_NORM", "1") != "0"
+# The layer norm goes inside a one-row matmul of K up to this: on the H200 (BENCHMARKS.md, ninth session) it made
+# Qwen3-0.6B's batch-1 decode (K = 1,024) 12% faster, Llama-3.2-1B's (2,048) 2% slower, and the 8B's gate/up matmul
+# (4,096) 7% slower (every program re-reads x, the residual and the norm's weight: more bytes than its weight rows).
+# KILN_GEMV_NORM=0 keeps every norm out, =1 puts it in at any K (A/B benchmarks).
+NORM_MAX_K = {"0": 0, "1": 1 << 30}.get(os.environ.get("KILN_GEMV_NORM", ""), 1024)
 
 
 @triton.jit
@@ -238,9 +241,9 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                     rot_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, h): h = x + residual, the layer's new residual, and y the projection of rms_norm(h) * norm_weight:
-    `linear` (epilogue ""), `linear_silu_mul` ("silu_mul") or `linear_rope` ("rope"). For one row, one kernel: a
-    batch-1 step launches no norm. Else the add + norm kernel, then the projection."""
-    if NORM_ENABLED and _one_row(x, weight) and residual.is_contiguous():
+    `linear` (epilogue ""), `linear_silu_mul` ("silu_mul") or `linear_rope` ("rope"). For one row of up to
+    NORM_MAX_K, one kernel: a batch-1 step launches no norm. Else the add + norm kernel, then the projection."""
+    if x.shape[-1] <= NORM_MAX_K and _one_row(x, weight) and residual.is_contiguous():
         h = torch.empty_like(x)
         norm = (residual, norm_weight, eps, h)
         if epilogue == "silu_mul":

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import graph_time_ms  # noqa: E402
 
 from kiln.backends import fused_kernels, pdl  # noqa: E402
+from kiln.backends import gemv as gemv_module  # noqa: E402
 from kiln.backends.gemv import add_norm_linear, default_config, gemv, gemv_rope, gemv_silu_mul  # noqa: E402
 from kiln.engine.presets import PRESETS  # noqa: E402
 
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of (BLOCK_N, BLOCK_K, warps)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    gemv_module.NORM_MAX_K = 1 << 30  # "+norm": the norm inside the matmul at every K, not only where models put it
     rows = [int(m) for m in args.rows.split(",")]
     print(f"\none-row matmul, bf16, CUDA graph, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1")  # fmt: skip
