@@ -14,8 +14,6 @@ Paged K/V addressing, shared by all kernels (row = num_kv_heads * head_dim eleme
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -69,22 +67,18 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
-def _load_k_tile(k_cache_ptr, block_table_row_ptr, kv_head, start_n, visible_end, offs_d, d_ok, ROW: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """Keys [start_n, start_n + TILE_N) below visible_end, transposed [HEAD_DIM, TILE_N]; with their rows' offsets
-    in the cache and which are real, for `_attend_loaded_tile`."""
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
+                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
+                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE_N: tl.constexpr):  # fmt: skip
+    """One online-softmax step over keys [start_n, start_n + TILE_N): row r may see key n when
+    n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
     page = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW + kv_head * HEAD_DIM
+    slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    return k, base, offs_n, n_ok
-
-
-@triton.jit
-def _attend_loaded_tile(q, m_i, l_i, acc, k, base, offs_n, n_ok, v_cache_ptr, causal_limit, offs_d, d_ok, qk_scale):
-    """One online-softmax step over a loaded key tile (`_load_k_tile`): row r may see key n when n is real and
-    n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
     s = tl.dot(q, k) * qk_scale
     allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
     s = tl.where(allowed, s, float("-inf"))
@@ -95,18 +89,6 @@ def _attend_loaded_tile(q, m_i, l_i, acc, k, base, offs_n, n_ok, v_cache_ptr, ca
     v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
-                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
-                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr):  # fmt: skip
-    """One online-softmax step over keys [start_n, start_n + TILE_N) below visible_end."""
-    k, base, offs_n, n_ok = _load_k_tile(k_cache_ptr, block_table_row_ptr, kv_head, start_n, visible_end, offs_d,
-                                         d_ok, ROW, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-    return _attend_loaded_tile(q, m_i, l_i, acc, k, base, offs_n, n_ok, v_cache_ptr, causal_limit, offs_d, d_ok,
-                               qk_scale)  # fmt: skip
 
 
 # NOTE: `num_reqs` changes with every batch; specialised (== 1, divisible by 16) it would make new variants to
@@ -180,17 +162,18 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
     pages (one, for a short context: that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    token's own key and value (this kv head's) are the last split's first key: it takes them from the
-    projection's output, not the cache, and stores them into their slot for later steps (nothing in this
-    kernel reads that slot, so no barrier between the store and the reads). So a decode is one kernel: no
-    K/V write before it, no reduction after it."""
+    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
+    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,23 +181,22 @@ def _decode_split_kernel(
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    start = split * pages_per_split * BLOCK_SIZE
-    # the cached keys end before the token's own (seq_len - 1), which the last split takes first
-    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len - 1)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_ok = offs_d < HEAD_DIM
-    table_row = block_table_ptr + req * stride_block_table
-    if PREFETCH:
-        # The step's metadata was copied in before the step, and the cached keys were written by earlier steps: the
-        # first key tile is read before waiting on the kernel before (the q/k/v projection), overlapping its tail.
-        k0, base0, offs_n0, n_ok0 = _load_k_tile(k_cache_ptr, table_row, kv_head, start, end, offs_d, d_ok,
-                                                 NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-    if USE_PDL:  # q, the new key and value, and every output buffer: after the kernel before (kiln.backends.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if split < splits:
         token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+        start = split * pages_per_split * BLOCK_SIZE
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        d_ok = offs_d < HEAD_DIM
+        if split == splits - 1:
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
@@ -222,26 +204,9 @@ def _decode_split_kernel(
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
-        if (split == splits - 1) & (seq_len > 0):  # (a padded request of a full graph has no token)
-            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-            slot = tl.load(slot_mapping_ptr + token)
-            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
-            # the online softmax starts from this one key (score in float32; a tile's is a bf16 dot), before the
-            # loop, so its float32 temporaries are not live across it
-            m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-            l_i = tl.full([GROUP], 1.0, tl.float32)
-            acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32) + v_new.to(tl.float32)[None, :]
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-        first = start
-        if PREFETCH:
-            m_i, l_i, acc = _attend_loaded_tile(q, m_i, l_i, acc, k0, base0, offs_n0, n_ok0, v_cache_ptr, no_causal,
-                                                offs_d, d_ok, qk_scale)  # fmt: skip
-            first = start + TILE_N
-        for start_n in range(first, end, TILE_N):
+        table_row = block_table_ptr + req * stride_block_table
+        for start_n in range(start, end, TILE_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
                                          end, no_causal, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
@@ -291,8 +256,6 @@ MIN_SPLIT_TOKENS = 64  # one key tile of the default config; 128 was as fast or 
 # 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
 # faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
 DECODE_CONFIG = (64, 2, 3)
-# KILN_DECODE_PREFETCH=0: the decode kernel reads its first key tile after the PDL wait (A/B benchmarks)
-PREFETCH = os.environ.get("KILN_DECODE_PREFETCH", "1") != "0"
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 
 
@@ -347,7 +310,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH=PREFETCH, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
     )  # fmt: skip
 
 
