@@ -105,14 +105,15 @@ def _shutdown_header() -> StepHeader:
 
 
 def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
-    """The used prefixes of the persistent input buffers, in broadcast order (the same on every rank)."""
+    """The step's inputs in the runner's input arena, in broadcast order (the same layout on every rank)."""
+    inputs = runner.inputs.views(header.num_tokens, header.num_reqs)
     return [
-        runner.input_ids[: header.num_tokens],
-        runner.positions[: header.num_tokens],
-        runner.slot_mapping[: header.num_actual_tokens],
-        runner.query_start_loc[: header.num_reqs + 1],
-        runner.seq_lens[: header.num_reqs],
-        runner.block_table[: header.num_scheduled_reqs],
+        inputs.input_ids,
+        inputs.positions,
+        inputs.slot_mapping[: header.num_actual_tokens],
+        inputs.query_start_loc,
+        inputs.seq_lens,
+        inputs.block_table[: header.num_scheduled_reqs],
     ]
 
 
@@ -347,12 +348,13 @@ def serve_steps(runner: ModelRunner, pipe: multiprocessing.connection.Connection
 def run_step(runner: ModelRunner, header: StepHeader) -> None:
     for tensor in step_tensors(runner, header):
         dist.broadcast(tensor, src=0)
+    inputs = runner.inputs.views(header.num_tokens, header.num_reqs)
     metadata = AttentionMetadata(
         num_actual_tokens=header.num_actual_tokens,
-        query_start_loc=runner.query_start_loc[: header.num_reqs + 1],
-        seq_lens=runner.seq_lens[: header.num_reqs],
-        block_table=runner.block_table[: header.num_reqs],
-        slot_mapping=runner.slot_mapping[: header.num_actual_tokens],
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        block_table=inputs.block_table,
+        slot_mapping=inputs.slot_mapping[: header.num_actual_tokens],
         max_query_len=header.max_query_len,
         max_seq_len=header.max_seq_len,
         query_start_loc_cpu=torch.tensor(header.query_start_loc, dtype=torch.int32),

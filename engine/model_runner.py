@@ -20,7 +20,7 @@ from kiln.backends import AttentionBackend, AttentionMetadata, ForwardContext, s
 from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
-from kiln.engine.runner_io import GraphPlan, ModelRunnerOutput, StagedBuffer, StepHandle, logprob_dicts
+from kiln.engine.runner_io import GraphPlan, InputArena, ModelRunnerOutput, StepHandle, logprob_dicts
 from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
@@ -72,21 +72,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
 
-        def staged(*shape: int, dtype: torch.dtype) -> StagedBuffer:
-            return StagedBuffer(*shape, dtype=dtype, device=device)
-
-        self.input_ids_buf = staged(max_tokens, dtype=torch.int64)
-        self.positions_buf = staged(max_tokens, dtype=torch.int64)
-        self.slot_mapping_buf = staged(max_tokens, dtype=torch.int64)
-        self.query_start_loc_buf = staged(max_reqs + 1, dtype=torch.int32)
-        self.seq_lens_buf = staged(max_reqs, dtype=torch.int32)
-        self.block_table_buf = staged(max_reqs, self.max_blocks_per_seq, dtype=torch.int32)
-        self.logits_indices_buf = staged(max_reqs, dtype=torch.int64)
-        # Tokens of the previous step that the host has not seen: (where they go, their row there).
-        self.carry_buf = staged(2, max_reqs, dtype=torch.int64)
-        self.input_ids, self.positions = self.input_ids_buf.gpu, self.positions_buf.gpu
-        self.slot_mapping, self.block_table = self.slot_mapping_buf.gpu, self.block_table_buf.gpu
-        self.query_start_loc, self.seq_lens = self.query_start_loc_buf.gpu, self.seq_lens_buf.gpu
+        self.inputs = InputArena(max_tokens, max_reqs, self.max_blocks_per_seq, device)
+        # Every request's block ids, row by row, kept on the host from step to step: a request's list only grows
+        # (the KV cache manager extends it in place), so a row holding the same list needs only its new tail
+        # written; a step then copies its rows into the arena at once. Per row: the list and how much of it.
+        self._block_table = np.zeros((max_reqs, self.max_blocks_per_seq), dtype=np.int32)
+        self._block_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_reqs
+        self._arange = np.arange(max(max_tokens, max_reqs) + 1)
         self._parity = 0
         self._fences: list[torch.cuda.Event | None] = [None, None]
         # The last launched step's sampled tokens on the device, and each request's row there.
@@ -94,10 +86,6 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         # The last step's sampling rows' params and their metadata, when it can serve again.
         self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
-        # Per mirror, per block-table row: the block id list last written there and how much of it. A
-        # request's list only grows (the KV cache manager extends it in place), so a row holding the same
-        # list needs only its new tail written.
-        self._block_rows: list[list[tuple[list[int] | None, int]]] = [[(None, 0)] * max_reqs for _ in range(2)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -218,7 +206,8 @@ class ModelRunner:
         context = ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size=piecewise_size)
         model = self.compiled if self.compiled is not None else self.model
         with set_forward_context(context):
-            return model(self.input_ids_buf.prefix(plan.num_tokens), self.positions_buf.prefix(plan.num_tokens))
+            inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
+            return model(inputs.input_ids, inputs.positions)
 
     # ---- inputs ---------------------------------------------------------------------------------------
 
@@ -265,18 +254,23 @@ class ModelRunner:
         p = self._parity
         if self._fences[p] is not None:
             self._fences[p].synchronize()  # the copy out of this mirror two steps ago is done
-        num_reqs, num_tokens = len(num_new), int(num_new.sum())
+        num_reqs, num_tokens = len(num_new), len(input_ids)
         n, padded_reqs = plan.num_tokens, plan.num_reqs
+        host = self.inputs.views(n, padded_reqs, p, numpy=True)
         seq_lens = computed + num_new
 
-        qsl = self.query_start_loc_buf.np[p][: padded_reqs + 1]
-        qsl[0] = 0
-        np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
-        qsl[num_reqs + 1 :] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
-        req_of_token = np.repeat(np.arange(num_reqs), num_new)
-        positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
-        block_table = self.block_table_buf.np[p]
-        written = self._block_rows[p]
+        qsl = host.query_start_loc
+        if num_tokens == num_reqs:  # every request a decode (most steps): a token per request, at its end
+            qsl[:] = self._arange[: padded_reqs + 1]
+            req_of_token, positions, max_query_len = self._arange[:num_reqs], computed, 1
+        else:
+            qsl[0] = 0
+            np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
+            qsl[num_reqs + 1 :] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
+            req_of_token = np.repeat(np.arange(num_reqs), num_new)
+            positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
+            max_query_len = int(num_new.max())
+        block_table, written = self._block_table, self._block_rows
         for i, ids in enumerate(block_ids):
             last, num_written = written[i]
             if last is not ids:
@@ -285,54 +279,54 @@ class ModelRunner:
                 continue
             block_table[i, num_written : len(ids)] = ids[num_written:]
             written[i] = (ids, len(ids))
-        self.input_ids_buf.np[p][:num_tokens] = input_ids
-        self.positions_buf.np[p][:num_tokens] = positions
-        self.slot_mapping_buf.np[p][:num_tokens] = (
+        host.block_table[:num_reqs] = block_table[:num_reqs]
+        host.input_ids[:num_tokens] = input_ids
+        host.positions[:num_tokens] = positions
+        host.slot_mapping[:num_tokens] = (
             block_table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        for buf in (self.input_ids_buf, self.positions_buf, self.slot_mapping_buf):
-            buf.np[p][num_tokens:n] = 0
-        self.seq_lens_buf.np[p][:num_reqs] = seq_lens
-        self.seq_lens_buf.np[p][num_reqs:padded_reqs] = 0
-
-        for buf in (self.input_ids_buf, self.positions_buf, self.slot_mapping_buf):
-            buf.copy(p, n)
-        self.query_start_loc_buf.copy(p, padded_reqs + 1)
-        self.seq_lens_buf.copy(p, padded_reqs)
-        self.block_table_buf.copy(p, num_reqs)
+        for field in (host.input_ids, host.positions, host.slot_mapping):
+            field[num_tokens:] = 0
+        host.seq_lens[:num_reqs] = seq_lens
+        host.seq_lens[num_reqs:] = 0
         carry_dst, carry_src = carry
-        if carry_dst:
-            k = len(carry_dst)
-            if carry_dst == carry_src == list(range(k)):  # a decode batch in the previous step's order
-                self.input_ids[:k].copy_(self._prev_sampled[:k])
-            else:
-                self.carry_buf.np[p][0, :k], self.carry_buf.np[p][1, :k] = carry_dst, carry_src
-                self.carry_buf.copy(p, 2)
-                dst, src = self.carry_buf.gpu[0, :k], self.carry_buf.gpu[1, :k]
-                self.input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
+        k = len(carry_dst)
+        # a decode batch in the previous step's order takes its tokens with a plain copy, others by index
+        carry_by_index = k and not carry_dst == carry_src == list(range(k))
+        if carry_by_index:
+            host.carry[0, :k], host.carry[1, :k] = carry_dst, carry_src
         logits_indices: Rows = slice(0, len(sample_rows))
         if sample_rows and (num_tokens != num_reqs or len(sample_rows) != num_reqs):
             rows = np.asarray(sample_rows, dtype=np.int64)
-            self.logits_indices_buf.np[p][: len(sample_rows)] = qsl[1:][rows] - 1
-            self.logits_indices_buf.copy(p, len(sample_rows))
-            logits_indices = self.logits_indices_buf.gpu[: len(sample_rows)]
+            host.logits_indices[: len(sample_rows)] = qsl[1:][rows] - 1
+            logits_indices = self.inputs.views(n, padded_reqs).logits_indices[: len(sample_rows)]
+
+        self.inputs.copy(p, n, padded_reqs, num_reqs)  # the step's one host-to-device transfer
+        inputs = self.inputs.views(n, padded_reqs)
+        if k and not carry_by_index:
+            inputs.input_ids[:k].copy_(self._prev_sampled[:k])
+        elif carry_by_index:
+            dst, src = inputs.carry[0, :k], inputs.carry[1, :k]
+            inputs.input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
         if self.device.type == "cuda":
             self._fences[p] = torch.cuda.Event()
             self._fences[p].record()
         self._parity ^= 1
 
         full = plan.mode == "full"
+        num_actual_tokens = n if full else num_tokens  # a full graph writes K/V for padding too (to scratch)
+        host_views = self.inputs.views(n, padded_reqs, p)
         metadata = AttentionMetadata(
-            num_actual_tokens=n if full else num_tokens,  # a full graph writes K/V for padding too (to scratch)
-            query_start_loc=self.query_start_loc_buf.prefix(padded_reqs + 1),
-            seq_lens=self.seq_lens_buf.prefix(padded_reqs),
-            block_table=self.block_table_buf.prefix(padded_reqs),
-            slot_mapping=self.slot_mapping_buf.prefix(n if full else num_tokens),
-            max_query_len=int(num_new.max()),
+            num_actual_tokens=num_actual_tokens,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_table=inputs.block_table,
+            slot_mapping=inputs.slot_mapping if full else inputs.slot_mapping[:num_tokens],
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=self.query_start_loc_buf.prefix(padded_reqs + 1, p),
-            seq_lens_cpu=self.seq_lens_buf.prefix(padded_reqs, p),
+            query_start_loc_cpu=host_views.query_start_loc,
+            seq_lens_cpu=host_views.seq_lens,
         )
         return metadata, logits_indices
 
@@ -346,10 +340,10 @@ class ModelRunner:
         decodes of every power-of-two batch and of the largest (the decode kernel is specialised on its split
         count, which halves as the batch doubles, and has a launch config of its own for large grids; one
         request is also the one-row matmul kernel's case)."""
-        longest = max(2, min(self.max_model_len - 1, self.input_ids.shape[0]))  # the trace needs >= 2 tokens
+        longest = max(2, min(self.max_model_len - 1, self.inputs.max_tokens))  # the trace needs >= 2 tokens
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
-        most = min(self.seq_lens.shape[0], self.input_ids.shape[0])  # a decode: one request a token, at position 0
+        most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
         sizes = [1 << i for i in range(most.bit_length())] + [most] if self.device.type == "cuda" else [1, 4]
         for num_reqs in sorted({min(size, most) for size in sizes}):
             self._dummy_forward(num_reqs, True, "none")
@@ -366,9 +360,10 @@ class ModelRunner:
                 if self.cudagraph_mode == "full_and_piecewise":
                     metadata, _ = self._dummy_metadata(size, True, "full")
                     context = ForwardContext(metadata, self.kv_caches, self.backend)
+                    inputs = self.inputs.views(size, size)
                     with set_forward_context(context):
-                        self.compiled(self.input_ids[:size], self.positions[:size])  # warm-up at this size
-                        self.compiled.capture_full_graph(size, self.input_ids, self.positions)
+                        self.compiled(inputs.input_ids, inputs.positions)  # warm-up at this size
+                        self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions)
         torch.cuda.synchronize()
 
     def _dummy_metadata(self, num_tokens: int, decode: bool, mode: str) -> tuple[AttentionMetadata, GraphPlan]:

@@ -152,5 +152,5 @@ def test_dummy_steps_stay_inside_max_model_len(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=76, block_size=16, max_num_batched_tokens=256)
     runner = llm.engine.runner
     metadata, plan = runner._dummy_metadata(256, False, "none")
-    positions = runner.positions[: plan.num_tokens]
+    positions = runner.inputs.views(plan.num_tokens, plan.num_reqs).positions
     assert int(positions.max()) == 75 and int(metadata.seq_lens.max()) <= 76

@@ -1,37 +1,59 @@
-"""The runner's staged input buffers: device buffer, two host mirrors, and the prefix views a step uses."""
+"""The runner's input arena: one device buffer, two host mirrors, fields laid out by (tokens, requests)."""
 
 from __future__ import annotations
 
 import torch
 
-from kiln.engine.runner_io import MAX_PREFIXES, StagedBuffer
+from kiln.engine.runner_io import ALIGN, MAX_VIEWS, InputArena
+
+CPU = torch.device("cpu")
 
 
-def test_copy_moves_only_the_prefix_of_one_mirror():
-    buf = StagedBuffer(8, dtype=torch.int64, device=torch.device("cpu"))
-    buf.np[0][:] = range(10, 18)
-    buf.np[1][:] = range(20, 28)
-    buf.copy(1, 3)
-    assert buf.gpu.tolist() == [20, 21, 22, 0, 0, 0, 0, 0]
-    buf.copy(0, 5)
-    assert buf.gpu.tolist() == [10, 11, 12, 13, 14, 0, 0, 0]
+def test_one_copy_moves_the_steps_fields_and_nothing_past_them():
+    arena = InputArena(16, 4, 5, CPU)
+    for parity in (0, 1):
+        arena.host_bytes[parity].view(torch.int8).fill_(-1 - parity)  # every byte of each mirror marked
+    host = arena.views(3, 2, parity=1, numpy=True)
+    host.input_ids[:] = [7, 8, 9]
+    host.positions[:] = [0, 1, 5]
+    host.query_start_loc[:] = [0, 2, 3]
+    host.block_table[0] = [4, 3, 2, 1, 0]
+    arena.copy(1, 3, 2, block_rows=1)
+    device = arena.views(3, 2)
+    assert device.input_ids.tolist() == [7, 8, 9] and device.positions.tolist() == [0, 1, 5]
+    assert device.query_start_loc.tolist() == [0, 2, 3] and device.block_table[0].tolist() == [4, 3, 2, 1, 0]
+    # the span ends after the first block-table row: the second row and everything after stay as they were
+    assert device.block_table[1].tolist() == [0] * 5
+    end = device.block_table[1].data_ptr() - arena.device_bytes.data_ptr()
+    assert (arena.device_bytes[:end] == arena.host_bytes[1][:end]).all()
+    assert not arena.device_bytes[end:].any()
 
 
-def test_prefix_views_alias_the_buffers_and_are_made_once():
-    buf = StagedBuffer(4, 3, dtype=torch.int32, device=torch.device("cpu"))
-    view = buf.prefix(2)
-    assert view is buf.prefix(2) and view.shape == (2, 3)
-    buf.gpu[1, 2] = 7  # a view, not a copy: it sees later writes
-    assert view[1, 2] == 7
-    host = buf.prefix(2, parity=1)
-    assert host is buf.prefix(2, parity=1) and host is not buf.prefix(2, parity=0)
-    buf.np[1][0, 0] = 5
-    assert host[0, 0] == 5
+def test_layout_keeps_graph_inputs_in_place_and_fields_apart():
+    """input_ids always at the start and positions where the token count alone puts them (a piecewise graph of
+    size n finds them there whatever the request count); every field 16-byte aligned, none overlapping."""
+    arena = InputArena(64, 16, 9, CPU)
+    base = arena.device_bytes.data_ptr()
+    for n in (1, 3, 8, 64):
+        by_reqs = [arena.views(n, r) for r in (1, 2, 7, 16) if r <= n]
+        assert {v.input_ids.data_ptr() for v in by_reqs} == {base}
+        assert len({v.positions.data_ptr() for v in by_reqs}) == 1
+        for views in by_reqs:
+            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in views)
+            assert all(start % ALIGN == 0 for start, _ in spans)
+            assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+            assert spans[-1][1] <= base + arena.device_bytes.numel()
+    largest = arena.views(64, 16)
+    assert largest.block_table.shape == (16, 9) and largest.carry.shape == (2, 16)
 
 
-def test_prefix_memo_stays_bounded():
-    """Without CUDA graphs every token count is a prefix size of its own."""
-    buf = StagedBuffer(4096, dtype=torch.int64, device=torch.device("cpu"))
+def test_views_are_made_once_and_stay_bounded():
+    """Without CUDA graphs every token count is a layout of its own."""
+    arena = InputArena(4096, 8, 4, CPU)
+    view = arena.views(5, 2)
+    assert view is arena.views(5, 2) and view is not arena.views(5, 2, parity=0)
+    arena.device_bytes[:8].view(torch.int64)[0] = 11  # views, not copies: they see later writes
+    assert view.input_ids[0] == 11
     for n in range(1, 4097):
-        assert buf.prefix(n, n % 2).shape == (n,)
-    assert len(buf._prefixes) <= MAX_PREFIXES
+        assert arena.views(n, 1, n % 2).input_ids.shape == (n,)
+    assert len(arena._views) <= MAX_VIEWS
