@@ -18,7 +18,7 @@ import triton
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 PEAK_BYTES_PER_S = 4.3e12
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -104,11 +104,10 @@ def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) 
     qk = torch.randn(num_tokens, NUM_HEADS + NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     pos = torch.randint(0, 8192, (num_tokens,), device=device)
     gate_up = torch.randn(num_tokens, 2 * intermediate, dtype=dtype, device=device)
-    act = SiluAndMul()
     cases = {
         "rms_norm+residual": (lambda: norm(x, r), lambda: fused_kernels.rms_norm(x, norm.weight, 1e-5, r)),
         "rope q,k": (lambda: rope(pos, qk), lambda: fused_kernels.rotary_embedding(qk, pos, rope.cos_sin)),
-        "silu_and_mul": (lambda: act(gate_up), lambda: fused_kernels.silu_and_mul(gate_up)),
+        "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: fused_kernels.silu_and_mul(gate_up)),
     }  # fmt: skip
     rows = []
     for name, (plain, fused) in cases.items():

@@ -43,8 +43,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     same choice as `linear`, with the SiLU-and-mul inside the one-row kernel (a batch-1 step launches no kernel for
     it); traced, the `kiln::linear_silu_mul` op."""
     if not x.is_cuda:
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(F.linear(x, weight))
     if torch.compiler.is_compiling():
         return torch.ops.kiln.linear_silu_mul(x, weight)
     return gemv.linear_silu_mul(x, weight)
@@ -120,12 +119,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-class SiluAndMul(FusedKernelsMixin, nn.Module):
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return fused_kernels.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the merged gate/up projection's output [.., 2N] (the plain form of
+    `fused_kernels.silu_and_mul`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
