@@ -256,7 +256,7 @@ class ModelRunner:
             self._fences[p].synchronize()  # the copy out of this mirror two steps ago is done
         num_reqs, num_tokens = len(num_new), len(input_ids)
         n, padded_reqs = plan.num_tokens, plan.num_reqs
-        host = self.inputs.views(n, padded_reqs, p, numpy=True)
+        host, inputs = self.inputs.views(n, padded_reqs, p, numpy=True), self.inputs.views(n, padded_reqs)
         seq_lens = computed + num_new
 
         qsl = host.query_start_loc
@@ -300,10 +300,9 @@ class ModelRunner:
         if sample_rows and (num_tokens != num_reqs or len(sample_rows) != num_reqs):
             rows = np.asarray(sample_rows, dtype=np.int64)
             host.logits_indices[: len(sample_rows)] = qsl[1:][rows] - 1
-            logits_indices = self.inputs.views(n, padded_reqs).logits_indices[: len(sample_rows)]
+            logits_indices = inputs.logits_indices[: len(sample_rows)]
 
         self.inputs.copy(p, n, padded_reqs, num_reqs)  # the step's one host-to-device transfer
-        inputs = self.inputs.views(n, padded_reqs)
         if k and not carry_by_index:
             inputs.input_ids[:k].copy_(self._prev_sampled[:k])
         elif carry_by_index:
