@@ -14,6 +14,8 @@ Paged K/V addressing, shared by all kernels (row = num_kv_heads * head_dim eleme
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -249,7 +251,9 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
 # inside a CUDA-graph capture) and big enough for any batch: 512 capture rows x 128 KV heads.
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 MAX_ARRIVAL_SLOTS = 512 * 128
-MIN_SPLIT_TOKENS = 64  # one key tile of the default config; 128 was as fast or slower at every batch x context measured
+# One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`.
+# KILN_DECODE_MIN_SPLIT_TOKENS sets it (A/B runs of whole decode steps); read once, at import.
+MIN_SPLIT_TOKENS = int(os.environ.get("KILN_DECODE_MIN_SPLIT_TOKENS", "64"))
 # (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (18
 # configs in two runs): 2 warps beat Triton's default 4 by 1-28% (e.g. batch 16 x 256: 10.2 against 14.1 µs), and
 # in one run 64 x 2 x 3 was the fastest or within 3% of it at 12 of the 15 batch x context points (64 x 2 x 2 was

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ class CompiledModel:
         self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
                                       options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
         self.traced = False
-        self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.traced:
@@ -85,13 +86,16 @@ class CompiledModel:
 
     # ---- full CUDA graphs (decode-only batches) --------------------------------------------------------
 
-    def capture_full_graph(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Record the whole forward for `size` tokens. The caller has set a forward context whose
-        metadata lives in persistent buffers, and has warmed this size up once."""
+    def capture_full_graph(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                           head: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None) -> None:  # fmt: skip
+        """Record the whole forward for `size` tokens, then `head(hidden)` (the runner's LM head and greedy argmax)
+        in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
+        has warmed this size (and the head) up once."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
             hidden = self(input_ids[:size], positions[:size])
-        self.full_graphs[size] = (graph, weak_ref(hidden))
+            outputs = (hidden, *(head(hidden) if head is not None else ()))
+        self.full_graphs[size] = (graph, weak_ref(outputs))
         self.counters.cudagraphs_captured += 1
 
     def release_graphs(self) -> None:
@@ -103,7 +107,9 @@ class CompiledModel:
         self.full_graphs.clear()
         self.backend.release_graphs()
 
-    def replay_full_graph(self, size: int) -> torch.Tensor:
-        graph, hidden = self.full_graphs[size]
+    def replay_full_graph(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The hidden states, then the head's outputs, of the graph of `size` (views of the graphs' shared pool:
+        valid until the next replay)."""
+        graph, outputs = self.full_graphs[size]
         graph.replay()
-        return hidden
+        return outputs

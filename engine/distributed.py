@@ -360,7 +360,7 @@ def run_step(runner: ModelRunner, header: StepHeader) -> None:
         query_start_loc_cpu=torch.tensor(header.query_start_loc, dtype=torch.int32),
         seq_lens_cpu=torch.tensor(header.seq_lens, dtype=torch.int32),
     )
-    hidden = runner.forward(metadata, GraphPlan(header.mode, header.num_tokens, header.num_reqs))
-    if header.logits_indices is not None:
+    hidden, head = runner.forward(metadata, GraphPlan(header.mode, header.num_tokens, header.num_reqs))
+    if header.logits_indices is not None and head is None:  # a full graph ran the LM head (and its gather) itself
         rows = torch.tensor(header.logits_indices, dtype=torch.int64, device=runner.device)
         runner.model.compute_logits(hidden[rows])  # joins the LM head's all-gather; rank 0 samples

@@ -21,7 +21,7 @@ from kiln.compile import CompiledModel
 from kiln.engine.outputs import Logprob
 from kiln.engine.request import Request
 from kiln.engine.runner_io import GraphPlan, InputArena, ModelRunnerOutput, StepHandle, logprob_dicts
-from kiln.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from kiln.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, plain_greedy, row_argmax
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kiln.engine.structured_output import GrammarBitmask
 
 Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
+Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and their argmax [rows]
 
 # Test-only fault injection: a step fails when any request's prompt holds this token id.
 _FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
@@ -105,19 +106,27 @@ class ModelRunner:
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
             self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows)
-        hidden = self.forward(metadata, plan)
+        hidden, head = self.forward(metadata, plan)
         if handle.sample_rows:
-            logits = self.model.compute_logits(hidden[logits_indices])
             requests = batch.requests
             if len(handle.sample_rows) != len(requests):
                 requests = [requests[i] for i in handle.sample_rows]
             sampling = self.sampling_metadata(requests)
             grammars = [r.grammar for r in requests]
-            if any(grammar is not None for grammar in grammars):
+            constrained = any(grammar is not None for grammar in grammars)
+            if head is not None:  # a full graph: its LM head and greedy argmax ran over every row
+                logits, greedy = head
+                logits = logits[logits_indices]
+            else:
+                logits = self.model.compute_logits(hidden[logits_indices])
+            if constrained:
                 # NOTE: the forward pass and the logits are enqueued by now: the host fills the grammar mask
                 # while the device computes them, and the mask is applied in place just before sampling.
                 self.grammar_bitmask().apply(logits, grammars)
-            result = self.sampler(logits, sampling)
+            if head is not None and not constrained and plain_greedy(sampling):
+                result = SamplerOutput(greedy[logits_indices], None)
+            else:
+                result = self.sampler(logits, sampling)
             self._prev_sampled = result.sampled_token_ids
             self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
@@ -199,15 +208,23 @@ class ModelRunner:
             return GraphPlan("full", size, size)
         return GraphPlan("piecewise", size, num_reqs)
 
-    def forward(self, metadata: AttentionMetadata, plan: GraphPlan) -> torch.Tensor:
+    def forward(self, metadata: AttentionMetadata, plan: GraphPlan) -> tuple[torch.Tensor, Head | None]:
+        """The hidden states, and with a full graph its head's outputs: the logits and greedy tokens of every row."""
         if plan.mode == "full":
-            return self.compiled.replay_full_graph(plan.num_tokens)
+            hidden, *head = self.compiled.replay_full_graph(plan.num_tokens)
+            return hidden, tuple(head)
         piecewise_size = plan.num_tokens if plan.mode == "piecewise" else None
         context = ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size=piecewise_size)
         model = self.compiled if self.compiled is not None else self.model
         with set_forward_context(context):
             inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
-            return model(inputs.input_ids, inputs.positions)
+            return model(inputs.input_ids, inputs.positions), None
+
+    def head(self, hidden: torch.Tensor) -> Head:
+        """What a full graph records after the forward: every row's logits and their argmax (a greedy batch's
+        tokens), so a greedy decode step runs no kernel outside its graph."""
+        logits = self.model.compute_logits(hidden)
+        return logits, row_argmax(logits)
 
     # ---- inputs ---------------------------------------------------------------------------------------
 
@@ -338,7 +355,7 @@ class ModelRunner:
         prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), and on the GPU
         decodes of every power-of-two batch and of the largest (the decode kernel is specialised on its split
         count, which halves as the batch doubles, and has a launch config of its own for large grids; one
-        request is also the one-row matmul kernel's case)."""
+        request is also the one-row matmul kernel's case), and the greedy argmax kernel."""
         longest = max(2, min(self.max_model_len - 1, self.inputs.max_tokens))  # the trace needs >= 2 tokens
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
@@ -346,6 +363,9 @@ class ModelRunner:
         sizes = [1 << i for i in range(most.bit_length())] + [most] if self.device.type == "cuda" else [1, 4]
         for num_reqs in sorted({min(size, most) for size in sizes}):
             self._dummy_forward(num_reqs, True, "none")
+        if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
+            for dtype in {self.kv_caches[0].dtype, torch.float32}:
+                row_argmax(torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:
@@ -361,8 +381,8 @@ class ModelRunner:
                     context = ForwardContext(metadata, self.kv_caches, self.backend)
                     inputs = self.inputs.views(size, size)
                     with set_forward_context(context):
-                        self.compiled(inputs.input_ids, inputs.positions)  # warm-up at this size
-                        self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions)
+                        self.head(self.compiled(inputs.input_ids, inputs.positions))  # warm-up at this size
+                        self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions, self.head)
         torch.cuda.synchronize()
 
     def _dummy_metadata(self, num_tokens: int, decode: bool, mode: str) -> tuple[AttentionMetadata, GraphPlan]:
@@ -379,6 +399,6 @@ class ModelRunner:
         metadata, _ = self.fill_buffers(np.zeros(num_tokens, dtype=np.int64), zeros, num_new, blocks, plan)
         return metadata, plan
 
-    def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> torch.Tensor:
+    def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:
         metadata, plan = self._dummy_metadata(num_tokens, decode, mode)
-        return self.forward(metadata, plan)
+        self.forward(metadata, plan)

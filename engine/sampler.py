@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.backends import argmax
 from kiln.engine.sampling_params import SamplingParams
 
 
@@ -181,7 +182,7 @@ class Sampler(torch.nn.Module):
         if logits.shape != (metadata.num_rows, metadata.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the metadata "
                              f"({metadata.num_rows}, {metadata.vocab_size})")
-        if metadata.all_greedy and metadata.max_num_logprobs is None and not needs_processing(metadata):
+        if plain_greedy(metadata):
             # NOTE: the argmax of the logits in their own dtype: bf16 or fp16 to float32 is exact, so the argmax (ties
             # included) is float32's, without a cast of the whole vocabulary each step (a kernel at batch 1)
             return SamplerOutput(row_argmax(logits), None)
@@ -209,6 +210,11 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     return logits
 
 
+def plain_greedy(metadata: SamplingMetadata) -> bool:
+    """Whether the step's tokens are the argmax of the raw logits: every row greedy, no logprobs, no processing."""
+    return metadata.all_greedy and metadata.max_num_logprobs is None and not needs_processing(metadata)
+
+
 def needs_processing(metadata: SamplingMetadata) -> bool:
     return metadata.logit_bias is not None or metadata.min_tokens_block is not None or metadata.penalties is not None
 
@@ -232,24 +238,13 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     return selected if rows is None else logits.index_copy(0, rows, selected)
 
 
-_ARGMAX_CHUNKS, _CHUNKED_ARGMAX_MAX_ROWS = 128, 32
-
-
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor. NOTE: torch's arg-reductions give each row one thread block
     on the GPU, so at a small batch a 128k vocabulary is one block's work (27 µs a step at batch 1 on the
-    H200, 2% of the 1B's step); at small batch a max over chunks of each row first spreads it out."""
-    if x.device.type != "cuda" or x.shape[0] >= _CHUNKED_ARGMAX_MAX_ROWS or x.shape[1] % _ARGMAX_CHUNKS:
+    H200); up to `argmax.MAX_ROWS` rows, Kiln's kernel spreads each row over many programs, in one launch."""
+    if x.device.type != "cuda" or x.shape[0] > argmax.MAX_ROWS or x.stride(-1) != 1:
         return x.argmax(dim=-1)
-    return chunked_argmax(x, _ARGMAX_CHUNKS)
-
-
-def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
-    """Argmax of each row as the best of `chunks` chunk maxima (the first index on ties, as argmax)."""
-    rows, width = x.shape[0], x.shape[1] // chunks
-    values, inner = x.reshape(rows, chunks, width).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (best * width + inner.gather(1, best)).squeeze(1)
+    return argmax.argmax(x)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -87,7 +87,7 @@ def run_once(llm: LLM, prompts, num_steps: int, num_seqs: int, stub_model: bool)
     clock.wrap(runner, "prepare_inputs", "prepare_inputs")
     if stub_model:  # the host side alone: no forward pass, zero hidden states (so every token is the same)
         hidden_size = engine.model_config.hidden_size
-        runner.forward = lambda metadata, plan: torch.zeros(plan.num_tokens, hidden_size)
+        runner.forward = lambda metadata, plan: (torch.zeros(plan.num_tokens, hidden_size), None)
         clock.wrapped.append((runner, "forward"))
     clock.wrap(runner, "forward", "model")
     clock.wrap(runner.model, "compute_logits", "model")

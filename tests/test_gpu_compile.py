@@ -26,9 +26,13 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
     # Different requests at each replay: decode-only steps (full graphs), mixed prefill + decode steps
     # (piecewise), and a batch larger than the biggest size (no graph).
     batches = [[[1, 2, 3]], [[5] * 9, [7, 8], [3] * 20], [list(range(10, 60))], [[i + 1] * (i + 2) for i in range(40)]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for prompts in batches:
         a = graphs.generate(prompts, params, use_tqdm=False)
         b = eager.generate(prompts, params, use_tqdm=False)
+        # without logprobs a full graph's own argmax gives the tokens; with them, the sampler on its logits
+        assert [x.outputs[0].token_ids for x in graphs.generate(prompts, greedy, use_tqdm=False)] == [
+            x.outputs[0].token_ids for x in a]
         for x, y in zip(a, b):
             # bf16: compare the reference's logprob of each generated token where both agree so far
             for tx, ty, lx, ly in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,

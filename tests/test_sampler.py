@@ -14,16 +14,18 @@ import math
 import pytest
 import torch
 
+from kiln.backends import argmax
 from kiln.engine.sampler import (
     Sampler,
     SamplingMetadata,
-    chunked_argmax,
     make_generator,
     process_logits,
     row_argmax,
     sampling_probs,
 )
 from kiln.engine.sampling_params import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 EOS = (0,)
 
@@ -99,25 +101,31 @@ def test_greedy_is_argmax_of_any_dtype():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_argmax_equals_argmax_ties_included(dtype):
-    """The small-batch GPU argmax (a max per chunk, then the best chunk) against torch's argmax, with ties
-    inside a chunk, across chunks, a row of one repeated value, and infinities."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 4, (9, 1024), generator=g).to(dtype)  # few distinct values: ties everywhere
+@pytest.mark.parametrize("vocab", [1000, 2 * argmax.CHUNK, 3 * argmax.CHUNK + 5])
+def test_argmax_kernel_equals_argmax_ties_included(dtype, vocab):
+    """The small-batch GPU argmax (a maximum per chunk, the last chunk to finish reducing them; Triton's
+    interpreter on the CPU) against torch's argmax, with ties inside a chunk, across chunks, a row of one
+    repeated value, infinities and a NaN, twice in a row (the arrival counts must return to zero)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (9, vocab), generator=g).to(dtype)  # few distinct values: ties everywhere
     x[1] = 2.0
-    x[2, 700] = x[2, 5] = 50.0  # the same maximum in two chunks: the first one wins
+    x[2, vocab - 1] = x[2, 5] = 50.0  # the same maximum in the first and the last chunk: the first one wins
     x[3, 9] = float("inf")
     x[4] = float("-inf")
-    x[5, 1023] = 9.0
-    for chunks in (1, 8, 128):
-        assert torch.equal(chunked_argmax(x, chunks), x.argmax(dim=-1))
+    x[5, vocab - 1] = 9.0
+    x[6, vocab // 2] = float("nan")
+    x[7, 3] = x[7, vocab // 3] = float("nan")
+    x = x.to(DEVICE)
+    for rows in (slice(0, 9), slice(2, 3)):
+        for _ in range(2):
+            assert torch.equal(argmax.argmax(x[rows]), x[rows].argmax(dim=-1))
 
 
 @pytest.mark.gpu
 def test_row_argmax_on_gpu_equals_argmax():
-    x = torch.randn(4, 128256, device="cuda").to(torch.bfloat16)  # bf16: ties at this vocabulary size
+    x = torch.randn(argmax.MAX_ROWS + 1, 128256, device="cuda").to(torch.bfloat16)  # bf16: ties at this width
     x[2, 1000] = x[2, 90000] = 100.0
-    for rows in (1, 4):
+    for rows in (1, 4, argmax.MAX_ROWS, argmax.MAX_ROWS + 1):
         assert torch.equal(row_argmax(x[:rows]), x[:rows].argmax(dim=-1))
 
 
