@@ -177,7 +177,7 @@ def _norm_rope(x, x_pair, w_ptr, cos_row_ptr, sin_row_ptr, offs_d, partner, d_ok
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
-    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages,
+    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     cos_ptr, sin_ptr, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -185,7 +185,7 @@ def _decode_split_kernel(
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
-    pages (one, for a short context: that program normalises and writes the output itself, no
+    pages, and one up to `unsplit_pages` (that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
@@ -200,6 +200,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
+    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
     if split < splits:
         token = tl.load(query_start_loc_ptr + req).to(tl.int64)
@@ -284,6 +285,10 @@ MAX_ARRIVAL_SLOTS = 512 * 128
 # One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`.
 # KILN_DECODE_MIN_SPLIT_TOKENS sets it (A/B runs of whole decode steps); read once, at import.
 MIN_SPLIT_TOKENS = int(os.environ.get("KILN_DECODE_MIN_SPLIT_TOKENS", "64"))
+# Contexts up to this many tokens take one split whatever the batch: in a batch-1 decode step on the H200, one split
+# (no partials to merge) made Llama-3.2-1B 5% faster at 32-160 tokens of context (BENCHMARKS.md, tenth session),
+# where the kernel alone timed in a loop had shown no difference. KILN_DECODE_UNSPLIT_TOKENS sets it (0: off).
+UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (18
 # configs in two runs): 2 warps beat Triton's default 4 by 1-28% (e.g. batch 16 x 256: 10.2 against 14.1 µs), and
 # in one run 64 x 2 x 3 was the fastest or within 3% of it at 12 of the 15 batch x context points (64 x 2 x 2 was
@@ -318,13 +323,14 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                    config: tuple[int, int, int] | None = None,
-                    qk_norm_rope: QKNormRope | None = None) -> None:  # fmt: skip
+                    config: tuple[int, int, int] | None = None, qk_norm_rope: QKNormRope | None = None,
+                    unsplit_tokens: int = UNSPLIT_TOKENS) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
-    `num_splits` partials a request (as many as have `min_split_tokens` each), merged by the last split
-    to finish. `config`: (keys per tile, warps, pipeline stages), by default `decode_config`'s. With
-    `qk_norm_rope`, query and key are normalised and rotated in the kernel, as they are loaded."""
+    `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
+    merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
+    `decode_config`'s. With `qk_norm_rope`, query and key are normalised and rotated in the kernel, as they are
+    loaded."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -342,7 +348,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)),
+        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
         *_qk_norm_rope_args(qk_norm_rope, query),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
