@@ -8,11 +8,9 @@ the layer's query/key/value to the selected backend together with the step's for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
 
 import torch
 
-from kiln.backends import fused_kernels
 from kiln.backends.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -44,26 +42,7 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
-        qk_norm_rope: QKNormRope | None = None,
     ) -> None: ...
-
-
-class QKNormRope(NamedTuple):
-    """Qwen3's per-head RMSNorm of q and k and the rotary after it, handed to the attention op (compiled, on the
-    GPU) instead of run before it: a decode-only batch's kernel applies it to the q and k it loads anyway, one
-    kernel a layer fewer. cos and sin: [T, head_dim / 2], each token's rotation, in the model's dtype."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-
-    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query, key) normalised and rotated, new contiguous tensors (by `fused_kernels.qk_norm_rope`)."""
-        cos, sin, eps = self.cos, self.sin, self.eps
-        q = fused_kernels.qk_norm_rope(query, cos, sin, self.q_weight, self.q_weight, eps, query.shape[1])
-        return q, fused_kernels.qk_norm_rope(key, cos, sin, self.k_weight, self.k_weight, eps, 0)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -94,28 +73,20 @@ def default_backend_name(device: torch.device) -> str:
 # address from replay to replay; a returned tensor would be a fresh eager allocation each step.
 @torch.library.custom_op("kiln::unified_attention", mutates_args=("output",))
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-) -> None:  # fmt: skip
-    attend(query, key, value, output, layer_index, scale, cos, sin, q_norm_weight, k_norm_weight, eps)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+) -> None:
+    attend(query, key, value, output, layer_index, scale)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int,
-           scale: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-           q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-           eps: float = 0.0) -> None:  # fmt: skip
+           scale: float) -> None:  # fmt: skip
     """The op's body: the step's backend on this layer's KV cache. Where no tracer looks (eager layers, and
     the split graph's attention pieces once compiled), it is called directly: through the dispatcher, a
-    `custom_op` call costs ~25 µs more (measured on the CPU machine), once a layer every step. With cos, sin and
-    the norm weights, query and key are Qwen3's raw projections, normalised and rotated here (`QKNormRope`)."""
+    `custom_op` call costs ~25 µs more (measured on the CPU machine), once a layer every step."""
     context = get_forward_context()
-    transform = None if cos is None else QKNormRope(cos, sin, q_norm_weight, k_norm_weight, eps)
-    context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output,
-                            transform)  # fmt: skip
+    context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output)
 
 
 @unified_attention.register_fake
-def _(query, key, value, output, layer_index: int, scale: float, cos=None, sin=None, q_norm_weight=None,
-      k_norm_weight=None, eps: float = 0.0) -> None:  # fmt: skip
+def _(query, key, value, output, layer_index: int, scale: float) -> None:
     return None

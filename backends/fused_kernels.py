@@ -2,10 +2,9 @@
 
 They serve `--enforce-eager` on the GPU, where each would otherwise be several kernel launches and
 several trips through memory. Under torch.compile the layers use their plain-torch forms instead, and
-Inductor fuses those itself, except Qwen3's q/k norm + rotary, which Inductor would leave as two kernels: the
-compiled model hands it to the attention op (`attention.QKNormRope`), whose decode kernel applies it as it loads
-q and k, and which runs `qk_norm_rope` here for any other batch. Each kernel rounds as the plain-torch form does
-(float32 math, the same casts), so outputs agree to within a few ulps.
+Inductor fuses those itself, except Qwen3's q/k norm + rotary, which Inductor leaves as two kernels: the
+compiled pieces call `kiln::qk_norm_rope` for it. Each kernel rounds as the plain-torch form does (float32
+math, the same casts), so outputs agree to within a few ulps.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends import pdl
+from kiln.backends import ops, pdl
 
 
 @triton.jit
@@ -187,3 +186,9 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weigh
             **pdl.launch_kwargs(qk),
         )  # fmt: skip
     return out
+
+
+# NOTE: an op for the compiled pieces, where Inductor makes this two kernels (a reduction that stores the
+# normalised rows, then the rotation, which reads each row at two offsets).
+ops.define("qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
+           "int num_q_heads) -> Tensor", qk_norm_rope, lambda qk, *_: qk.new_empty(qk.shape))

@@ -1,4 +1,4 @@
-"""Kiln's own torch ops for the compiled pieces (`kiln::linear`, `kiln::add_norm_linear`, ...): opaque to Dynamo,
+"""Kiln's own torch ops for the compiled pieces (`kiln::linear`, `kiln::qk_norm_rope`, ...): opaque to Dynamo,
 called by Inductor's code as externs, each with a fake for tracing.
 
 NOTE: a plain `torch.library.Library` rather than `torch.library.custom_op`, whose Python wrapper costs ~25 µs a

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.backends.attention import AttentionBackend, QKNormRope, register_backend
+from kiln.backends.attention import AttentionBackend, register_backend
 from kiln.backends.forward_context import AttentionMetadata
 
 
@@ -36,10 +36,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cudagraph_safe = False
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output,
-                qk_norm_rope: QKNormRope | None = None) -> None:  # fmt: skip
-        if qk_norm_rope is not None:
-            query, key = qk_norm_rope.apply(query, key)
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
         starts = metadata.query_start_loc_cpu

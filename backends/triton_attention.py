@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends import pdl
-from kiln.backends.attention import AttentionBackend, QKNormRope, register_backend
+from kiln.backends.attention import AttentionBackend, register_backend
 from kiln.backends.forward_context import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -158,30 +158,13 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_s
 
 
 @triton.jit
-def _norm_rope(x, x_pair, w_ptr, cos_row_ptr, sin_row_ptr, offs_d, partner, d_ok, eps, HEAD_DIM: tl.constexpr):
-    """Rows x [R, HEAD_DIM_P] of q or k heads: RMSNorm with weight w, then neox RoPE by this token's cos, sin rows;
-    x_pair holds each element's rotation partner (x at `partner`, the other half's same index). Rounded as
-    `fused_kernels.qk_norm_rope` (the norm in float32, cast, times the weight; the rotation in x's dtype)."""
-    a, b = x.to(tl.float32), x_pair.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(a * a, 1) / HEAD_DIM + eps)
-    y = (a * rstd[:, None]).to(x.dtype) * tl.load(w_ptr + offs_d, mask=d_ok, other=0.0)[None, :]
-    y_pair = (b * rstd[:, None]).to(x.dtype) * tl.load(w_ptr + partner, mask=d_ok, other=0.0)[None, :]
-    j = offs_d % (HEAD_DIM // 2)
-    cos = tl.load(cos_row_ptr + j, mask=d_ok, other=0.0).to(x.dtype)[None, :]
-    sin = tl.load(sin_row_ptr + j, mask=d_ok, other=0.0).to(x.dtype)[None, :]
-    # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-    return y * cos + tl.where((offs_d < HEAD_DIM // 2)[None, :], -y_pair, y_pair) * sin
-
-
-@triton.jit
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
-    cos_ptr, sin_ptr, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, QK_NORM_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -189,8 +172,7 @@ def _decode_split_kernel(
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
-    it is read. So a decode is one kernel: no K/V write before it, no reduction after it. With QK_NORM_ROPE the
-    q and k it loads are Qwen3's raw projections: it normalises and rotates them (`_norm_rope`) first."""
+    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
     if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -209,31 +191,19 @@ def _decode_split_kernel(
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
-        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the rotary's other element (QK_NORM_ROPE)
-        cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_sin
         if split == splits - 1:
             slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-                k_row = key_ptr + token * stride_key + kv_head * HEAD_DIM
-                k_new = tl.load(k_row + offs_d[None, :], mask=d_ok[None, :])
-                if QK_NORM_ROPE:
-                    k_pair = tl.load(k_row + partner[None, :], mask=d_ok[None, :])
-                    k_new = _norm_rope(k_new, k_pair, k_norm_ptr, cos_row, sin_row, offs_d, partner, d_ok, eps,
-                                       HEAD_DIM)  # fmt: skip
-                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d[None, :],
-                                mask=d_ok[None, :])  # fmt: skip
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok[None, :])
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok[None, :])
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
-        q_rows = q_ptr + token * stride_q_t + head[:, None] * stride_q_h
-        q_ok = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_rows + offs_d[None, :], mask=q_ok, other=0.0)
-        if QK_NORM_ROPE:
-            q_pair = tl.load(q_rows + partner[None, :], mask=q_ok, other=0.0)
-            q = _norm_rope(q, q_pair, q_norm_ptr, cos_row, sin_row, offs_d, partner, d_ok, eps, HEAD_DIM)
+        q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
@@ -323,14 +293,13 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                    config: tuple[int, int, int] | None = None, qk_norm_rope: QKNormRope | None = None,
+                    config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
-    `decode_config`'s. With `qk_norm_rope`, query and key are normalised and rotated in the kernel, as they are
-    loaded."""
+    `decode_config`'s."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -349,21 +318,11 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
-        *_qk_norm_rope_args(qk_norm_rope, query),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        QK_NORM_ROPE=qk_norm_rope is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_kwargs(query),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
     )  # fmt: skip
-
-
-def _qk_norm_rope_args(t: QKNormRope | None, query: torch.Tensor) -> tuple:
-    """The decode kernel's cos, sin, their token strides, the q and k norm weights and eps (placeholders without)."""
-    if t is None:
-        return query, query, 0, 0, query, query, 0.0
-    assert t.cos.stride(-1) == 1 and t.sin.stride(-1) == 1
-    return t.cos, t.sin, t.cos.stride(0), t.sin.stride(0), t.q_weight, t.k_weight, t.eps
 
 
 @register_backend
@@ -375,14 +334,10 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output,
-                qk_norm_rope: QKNormRope | None = None) -> None:  # fmt: skip
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         if metadata.max_query_len == 1:
             num_splits = decode_num_splits(metadata.seq_lens.shape[0], kv_cache.shape[-2], self.num_sms)
-            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits,
-                            qk_norm_rope=qk_norm_rope)  # fmt: skip
+            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits)
         else:
-            if qk_norm_rope is not None:
-                query, key = qk_norm_rope.apply(query, key)
             write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])
             unified_attention(query, kv_cache, metadata, scale, output)

@@ -87,8 +87,7 @@ def decode_variants(model: str):
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
-                              NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
-                              QK_NORM_ROPE=PRESETS[model]["architectures"][0].startswith("Qwen3"))  # fmt: skip
+                              NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True)  # fmt: skip
             yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", ta._decode_split_kernel, constexprs, warps, stages
 
 

@@ -7,7 +7,6 @@ import torch
 from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import get_attention_backend, triton_attention
-from kiln.backends.attention import QKNormRope
 from kiln.backends.triton_attention import (
     DECODE_CONFIG,
     DECODE_CONFIG_MANY,
@@ -16,7 +15,6 @@ from kiln.backends.triton_attention import (
     split_kv_decode,
     write_kv,
 )
-from kiln.engine.models.layers import RotaryEmbedding, _rotate, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
@@ -106,37 +104,6 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, n
         torch.testing.assert_close(flat[0, metadata.slot_mapping], k)
         torch.testing.assert_close(flat[1, metadata.slot_mapping], v)
         kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = 0  # the next round writes again
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("query_lens,context_lens", [CASES[2], ([1, 1, 1, 1], [3, 40, 100, 17])])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
-def test_qk_norm_rope_inside_attention(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim):
-    """Qwen3's q/k norm and rotary handed to the op (as the compiled model does on the GPU): a decode-only batch's
-    kernel applies them as it loads q and k, a mixed batch's backend first. Against attention over q and k
-    normalised and rotated by the plain-torch forms; the cache must hold the rotated keys."""
-    q, k, v, kv_cache, metadata, history = make_paged_batch(
-        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
-    )
-    positions = torch.cat([torch.arange(c, c + n) for n, c in zip(query_lens, context_lens)]).to(DEVICE)
-    cos, sin = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE).lookup(positions, torch.float32)
-    q_weight, k_weight = torch.rand(2, head_dim, device=DEVICE) + 0.5
-    plain = lambda x, w: _rotate(rms_norm(x, w, 1e-6), cos, sin)  # noqa: E731
-    q_ref, k_ref = plain(q, q_weight), plain(k, k_weight)
-    starts = metadata.query_start_loc_cpu.tolist()
-    history = [(torch.cat([hk[: len(hk) - n], k_ref[a:b].cpu()]), hv)
-               for (hk, hv), n, a, b in zip(history, query_lens, starts, starts[1:])]  # fmt: skip
-    # q and k as the model passes them: views of one qkv buffer
-    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    q_view, k_view, v_view = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
-    out = torch.full_like(q, float("nan"))
-    get_attention_backend(backend).forward(
-        q_view.view(q.shape), k_view.view(k.shape), v_view.view(v.shape), kv_cache, metadata, head_dim**-0.5, out,
-        QKNormRope(cos, sin, q_weight, k_weight, 1e-6))  # fmt: skip
-    ref = reference_attention(q_ref, history, query_lens, head_dim**-0.5)
-    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
-    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
-    torch.testing.assert_close(flat_k[metadata.slot_mapping], k_ref, atol=TOL, rtol=TOL)
 
 
 def test_kv_write_skips_negative_slots():

@@ -71,6 +71,8 @@ def test_qk_norm_rope(dtype, num_q_heads, num_k_heads, head_dim):
     out = fused_kernels.qk_norm_rope(qk, cos, sin, q_weight, k_weight, 1e-6, num_q_heads)
     assert out.shape == qk.shape and out.is_contiguous()
     close(out, ref, dtype)
+    compiled = torch.compile(lambda *a: torch.ops.kiln.qk_norm_rope(*a) * 2, fullgraph=True, dynamic=True)
+    close(compiled(qk, cos, sin, q_weight, k_weight, 1e-6, num_q_heads), 2 * ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

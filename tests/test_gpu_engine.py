@@ -26,8 +26,7 @@ def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_bf16_decode_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, enforce_eager):
     """Batch-1 decode steps (the one-row matmul kernel and the one-kernel split-KV decode; compiled, inside the
-    full CUDA graph, with Qwen3's q/k norm and rotary inside the decode kernel) against the fp32 Hugging Face
-    model over the same tokens."""
+    full CUDA graph, with Qwen3's kiln::qk_norm_rope) against the fp32 Hugging Face model over the same tokens."""
     prompt = list(range(3, 40))
     common = dict(max_model_len=256, kv_cache_memory_bytes=1 << 28, compile_cache_dir=str(tmp_path))
     with LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,

@@ -60,18 +60,18 @@ class Attention(nn.Module):
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if hasattr(self, "q_norm") and qk.is_cuda and torch.compiler.is_compiling():
-            # the attention op normalises and rotates q and k itself: a decode batch's kernel as it loads them (no
-            # kernel of their own), any other batch by one Triton kernel (Inductor would make two)
+            # one Triton kernel for both (Inductor makes two: the norm's rows are read at two offsets by the rotation)
             cos, sin = rope  # traced, the layers take their plain forms: the lookup gave the cos and sin rows
-            return self._attend(qkv, qk_norm_rope=(cos, sin, self.q_norm.weight, self.k_norm.weight,
-                                                   self.q_norm.eps)), residual  # fmt: skip
-        if hasattr(self, "q_norm"):
-            qk = self._qk_norm(qk)
-        return self._attend(qkv, self.rotary_emb.rotate(rope, qk)), residual
+            qk = torch.ops.kiln.qk_norm_rope(qk, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             self.num_heads)  # fmt: skip
+        else:
+            if hasattr(self, "q_norm"):
+                qk = self._qk_norm(qk)
+            qk = self.rotary_emb.rotate(rope, qk)
+        return self._attend(qkv, qk), residual
 
-    def _attend(self, qkv: torch.Tensor, qk: torch.Tensor | None = None, qk_norm_rope: tuple = ()) -> torch.Tensor:
-        """Attention over the projection's q, k (rotated: `qk` [T, Hq + Hk, D], else qkv's own, which with
-        `qk_norm_rope` (cos, sin, q and k norm weights, eps) the op normalises and rotates) and v, then o."""
+    def _attend(self, qkv: torch.Tensor, qk: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the projection's q, k (rotated: `qk` [T, Hq + Hk, D], else qkv's own) and v, then o."""
         num_tokens = qkv.shape[0]
         if qk is None:
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         if torch.compiler.is_compiling():  # the op: opaque to Dynamo, where the graph is split
-            torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale, *qk_norm_rope)
+            torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale)
         else:
             attend(q, k, v, out, self.layer_index, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         if self.q_norm.fused:  # eager on the GPU: the Triton kernel on each
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # NOTE (compiled on the CPU; on the GPU the attention op does the norm and the rotary instead): each head's
+        # NOTE (compiled on the CPU; on the GPU the compiled pieces call kiln::qk_norm_rope instead): each head's
         # weight chosen pointwise, not `torch.cat` of the two expanded: Inductor makes a cat a
         # buffer of its own (two kernels a layer, every step), where a `where` folds into the norm's kernel.
         is_k = torch.arange(self.num_heads + self.num_kv_heads, device=qk.device).unsqueeze(1) >= self.num_heads
