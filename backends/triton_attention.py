@@ -173,26 +173,28 @@ def _decode_split_kernel(
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
     it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
-    if USE_PDL:  # everything it reads but the cache comes from the kernels before it (see kiln.backends.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
+    # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
     if split < splits:
-        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
         start = split * pages_per_split * BLOCK_SIZE
         end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
         if split == splits - 1:
-            slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
