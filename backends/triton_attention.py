@@ -194,6 +194,11 @@ def _decode_split_kernel(
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
+        row_ok = offs_m < Q_PER_KV
+        head = kv_head * Q_PER_KV + offs_m
+        # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
+        q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         if split == splits - 1:
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
@@ -202,10 +207,6 @@ def _decode_split_kernel(
                 tl.store(k_cache_ptr + row, k_new, mask=d_ok)
                 tl.store(v_cache_ptr + row, v_new, mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
-        row_ok = offs_m < Q_PER_KV
-        head = kv_head * Q_PER_KV + offs_m
-        q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
