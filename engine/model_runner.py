@@ -114,17 +114,14 @@ class ModelRunner:
             sampling = self.sampling_metadata(requests)
             grammars = [r.grammar for r in requests]
             constrained = any(grammar is not None for grammar in grammars)
-            if head is not None:  # a full graph: its LM head and greedy argmax ran over every row
-                logits, greedy = head
-                logits = logits[logits_indices]
-            else:
-                logits = self.model.compute_logits(hidden[logits_indices])
+            # a full graph ran the LM head and the greedy argmax over every row (`head`)
+            logits = self.model.compute_logits(hidden[logits_indices]) if head is None else head[0][logits_indices]
             if constrained:
                 # NOTE: the forward pass and the logits are enqueued by now: the host fills the grammar mask
                 # while the device computes them, and the mask is applied in place just before sampling.
                 self.grammar_bitmask().apply(logits, grammars)
             if head is not None and not constrained and plain_greedy(sampling):
-                result = SamplerOutput(greedy[logits_indices], None)
+                result = SamplerOutput(head[1][logits_indices], None)
             else:
                 result = self.sampler(logits, sampling)
             self._prev_sampled = result.sampled_token_ids
@@ -364,7 +361,7 @@ class ModelRunner:
         for num_reqs in sorted({min(size, most) for size in sizes}):
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
-            for dtype in {self.kv_caches[0].dtype, torch.float32}:
+            for dtype in {next(self.model.parameters()).dtype, torch.float32}:
                 row_argmax(torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
@@ -400,5 +397,4 @@ class ModelRunner:
         return metadata, plan
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:
-        metadata, plan = self._dummy_metadata(num_tokens, decode, mode)
-        self.forward(metadata, plan)
+        self.forward(*self._dummy_metadata(num_tokens, decode, mode))
