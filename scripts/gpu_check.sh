@@ -9,7 +9,7 @@
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
 # stages). Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
-# names carry it.
+# names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -34,6 +34,13 @@ import synthetic_tokenizer as t; t(r(sys.argv[1]).model_config.vocab_size).save_
   kiln serve "$1" --tokenizer "$tok" --port 8000 > "$OUT/serve_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+}
+
+# A log's path without its extension, numbered (_2, _3, ...) when a step of the same name already wrote one
+fresh() {
+  local base=$1 n=2
+  while [ -e "$base.log" ]; do base="${1}_$n"; n=$((n + 1)); done
+  echo "$base"
 }
 
 tag=
@@ -66,11 +73,11 @@ for step in $steps; do
     latency:*)
       model=${step#latency:}
       hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
+      base=$(fresh "$OUT/latency_${model}_tp${TP:-1}$tag")
       timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
-        --capture-sizes 1,2,4,8,16,32,64,128 $hf --json "$OUT/latency_${model}_tp${TP:-1}$tag.json" 2>&1 \
-        | tee "$OUT/latency_${model}_tp${TP:-1}$tag.log" | tail -n 12
-      grep -A12 "^decode latency" "$OUT/latency_${model}_tp${TP:-1}$tag.log" >> "$summary" ;;
+        --capture-sizes 1,2,4,8,16,32,64,128 $hf --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
+      grep -A12 "^decode latency" "$base.log" >> "$summary" ;;
     breakdown:*)
       model=${step#breakdown:}
       timeout -s ABRT -k 15 ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench_latency.py --model "$model" --breakdown \
@@ -80,7 +87,7 @@ for step in $steps; do
       grep " tok/s" "$OUT/breakdown_$model.log" >> "$summary" ;;
     profile:*)
       spec=${step#profile:}
-      log="$OUT/profile_${spec//:/_}_tp${TP:-1}$tag.log"
+      log="$(fresh "$OUT/profile_${spec//:/_}_tp${TP:-1}$tag").log"
       timeout -s ABRT -k 15 ${PROFILE_TIMEOUT:-240} python3 scripts/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
         ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
