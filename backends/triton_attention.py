@@ -268,6 +268,8 @@ UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
 # faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
 DECODE_CONFIG = (64, 2, 3)
+if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES in its place (A/B runs of whole decode steps)
+    DECODE_CONFIG = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 
 
