@@ -171,8 +171,8 @@ def _decode_split_kernel(
     pages, and one up to `unsplit_pages` (that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
-    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    last split's program writes the token's own K/V (this kv head's) into its slot and attends to that
+    key from registers. So a decode is one kernel: no K/V write before it, no reduction after it."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,26 +196,38 @@ def _decode_split_kernel(
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
-        # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if split == splits - 1:
-            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
-            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
+        # The step's own token (the request's last key) is the last split's: it writes the token's K/V into its
+        # slot, the one place it is read, and adds that key to its softmax from registers, after the loop over
+        # the cached keys. So no load of the tiles waits on this write (a barrier, and k and v's loads before it).
+        is_last = split == splits - 1
+        # NOTE: the scalar condition as a bound, not `d_ok & is_last`: Triton's interpreter rejects that mask
+        new_ok = offs_d < tl.where(is_last, HEAD_DIM, 0)
+        write_ok = offs_d < tl.where(is_last & (slot >= 0), HEAD_DIM, 0)  # as in _kv_write_kernel, a negative
+        k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
+        v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
+        row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+        tl.store(k_cache_ptr + row, k_new, mask=write_ok)  # slot writes nowhere
+        tl.store(v_cache_ptr + row, v_new, mask=write_ok)
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
-        for start_n in range(start, end, TILE_N):
+        cached_end = end - is_last.to(tl.int32)  # the last split's cached keys stop before the token's own
+        for start_n in range(start, cached_end, TILE_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
-                                         end, no_causal, offs_d, d_ok, qk_scale,
+                                         cached_end, no_causal, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+        m_new = tl.where(is_last, tl.maximum(m_i, s_new), m_i)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p_new = tl.where(is_last, tl.math.exp2(s_new - m_safe), 0.0)
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        l_i = l_i * alpha + p_new
+        m_i = m_new
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]

@@ -5,7 +5,7 @@ Attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, random
 tables; batch x context grid. Bandwidth = K and V bytes read / time, against 4.3 TB/s (the H200's
 measured copy bandwidth). SDPA reads the same K/V laid out contiguously ([B, 8, ctx, 128]).
 
-    python scripts/bench_attention.py [--max-tokens 4194304]
+    python scripts/bench_attention.py [--max-tokens 4194304] [--shapes 64x256,1x32768]
 """
 
 from __future__ import annotations
@@ -149,7 +149,9 @@ def main() -> None:
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     p.add_argument("--config-sweep", default="",
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2")  # fmt: skip
+    p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     args = p.parse_args()
+    shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
     configs = {c: tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c}
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
@@ -157,7 +159,7 @@ def main() -> None:
     rows = []
     for batch in (1, 16, 64, 256):
         for context in (256, 2048, 8192, 32768):
-            if batch * context <= args.max_tokens:
+            if batch * context <= args.max_tokens and (not shapes or (batch, context) in shapes):
                 rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
