@@ -22,6 +22,7 @@ from kiln.backends import pdl
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import GraphPool, PiecewiseCudaGraphs
+from kiln.compile.saved_graph import Unsaveable, describe
 from kiln.compile.split import call_attention_directly, split_at_attention
 
 logger = logging.getLogger("kiln")
@@ -54,6 +55,8 @@ class KilnBackend:
         self.counters = counters
         self.split: torch.fx.GraphModule | None = None  # the traced forward, its pieces compiled
         self.graph_pool = GraphPool()  # the full graphs' and the pieces' graphs'
+        self.artifacts: dict[str, Any] = {}  # each distinct compute piece's, by its hash
+        self.saved: dict[str, Any] | None = None  # the split graph as `saved_graph.describe` writes it down
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
         self.counters.dynamo_traces += 1
@@ -69,6 +72,13 @@ class KilnBackend:
         self.counters.unique_pieces = len(compiler.by_hash)
         self.cache.write_text("split_graph.py", _readable(split, compiler.codes, len(attention)))
         self.split = split
+        self.artifacts = compiler.by_hash
+        try:
+            sources = _sources(gm)
+            example = {name: example_inputs[sources.index(f"L['{name}']")] for name in ("input_ids", "positions")}
+            self.saved = describe(split, sources, compiler.pieces, example)
+        except (Unsaveable, ValueError) as e:
+            logger.warning("the split graph cannot be saved (%s): every start will trace it", e)
         return split
 
     def release_graphs(self) -> None:
@@ -122,6 +132,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.compute = set(compute)
         self.backend = backend
         self.by_hash: dict[str, Any] = {}
+        self.pieces: dict[str, tuple[str, bool]] = {}  # compute piece -> (its hash, whether it returns one tensor)
         self.codes: dict[str, str] = {}  # each piece's code, kept for the debugging dump
 
     def call_module(self, target, args, kwargs):
@@ -132,9 +143,23 @@ class _PieceCompiler(torch.fx.Interpreter):
             digest = piece_hash(piece, args)
             if digest not in self.by_hash:
                 self.by_hash[digest] = self.backend.compile_piece(piece, list(args), digest)
+            self.pieces[target] = (digest, isinstance(out, torch.Tensor))
             setattr(self.module, target, CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor),
                                                         self.backend.graph_pool))  # fmt: skip
         return out
+
+
+def _sources(gm: torch.fx.GraphModule) -> list[str]:
+    """Dynamo's source of each of the graph's inputs, in order (`L['input_ids']`, `L['model']._modules[...]...`)."""
+    sources = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            grapharg = node.meta.get("grapharg")
+            if grapharg is None or grapharg.source is None:
+                raise Unsaveable(f"input {node.name} has no source")
+            name = grapharg.source.name
+            sources.append(name() if callable(name) else name)  # (a method in older torch)
+    return sources
 
 
 def piece_hash(piece: torch.fx.GraphModule, args: list[Any]) -> str:

@@ -2,6 +2,7 @@
 
     ~/.cache/kiln/compile/<key>/
         key.json          what the key was hashed from (also logged at start-up)
+        forward.json      the traced split graph as data (`saved_graph.py`): a warm start runs it, no Dynamo
         split_graph.py    the split graph and its pieces, as readable code (for debugging)
         pieces/<hash>.bin Inductor artifacts, one per distinct compute piece
 
@@ -12,6 +13,7 @@ whole artifact or none; two processes warming one cache both compile and the lat
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -48,9 +50,11 @@ def device_target(device: torch.device) -> str:
 
 def source_hash(model: torch.nn.Module) -> str:
     """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes'
-    modules, the attention and collective ops, and this package."""
+    modules, the attention and collective ops, this package, and the runner's (how it lays out the traced
+    inputs: the saved graph was traced with their strides and offsets)."""
     files = {Path(inspect.getfile(type(m))) for m in model.modules()}
     files |= set(Path(__file__).parent.glob("*.py"))
+    files |= {Path(importlib.util.find_spec(f"kiln.engine.{name}").origin) for name in ("model_runner", "runner_io")}
     files.add(Path(inspect.getfile(unified_attention_module)))
     files.add(Path(inspect.getfile(collectives_module)))
     digest = hashlib.sha256()
@@ -116,6 +120,18 @@ class CompileCache:
     def write_text(self, name: str, text: str) -> None:
         if self.enabled:
             atomic_write_bytes(self.directory / name, text.encode())
+
+    def read_json(self, name: str) -> Any:
+        """The JSON file `name` of this key's folder, or None if absent, unreadable or the cache is disabled."""
+        if not self.enabled:
+            return None
+        try:
+            return json.loads((self.directory / name).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            logger.warning("compile cache: cannot read %s (%s)", name, e)
+            return None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

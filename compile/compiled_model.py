@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
 import types
 from collections.abc import Callable
@@ -10,10 +12,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kiln.compile.backend import KilnBackend
+from kiln.compile.backend import CompiledPiece, KilnBackend
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
-from kiln.compile.cudagraph import weak_ref
+from kiln.compile.cudagraph import capturing, weak_ref
+from kiln.compile.saved_graph import rebuild
+
+logger = logging.getLogger("kiln")
 
 # Several engines in one process (tests, benchmarks) each trace their own model: let Dynamo keep them all.
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -21,6 +26,7 @@ torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.acc
 
 
 _instances = itertools.count()
+SAVED_GRAPH = "forward.json"
 
 
 def _without_shape_guards(entries) -> list[bool]:
@@ -46,8 +52,11 @@ def _private_forward(model: nn.Module):
 class CompiledModel:
     """`model.forward(input_ids[T], positions[T])`, compiled for any T by one Dynamo trace.
 
-    The first call traces, with T marked dynamic; every later call runs under `fail_on_recompile`, so a
-    batch that would need a new trace is an error, never a silent compile while serving.
+    The first call traces, with T marked dynamic. The split graph it gives is saved in the compile cache
+    (`saved_graph.py`) and every call after it runs that graph rebuilt, outside Dynamo: nothing can trace or
+    compile again while serving. A start that finds the saved graph and its artifacts in the cache rebuilds it
+    at once and never traces. (A graph that cannot be saved runs in Dynamo's frame, under `fail_on_recompile`,
+    so a batch that would need a new trace is an error, never a silent compile.)
 
     NOTE: T is a *backed* symbol (traced at a size >= 2, so it has a hint) and the frame keeps no shape
     guards, so T = 1 runs the same code. Marked unbacked instead (no 0/1 specialisation, no guard to drop),
@@ -58,18 +67,21 @@ class CompiledModel:
 
     def __init__(self, model: nn.Module, cache: CompileCache, counters: CompileCounters) -> None:
         self.model = model
+        self.cache = cache
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
         self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
                                       options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
-        self.traced = False
         self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced
+        saved = cache.read_json(SAVED_GRAPH)
+        if saved is not None:
+            self.run = self._load(saved)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not self.traced:
+        if self.run is None:
             return self._trace(input_ids, positions)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return self._forward(input_ids, positions)
+        return self.run(input_ids, positions)
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] < 2:
@@ -81,8 +93,44 @@ class CompiledModel:
         out = self._forward(input_ids, positions)
         after = self.counters.inductor_seconds + self.counters.cache_load_seconds
         self.counters.dynamo_seconds += time.perf_counter() - start - (after - before)
-        self.traced = True
+        saved = self.backend.saved
+        if saved is not None:
+            self.run = rebuild(saved, self.model, lambda digest, single: CompiledPiece(
+                self.backend.artifacts[digest], single, self.backend.graph_pool))  # fmt: skip
+            self.backend.split = self.run.split
+            self.cache.write_text(SAVED_GRAPH, json.dumps(saved))
+        else:
+            self.run = self._in_dynamo
         return out
+
+    def _in_dynamo(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._forward(input_ids, positions)
+
+    def _load(self, saved: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The saved split graph rebuilt with its pieces' artifacts from the cache; None (and the first call
+        traces) if any is missing or the saved form is not one this code reads."""
+        artifacts: dict[str, object] = {}
+
+        def compute_piece(digest: str, single: bool) -> CompiledPiece:
+            if digest not in artifacts:
+                with self.counters.timed("cache_load_seconds"):
+                    artifacts[digest] = self.cache.load(digest)
+                if artifacts[digest] is None:
+                    raise LookupError(f"the artifact of piece {digest} is missing")
+            return CompiledPiece(artifacts[digest], single, self.backend.graph_pool)
+
+        try:
+            forward = rebuild(saved, self.model, compute_piece)
+        except Exception as e:  # a stale or damaged cache entry is a miss, never a crash
+            logger.warning("compile cache: cannot rebuild the saved forward (%s); tracing it instead", e)
+            return None
+        self.backend.split = forward.split
+        pieces = saved["pieces"].values()
+        self.counters.compute_pieces = sum("compute" in piece for piece in pieces)
+        self.counters.attention_ops = len(pieces) - self.counters.compute_pieces
+        self.counters.unique_pieces = self.counters.cache_hits = len(artifacts)
+        return forward
 
     # ---- full CUDA graphs (decode-only batches) --------------------------------------------------------
 
@@ -92,7 +140,7 @@ class CompiledModel:
         in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
         has warmed this size (and the head) up once."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
+        with capturing(graph, self.backend.graph_pool()):
             hidden = self(input_ids[:size], positions[:size])
             outputs = (hidden, *(head(hidden) if head is not None else ()))
         self.full_graphs[size] = (graph, weak_ref(outputs))

@@ -84,6 +84,7 @@ def test_disk_cache_across_processes(tiny_llama_dir, tmp_path):
     assert a["inductor_compiles"] + a["cache_hits"] == a["unique_pieces"]
     warm = _stats(_start_in_subprocess(tiny_llama_dir, cache))
     assert warm["inductor_compiles"] == 0 and warm["cache_hits"] == warm["unique_pieces"]
+    assert warm["dynamo_traces"] == 0  # the saved split graph, rebuilt: no trace
     assert warm["tokens"] == a["tokens"]
     assert warm["compile_cache_dir"] == a["compile_cache_dir"]
     pieces = list((cache / a["compile_cache_dir"].rsplit("/", 1)[-1] / "pieces").glob("*.bin"))
@@ -96,6 +97,39 @@ def test_disk_cache_across_processes(tiny_llama_dir, tmp_path):
     other = _stats(_start_in_subprocess(tiny_llama_dir, cache, dtype="bfloat16"))
     assert other["cache_hits"] == 0 and other["inductor_compiles"] > 0
     assert other["compile_cache_dir"] != a["compile_cache_dir"]
+
+
+def test_warm_start_runs_the_saved_graph_without_dynamo(tiny_llama_dir, tmp_path):
+    """The traced split graph is saved beside the artifacts; a start that finds both neither traces nor compiles
+    and gives the cold start's logprobs exactly. A damaged saved graph, or a missing artifact, is a miss: that
+    start traces (and compiles what is missing) as a cold one would, and repairs the entry."""
+    cache = tmp_path / "cache"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def start() -> tuple[dict, list]:
+        llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(cache))
+        outputs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params,
+                                                                                           use_tqdm=False)]  # fmt: skip
+        stats = llm.engine.startup_stats
+        llm.close()
+        return stats, outputs
+
+    cold, want = start()
+    folder = cache / cold["compile_cache_dir"].rsplit("/", 1)[-1]
+    assert cold["dynamo_traces"] == 1 and (folder / "forward.json").exists()
+    warm, got = start()
+    assert warm["dynamo_traces"] == 0 and warm["inductor_compiles"] == 0
+    assert warm["cache_hits"] == warm["unique_pieces"] == cold["unique_pieces"]
+    assert (warm["compute_pieces"], warm["attention_ops"]) == (cold["compute_pieces"], cold["attention_ops"])
+    assert got == want
+
+    (folder / "forward.json").write_text("{")  # damaged
+    stats, got = start()
+    assert stats["dynamo_traces"] == 1 and stats["inductor_compiles"] == 0 and got == want
+    assert json.loads((folder / "forward.json").read_text())["pieces"]  # written again
+    next((folder / "pieces").glob("*.bin")).unlink()  # an artifact gone
+    stats, got = start()
+    assert stats["dynamo_traces"] == 1 and stats["inductor_compiles"] == 1 and got == want
 
 
 def test_changed_config_misses(tiny_llama_dir, tmp_path):
