@@ -171,8 +171,8 @@ def _decode_split_kernel(
     pages, and one up to `unsplit_pages` (that program normalises and writes the output itself, no
     partials). With more, each writes its unnormalised partial with its running max and sum (log2
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    last split's program writes the token's own K/V (this kv head's) into its slot and attends to that
-    key from registers. So a decode is one kernel: no K/V write before it, no reduction after it."""
+    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
+    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,38 +196,26 @@ def _decode_split_kernel(
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
+        # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        # The step's own token (the request's last key) is the last split's: it writes the token's K/V into its
-        # slot, the one place it is read, and adds that key to its softmax from registers, after the loop over
-        # the cached keys. So no load of the tiles waits on this write (a barrier, and k and v's loads before it).
-        is_last = split == splits - 1
-        # NOTE: the scalar condition as a bound, not `d_ok & is_last`: Triton's interpreter rejects that mask
-        new_ok = offs_d < tl.where(is_last, HEAD_DIM, 0)
-        write_ok = offs_d < tl.where(is_last & (slot >= 0), HEAD_DIM, 0)  # as in _kv_write_kernel, a negative
-        k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
-        v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
-        row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-        tl.store(k_cache_ptr + row, k_new, mask=write_ok)  # slot writes nowhere
-        tl.store(v_cache_ptr + row, v_new, mask=write_ok)
+        if split == splits - 1:
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
-        cached_end = end - is_last.to(tl.int32)  # the last split's cached keys stop before the token's own
-        for start_n in range(start, cached_end, TILE_N):
+        for start_n in range(start, end, TILE_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
-                                         cached_end, no_causal, offs_d, d_ok, qk_scale,
+                                         end, no_causal, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-        m_new = tl.where(is_last, tl.maximum(m_i, s_new), m_i)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p_new = tl.where(is_last, tl.math.exp2(s_new - m_safe), 0.0)
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        l_i = l_i * alpha + p_new
-        m_i = m_new
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -279,15 +267,24 @@ UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # in one run 64 x 2 x 3 was the fastest or within 3% of it at 12 of the 15 batch x context points (64 x 2 x 2 was
 # 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
 # faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
+# Up to FEW_REQUESTS requests, a 128-key tile with 4 warps: inside Qwen3-0.6B's batch-1 decode step on the H200 it
+# made the step 6% faster (1,571 against 1,472-1,482 tokens/s, BENCHMARKS.md, eleventh session), where the
+# kernel alone timed in a loop had not preferred it; with one split for short contexts, a program walks its
+# keys in half as many dependent iterations.
 DECODE_CONFIG = (64, 2, 3)
-if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES in its place (A/B runs of whole decode steps)
-    DECODE_CONFIG = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
+DECODE_CONFIG_FEW = (128, 4, 2)
+FEW_REQUESTS = 4
+if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES for both (A/B runs of whole decode steps)
+    DECODE_CONFIG = DECODE_CONFIG_FEW = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 
 
-def decode_config(num_programs: int) -> tuple[int, int, int]:
-    """The decode kernel's launch config for a grid of `num_programs`: fixed by the batch size, so graph-safe."""
-    return DECODE_CONFIG_MANY if num_programs >= 2048 else DECODE_CONFIG
+def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
+    """The decode kernel's launch config for a grid of `num_programs` over `num_reqs` requests: fixed by the batch
+    size, so graph-safe."""
+    if num_programs >= 2048:
+        return DECODE_CONFIG_MANY
+    return DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -322,7 +319,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
-    tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits)
+    tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)

@@ -83,7 +83,7 @@ def decode_variants(model: str):
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
     for num_splits in (1, 64):
-        for tile_n, warps, stages in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_MANY):
+        for tile_n, warps, stages in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY):
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,

@@ -9,7 +9,9 @@ from attention_reference import make_paged_batch, reference_attention
 from kiln.backends import get_attention_backend, triton_attention
 from kiln.backends.triton_attention import (
     DECODE_CONFIG,
+    DECODE_CONFIG_FEW,
     DECODE_CONFIG_MANY,
+    FEW_REQUESTS,
     decode_config,
     decode_num_splits,
     split_kv_decode,
@@ -81,7 +83,8 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
 
 @pytest.mark.parametrize("num_splits,min_split_tokens,config,unsplit_tokens", [
     (1, 16, None, 0), (3, 16, None, 0), (8, 16, None, 0), (1, 128, None, 0), (3, 128, None, 0), (8, 128, None, 0),
-    (3, 16, DECODE_CONFIG_MANY, 0), (1, 16, DECODE_CONFIG_MANY, 0), (8, 16, None, 112)])  # fmt: skip
+    (3, 16, DECODE_CONFIG_MANY, 0), (1, 16, DECODE_CONFIG_MANY, 0), (8, 16, None, 112),
+    (3, 16, DECODE_CONFIG_FEW, 0), (1, 16, DECODE_CONFIG_FEW, 112)])  # fmt: skip
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
 def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, num_heads, num_kv_heads, head_dim):
     """Contexts from under one page to many splits' worth: some requests use every split, some fewer,
@@ -117,7 +120,10 @@ def test_kv_write_skips_negative_slots():
 
 
 def test_decode_config_by_grid_size():
-    assert decode_config(2047) == DECODE_CONFIG != DECODE_CONFIG_MANY == decode_config(2048) == decode_config(4096)
+    assert decode_config(2047, 256) == DECODE_CONFIG != DECODE_CONFIG_MANY == decode_config(2048, 256)
+    assert decode_config(4096, 512) == DECODE_CONFIG_MANY
+    assert decode_config(512, 1) == decode_config(2047, FEW_REQUESTS) == DECODE_CONFIG_FEW != DECODE_CONFIG
+    assert decode_config(512, FEW_REQUESTS + 1) == DECODE_CONFIG
 
 
 def test_decode_num_splits_fills_the_gpu():
