@@ -54,6 +54,9 @@ def describe(split: torch.fx.GraphModule, sources: list[str], compute: dict[str,
     for source in sources:
         if not source.startswith(("L['model']", *(f"L['{n}']" for n in INPUTS))):
             raise Unsaveable(f"an input from {source}")
+    (output,) = [node for node in split.graph.nodes if node.op == "output"]
+    if not (isinstance(output.args[0], tuple | list) and len(output.args[0]) == 1):
+        raise Unsaveable("the forward returns more than the hidden states")
     traced = {name: {"dtype": str(t.dtype), "stride": list(t.stride()), "offset": t.storage_offset()}
               for name, t in example.items()}  # fmt: skip
     for name in INPUTS:

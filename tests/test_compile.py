@@ -132,6 +132,22 @@ def test_warm_start_runs_the_saved_graph_without_dynamo(tiny_llama_dir, tmp_path
     assert stats["dynamo_traces"] == 1 and stats["inductor_compiles"] == 1 and got == want
 
 
+def test_saved_graph_refuses_what_it_cannot_describe():
+    """Only the split's own shape is saved (pieces, getitems, attention): anything else stays with Dynamo."""
+    import torch
+
+    from kiln.compile.saved_graph import Unsaveable, describe
+
+    example = {"input_ids": torch.zeros(4, dtype=torch.long), "positions": torch.zeros(4, dtype=torch.long)}
+    relu = torch.fx.symbolic_trace(lambda input_ids: (torch.relu(input_ids),))
+    with pytest.raises(Unsaveable, match="relu"):
+        describe(relu, ["L['input_ids']"], {}, example)
+    identity = torch.fx.symbolic_trace(lambda input_ids: (input_ids,))
+    with pytest.raises(Unsaveable, match="G\\['table'\\]"):
+        describe(identity, ["G['table']"], {}, example)
+    assert describe(identity, ["L['input_ids']"], {}, example)["traced"]["input_ids"]["offset"] == 0
+
+
 def test_changed_config_misses(tiny_llama_dir, tmp_path):
     import shutil
 
