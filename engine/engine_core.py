@@ -126,6 +126,7 @@ class EngineCore:
             model_config.num_layers, kv_heads_per_rank(model_config.num_kv_heads, self.shard.size),
             model_config.head_dim, config.block_size, self.dtype,
         )  # fmt: skip
+        sizing_start = time.perf_counter()
         num_blocks = num_kv_blocks(self, max_model_len)
         if self.shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
@@ -144,8 +145,11 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._make_runner(self.kv_caches, max_model_len, self.compiled)
         self.runner.tp_workers = self.tp_workers
+        warm_up_start = time.perf_counter()
+        kv_sizing_seconds = warm_up_start - sizing_start  # the memory profile, the cache's allocation, the runner
         if self.compiled is not None or self.device.type == "cuda":
             self.runner.warm_up()  # the one Dynamo trace, and the Triton kernels' compiles
+        warm_up_seconds = time.perf_counter() - warm_up_start
         if self.compiled is not None and self.runner.cudagraph_mode != "none":
             self.runner.capture_cudagraphs(self.counters)
         if tp_rank > 0:
@@ -163,6 +167,7 @@ class EngineCore:
         self.startup_seconds = time.perf_counter() - start
         self.startup_stats = {
             "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
+            "kv_sizing_seconds": kv_sizing_seconds, "warm_up_seconds": warm_up_seconds,  # (warm-up: with the trace)
             "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {self.runner.cudagraph_mode}",
             "compile_cache_dir": self._cache_dir(),
             **self.counters.as_dict(),

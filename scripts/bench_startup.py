@@ -17,10 +17,13 @@ import sys
 import tempfile
 import time
 
-STAGES = ["load_seconds", "dynamo_seconds", "inductor_seconds", "cache_load_seconds", "capture_seconds"]
+# (warm_up: the dummy steps before capture, the Dynamo trace and Inductor among them on a cold start)
+STAGES = ["load_seconds", "dynamo_seconds", "inductor_seconds", "cache_load_seconds", "kv_sizing_seconds",
+          "warm_up_seconds", "capture_seconds"]  # fmt: skip
 
 
-def start_once(model: str, cache_dir: str, extra: dict) -> dict:
+def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = None) -> dict:
+    """One start in a fresh process; with `profile`, under cProfile, its busiest calls written there as text."""
     code = (
         "import json, time; t = time.perf_counter(); from kiln.engine.engine_core import EngineCore; "
         "from kiln.engine.config import EngineConfig; i = time.perf_counter() - t; "
@@ -28,6 +31,11 @@ def start_once(model: str, cache_dir: str, extra: dict) -> dict:
         "print(json.dumps({**core.startup_stats, 'import_seconds': i, 'process_seconds': time.perf_counter() - t}),"
         " flush=True)"
     )
+    if profile:
+        code = (f"import cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); p.disable(); "
+                f"f = open({profile!r}, 'w'); s = pstats.Stats(p, stream=f); "
+                "s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(40); "
+                "f.close()")  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
     with tempfile.TemporaryFile("w+") as stderr:
         start = time.perf_counter()
@@ -50,6 +58,7 @@ def main() -> None:
     p.add_argument("--models", default="llama-3.2-1b")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--json")
+    p.add_argument("--profile-warm", metavar="PREFIX", help="profile each warm start (cProfile), to PREFIX_MODEL.txt")
     args = p.parse_args()
     rows = []
     for model in args.models.split(","):
@@ -57,7 +66,7 @@ def main() -> None:
             extra = {"max_model_len": args.max_model_len}
             cold = start_once(model, cache_dir, extra)
             print(f"{model} cold: {json.dumps(cold)}", flush=True)  # as it comes: a time limit may stop the rest
-            warm = start_once(model, cache_dir, extra)
+            warm = start_once(model, cache_dir, extra, args.profile_warm and f"{args.profile_warm}_{model}.txt")
             print(f"{model} warm: {json.dumps(warm)}", flush=True)
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
     print(f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "

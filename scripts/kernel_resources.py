@@ -7,7 +7,7 @@ against the kept kernel's 205 and none, and ran long contexts 1.5x slower on the
 before a device call. The kernels at the presets' shapes and the launch configs the backends choose:
 
     python scripts/kernel_resources.py            # the table
-    python scripts/kernel_resources.py --check    # exits 1 if any kernel spills
+    python scripts/kernel_resources.py --check    # exits 1 if any kernel spills (but FEW_SPILL_ALLOWED, below)
     python scripts/kernel_resources.py --families decode,gemv --models llama-3.1-8b
 
 (Run it without TRITON_INTERPRET: under the interpreter there are no compiled kernels to read.)
@@ -152,7 +152,7 @@ def main() -> None:
                     seen[key] = resources(compile_for_h200(kernel, constexprs, warps, stages))
                 r = seen[key]
                 spilled = r.get("STACK", 0) + r.get("LOCAL", 0)
-                if spilled:
+                if spilled > spill_allowed(family, variant):
                     spills.append(f"{model} {family} {variant}")
                 print(f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7}",
                       flush=True)  # fmt: skip
@@ -160,6 +160,18 @@ def main() -> None:
         print("spills: " + "; ".join(spills))
     if args.check and spills:
         sys.exit(1)
+
+
+# NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) spills up to 88 bytes a thread at
+# head_dim 128 under triton 3.9 and none for the 1B under the device's triton 3.6 (where the default config spills
+# 56-328): measured in the step, it made Qwen3-0.6B's batch-1 decode 8% faster (BENCHMARKS.md, eleventh session).
+# A spill that size passes the check; 6d67307's, which made long contexts 1.5x slower, was 936 bytes.
+FEW_SPILL_ALLOWED = 128
+
+
+def spill_allowed(family: str, variant: str) -> int:
+    few = "x".join(str(v) for v in ta.DECODE_CONFIG_FEW)
+    return FEW_SPILL_ALLOWED if family == "decode" and variant.endswith(f", {few}") else 0
 
 
 if __name__ == "__main__":

@@ -370,7 +370,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without(monkeypatch):
 def test_decode_kernels_do_not_spill_registers_on_the_h200():
     """The decode path's kernels (decode attention, the one-row matmuls with their epilogues, Qwen3's q/k norm +
     rotary) compiled for sm_90 by Triton on this machine: none may spill registers to local memory — a spill made
-    6d67307's decode kernel 1.5x slower on long contexts (`scripts/kernel_resources.py`)."""
+    6d67307's decode kernel 1.5x slower on long contexts (`scripts/kernel_resources.py`) — but the decode kernel's
+    few-request config, measured faster in the step with its small spill (`FEW_SPILL_ALLOWED`)."""
     import os
     import subprocess
     import sys
@@ -381,4 +382,4 @@ def test_decode_kernels_do_not_spill_registers_on_the_h200():
     run = subprocess.run([sys.executable, str(script), "--families", "decode,gemv,qk_norm_rope", "--check"],
                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count(" decode ") == 12 and "spills" not in run.stdout, run.stdout
+    assert run.stdout.count(" decode ") == 18 and "spills" not in run.stdout, run.stdout
