@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BUILTIN_EOS = "<|endoftext|>"
 
@@ -82,4 +82,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     path = Path(path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    # NOTE: imported here, not with the module: transformers' auto classes pull in its generation code (and through
+    # it scikit-learn, where installed: 2.4 s of the engine's 17 s of imports on the device), which an engine
+    # process that never loads a tokenizer does not need.
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
