@@ -15,7 +15,7 @@ from torch import nn
 from kiln.compile.backend import CompiledPiece, KilnBackend
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
-from kiln.compile.cudagraph import capturing, weak_ref
+from kiln.compile.cudagraph import weak_ref
 from kiln.compile.saved_graph import rebuild
 
 logger = logging.getLogger("kiln")
@@ -140,7 +140,7 @@ class CompiledModel:
         in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
         has warmed this size (and the head) up once."""
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.backend.graph_pool()):
+        with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
             hidden = self(input_ids[:size], positions[:size])
             outputs = (hidden, *(head(hidden) if head is not None else ()))
         self.full_graphs[size] = (graph, weak_ref(outputs))

@@ -10,8 +10,6 @@ of that size writes over another's outputs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,29 +33,6 @@ class GraphPool:
 
     def reset(self) -> None:
         self._handle = None
-
-
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-@contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
-    """Record the work inside into `graph` (allocating from `pool`), as `torch.cuda.graph` does but without the
-    device synchronise and `empty_cache` it makes on entering. A start-up records one graph a piece for each
-    size, ~1,700 for a 32-layer model's 51 sizes, and each `empty_cache` handed back the blocks that the eager
-    attention between the pieces then allocated again. The caller frees the cache once before capturing."""
-    device = torch.cuda.current_device()
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream()
-    stream = _CAPTURE_STREAMS[device]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            yield
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -98,7 +73,7 @@ class PiecewiseCudaGraphs:
         pointers = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
         if entry is None:
             graph = torch.cuda.CUDAGraph()
-            with capturing(graph, self.pool()):
+            with torch.cuda.graph(graph, pool=self.pool()):
                 out = self.compiled(*args)
             self.graphs[size] = (graph, weak_ref(out), pointers)
             return out

@@ -367,8 +367,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:
         """Largest size first, so smaller graphs reuse the shared pool's memory."""
-        torch.cuda.empty_cache()  # once: the captures themselves do not (kiln.compile.cudagraph.capturing)
-        for size in tqdm(sorted(self.capture_sizes, reverse=True), desc="capturing CUDA graphs", leave=False):
+        sizes = sorted(self.capture_sizes, reverse=True)
+        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", leave=False):
             with counters.timed("capture_seconds"):
                 self._dummy_forward(size, False, "none")
                 self._dummy_forward(size, False, "piecewise")  # captures each piece for this size
