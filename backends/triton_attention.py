@@ -268,12 +268,14 @@ UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
 # faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
 # Up to FEW_REQUESTS requests, a 128-key tile with 4 warps: inside Qwen3-0.6B's batch-1 decode step on the H200 it
-# made the step 6% faster (1,571 against 1,472-1,482 tokens/s, BENCHMARKS.md, eleventh session), where the
-# kernel alone timed in a loop had not preferred it; with one split for short contexts, a program walks its
-# keys in half as many dependent iterations.
+# made the step 8% faster (1,561 against 1,445 tokens/s in one call; the 1B as fast: BENCHMARKS.md, eleventh
+# session), where the kernel alone timed in a loop had not preferred it: with one split for short contexts, a
+# program walks its keys in half as many dependent iterations. It costs long contexts (batch 1 x 32k: 61% of the
+# bandwidth against 73%), and spills a little (`scripts/kernel_resources.py`). Measured at batch 1 only (the device
+# calls ran it up to 4 requests; 2 to 4 were not timed), so it holds for one request.
 DECODE_CONFIG = (64, 2, 3)
 DECODE_CONFIG_FEW = (128, 4, 2)
-FEW_REQUESTS = 4
+FEW_REQUESTS = 1
 if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES for both (A/B runs of whole decode steps)
     DECODE_CONFIG = DECODE_CONFIG_FEW = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on

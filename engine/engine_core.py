@@ -86,9 +86,10 @@ class EngineCore:
     def _start_up(self, config: EngineConfig, tp_rank: int) -> None:
         self.config = config
         start = time.perf_counter()
-        # NOTE: Triton's cache folder, fixed before anything compiles. Unset, Inductor sets it to a folder of its own
-        # at its first kernel, so Kiln's Triton kernels compiled before that were looked for elsewhere at the next
-        # start, where the cache's pieces load first: 22 kernels compiled again, ~10 s of the 8B's warm start.
+        # NOTE: Triton's cache folder, fixed before anything compiles. Unset, Inductor points it at a folder of its own
+        # at its first kernel; a warm start, which loads the cache's pieces first, then looked in that folder for the
+        # kernels a cold start had compiled before it (the 8B's warm start on the H200 compiled 22 kernels again;
+        # that this was why is not established: BENCHMARKS.md, eleventh session).
         triton_home = Path(os.environ.get("TRITON_HOME", Path.home()))  # where Triton's own default lies
         os.environ.setdefault("TRITON_CACHE_DIR", str(triton_home / ".triton" / "cache"))
         self.source: ModelSource = resolve_model(config.model)

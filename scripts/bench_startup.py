@@ -4,8 +4,8 @@ Each start is its own process (as a deployment's would be), so Inductor's in-pro
 help the warm one; Inductor's and Triton's own on-disk caches are pointed into the same fresh folder, so
 the cold start is cold for them too. Python's bytecode cache is not part of a start: it is filled once
 before the first (PYTHONPYCACHEPREFIX), as an installed deployment has its packages' .pyc files (the
-device's read-only torch environment has none: without this, every process compiles the source of ~2,300
-modules, ~9 s of its imports).
+device's torch environment has none and sets PYTHONDONTWRITEBYTECODE: without this, every process compiles
+the source of ~2,300 modules, ~9 s of its imports).
 
     python scripts/bench_startup.py --models llama-3.2-1b,llama-3.1-8b
 """
