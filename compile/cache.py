@@ -37,6 +37,17 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "compile"
 
 
+def pin_triton_cache_dir() -> None:
+    """Fix Triton's cache folder (its own default, unless set) before anything compiles.
+
+    NOTE: unset, Inductor points TRITON_CACHE_DIR at a folder of its own when it first compiles or loads a kernel.
+    A warm start, which loads the cache's pieces first, then looked in that folder for the kernels a cold start had
+    compiled before it (the 8B's warm start on the H200 compiled 22 kernels again; that this was the whole reason is
+    not established: BENCHMARKS.md, eleventh session)."""
+    triton_home = Path(os.environ.get("TRITON_HOME", Path.home()))  # where Triton's own default lies
+    os.environ.setdefault("TRITON_CACHE_DIR", str(triton_home / ".triton" / "cache"))
+
+
 def device_target(device: torch.device) -> str:
     """The device the artifacts are for. NOTE: on CUDA this includes the GPU index: Inductor's code places
     its buffers on the GPU it was compiled for, so tensor-parallel ranks (one GPU each) sharing a key would

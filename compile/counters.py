@@ -21,6 +21,10 @@ class CompileCounters:
     inductor_seconds: float = 0.0
     cache_load_seconds: float = 0.0
     capture_seconds: float = 0.0
+    # the engine's other start-up stages: the memory profile, the KV cache's allocation and the runner; the dummy
+    # steps before capture (on a cold start the Dynamo trace and Inductor's compiles are among them)
+    kv_sizing_seconds: float = 0.0
+    warm_up_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

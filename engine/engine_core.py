@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from kiln.compile import (
     cache_key_inputs,
     default_cache_root,
     default_capture_sizes,
+    pin_triton_cache_dir,
 )
 from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers, WorkerDiedError, min_across_ranks
@@ -86,12 +86,7 @@ class EngineCore:
     def _start_up(self, config: EngineConfig, tp_rank: int) -> None:
         self.config = config
         start = time.perf_counter()
-        # NOTE: Triton's cache folder, fixed before anything compiles. Unset, Inductor points it at a folder of its own
-        # at its first kernel; a warm start, which loads the cache's pieces first, then looked in that folder for the
-        # kernels a cold start had compiled before it (the 8B's warm start on the H200 compiled 22 kernels again;
-        # that this was why is not established: BENCHMARKS.md, eleventh session).
-        triton_home = Path(os.environ.get("TRITON_HOME", Path.home()))  # where Triton's own default lies
-        os.environ.setdefault("TRITON_CACHE_DIR", str(triton_home / ".triton" / "cache"))
+        pin_triton_cache_dir()  # before anything compiles
         self.source: ModelSource = resolve_model(config.model)
         model_config = self.source.model_config
         self.device = config.resolve_device()
@@ -152,18 +147,16 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._make_runner(self.kv_caches, max_model_len, self.compiled)
         self.runner.tp_workers = self.tp_workers
-        warm_up_start = time.perf_counter()
-        kv_sizing_seconds = warm_up_start - sizing_start  # the memory profile, the cache's allocation, the runner
+        self.counters.kv_sizing_seconds = time.perf_counter() - sizing_start
         if self.compiled is not None or self.device.type == "cuda":
-            self.runner.warm_up()  # the one Dynamo trace, and the Triton kernels' compiles
-        warm_up_seconds = time.perf_counter() - warm_up_start
+            with self.counters.timed("warm_up_seconds"):
+                self.runner.warm_up()  # the one Dynamo trace, and the Triton kernels' compiles
         if self.compiled is not None and self.runner.cudagraph_mode != "none":
             self.runner.capture_cudagraphs(self.counters)
         if tp_rank > 0:
             return  # a tensor-parallel worker: no scheduler; rank 0 schedules, samples and drives its steps
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
-        )
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len)  # fmt: skip
         self.failed_requests: list[tuple[str, str]] = []  # (request id, message), drained by the caller
         # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(self._load_tokenizer, model_config.vocab_size,
@@ -174,7 +167,6 @@ class EngineCore:
         self.startup_seconds = time.perf_counter() - start
         self.startup_stats = {
             "total_seconds": self.startup_seconds, "load_seconds": self.load_seconds, "num_kv_blocks": num_blocks,
-            "kv_sizing_seconds": kv_sizing_seconds, "warm_up_seconds": warm_up_seconds,  # (warm-up: with the trace)
             "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {self.runner.cudagraph_mode}",
             "compile_cache_dir": self._cache_dir(),
             **self.counters.as_dict(),
