@@ -67,7 +67,6 @@ class CompiledModel:
 
     def __init__(self, model: nn.Module, cache: CompileCache, counters: CompileCounters) -> None:
         self.model = model
-        self.cache = cache
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
         self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
@@ -98,7 +97,7 @@ class CompiledModel:
             self.run = rebuild(saved, self.model, lambda digest, single: CompiledPiece(
                 self.backend.artifacts[digest], single, self.backend.graph_pool))  # fmt: skip
             self.backend.split = self.run.split
-            self.cache.write_text(SAVED_GRAPH, json.dumps(saved))
+            self.backend.cache.write_text(SAVED_GRAPH, json.dumps(saved))
         else:
             self.run = self._in_dynamo
         return out
@@ -115,7 +114,7 @@ class CompiledModel:
         def compute_piece(digest: str, single: bool) -> CompiledPiece:
             if digest not in artifacts:
                 with self.counters.timed("cache_load_seconds"):
-                    artifacts[digest] = self.cache.load(digest)
+                    artifacts[digest] = self.backend.cache.load(digest)
                 if artifacts[digest] is None:
                     raise LookupError(f"the artifact of piece {digest} is missing")
             return CompiledPiece(artifacts[digest], single, self.backend.graph_pool)
