@@ -14,11 +14,10 @@ import triton
 import triton.language as tl
 
 from kiln.backends import pdl
+from kiln.backends.arrivals import arrival_counts
 
 CHUNK = 2048  # elements a program reads (4 KB of bf16 logits)
 MAX_ROWS = 64  # rows the arrival counts cover; more rows take torch.argmax, whose one block a row then fills the GPU
-# Per device, made on the first call (a warm-up, never inside a CUDA-graph capture); all zero between kernels.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])  # one compiled variant per dtype, whatever the vocabulary
@@ -60,15 +59,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    if x.device not in _ARRIVALS:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the argmax kernel's first call must come before any CUDA-graph capture")
-        _ARRIVALS[x.device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=x.device)
+    arrivals = arrival_counts(x.device, "argmax", MAX_ROWS)
     chunks = triton.cdiv(vocab, CHUNK)
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _argmax_kernel[(rows, chunks)](
-        out, x, part_max, part_idx, _ARRIVALS[x.device], vocab, x.stride(0),
+        out, x, part_max, part_idx, arrivals, vocab, x.stride(0),
         CHUNK=CHUNK, CHUNKS=chunks, CHUNKS_P=triton.next_power_of_2(chunks), num_warps=4, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out

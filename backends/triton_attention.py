@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends import pdl
+from kiln.backends.arrivals import arrival_counts
 from kiln.backends.attention import AttentionBackend, register_backend
 from kiln.backends.forward_context import AttentionMetadata
 
@@ -250,10 +251,8 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
     return 1 << (splits.bit_length() - 1)
 
 
-# Each decode's (request, kv head) counts its splits' arrivals here; the last one resets its count to 0, so
-# the counts are all zero between kernels. One buffer per device, made at the first decode (the warm-up, never
-# inside a CUDA-graph capture) and big enough for any batch: 512 capture rows x 128 KV heads.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+# Each decode's (request, kv head) counts its splits' arrivals (`kiln.backends.arrivals`), in one buffer per device
+# big enough for any batch: 512 capture rows x 128 KV heads.
 MAX_ARRIVAL_SLOTS = 512 * 128
 # One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`.
 # KILN_DECODE_MIN_SPLIT_TOKENS sets it (A/B runs of whole decode steps); read once, at import.
@@ -327,10 +326,9 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
-    if query.device not in _ARRIVALS:
-        _ARRIVALS[query.device] = torch.zeros(MAX_ARRIVAL_SLOTS, dtype=torch.int32, device=query.device)
+    arrivals = arrival_counts(query.device, "decode", MAX_ARRIVAL_SLOTS)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, part_acc, part_max, part_sum, _ARRIVALS[query.device], query, key, value, kv_cache[0], kv_cache[1],
+        out, part_acc, part_max, part_sum, arrivals, query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,

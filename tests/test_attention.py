@@ -7,6 +7,7 @@ import torch
 from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import get_attention_backend, triton_attention
+from kiln.backends.arrivals import arrival_counts
 from kiln.backends.triton_attention import (
     DECODE_CONFIG,
     DECODE_CONFIG_FEW,
@@ -101,7 +102,7 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, n
         split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens, config,
                         unsplit_tokens=unsplit_tokens)  # fmt: skip
         torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
-        assert not triton_attention._ARRIVALS[q.device].any()
+        assert not arrival_counts(q.device, "decode", triton_attention.MAX_ARRIVAL_SLOTS).any()
         # the kernel wrote each token's K/V into its slot (the reference read them from k, v)
         flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
         torch.testing.assert_close(flat[0, metadata.slot_mapping], k)
