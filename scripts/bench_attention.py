@@ -15,6 +15,7 @@ import json
 
 import torch
 import triton
+import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
@@ -51,6 +52,38 @@ def back_to_back_ms(fn, caches: list, calls: int = 8) -> float:
     (copies of the K/V, so that consecutive calls share no L2 unless the whole set fits there): in the model a
     decode kernel runs inside one large graph, without the replay's own launch around each call."""
     return graph_time_ms(lambda: [fn(caches[i % len(caches)]) for i in range(calls)]) / calls
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Sums ITERS consecutive blocks of x (one float out a program): a read of n elements and nothing else."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+# (elements a block, blocks a program, warps) tried for the plain read; the fastest one is reported
+READ_CONFIGS = [(1024, 8, 4), (2048, 4, 4), (4096, 1, 4), (4096, 4, 8), (4096, 8, 8), (8192, 2, 8)]
+
+
+def read_roofline(kv_bytes: int, dtype) -> tuple[float, float]:
+    """The time of the plainest read of `kv_bytes` (contiguous, each byte once, nothing written but a float a
+    program), fastest of READ_CONFIGS, a replay and back to back (ms): what any kernel reading this much can reach
+    on this GPU, the ceiling the attention kernels sit under."""
+    n = kv_bytes // torch.finfo(dtype).bits * 8
+    xs = [torch.randn(n, dtype=dtype, device="cuda") for _ in range(kv_copies(kv_bytes))]
+
+    def read(x, block, iters, warps):
+        grid = triton.cdiv(n, block * iters)
+        _read_kernel[(grid,)](x, out[:grid], n, BLOCK=block, ITERS=iters, num_warps=warps)
+
+    out = torch.empty(triton.cdiv(n, 1024), dtype=torch.float32, device="cuda")
+    times = {c: graph_time_ms(lambda c=c: read(xs[0], *c)) for c in READ_CONFIGS}
+    best = min(times, key=times.get)
+    return times[best], back_to_back_ms(lambda x: read(x, *best), xs)
 
 
 def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
@@ -104,11 +137,14 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
         q4, kv[0], kv[1], scale=HEAD_DIM**-0.5, enable_gqa=True)  # fmt: skip
     sdpa_ms = graph_time_ms(lambda: sdpa((k, v)))
     sdpa_b2b_ms = back_to_back_ms(sdpa, [(k, v)] + [(k.clone(), v.clone()) for _ in range(kv_copies(kv_bytes) - 1)])
+    k = v = None
+    read_ms, read_b2b_ms = read_roofline(kv_bytes, dtype)
     util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
     return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
             "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms), "splits": chosen,
             "kiln_b2b_us": b2b_ms * 1e3, "kiln_b2b_util": util(b2b_ms), "sdpa_b2b_us": sdpa_b2b_ms * 1e3,
-            "sdpa_b2b_util": util(sdpa_b2b_ms),
+            "sdpa_b2b_util": util(sdpa_b2b_ms), "read_us": read_ms * 1e3, "read_util": util(read_ms),
+            "read_b2b_us": read_b2b_ms * 1e3, "read_b2b_util": util(read_b2b_ms),
             "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
             "config_us": config_sweep}  # fmt: skip
 
@@ -164,13 +200,16 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
-    print("one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b)")
+    print("one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b); read: the "
+          "plainest read of the same bytes (the ceiling)")  # fmt: skip
     print(f"{'batch':>5} {'context':>7} {'kiln us':>9} {'kiln util':>9} {'sdpa us':>9} {'sdpa util':>9} | "
-          f"{'kiln b2b':>9} {'util':>5} {'sdpa b2b':>9} {'util':>5}")  # fmt: skip
+          f"{'kiln b2b':>9} {'util':>5} {'sdpa b2b':>9} {'util':>5} | "
+          f"{'read us':>8} {'util':>5} {'read b2b':>8} {'util':>5}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%} | {r['kiln_b2b_us']:>9.1f} {r['kiln_b2b_util']:>5.0%} "
-              f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%}")  # fmt: skip
+              f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%} | {r['read_us']:>8.1f} {r['read_util']:>5.0%} "
+              f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%}")  # fmt: skip
     if splits:
         print_sweep(rows, "split_sweep_us", {s: f"{s} splits" for s in splits}, "decode kernel alone, us")
     if min_tokens:

@@ -35,6 +35,28 @@ def fill_bytecode_cache() -> None:
                     "torch._inductor.standalone_compile"], env=env, check=True)  # fmt: skip
 
 
+# A profiled start also lists every Triton kernel it compiles (not found in Triton's cache), with its seconds and
+# the kiln / Inductor frames that asked for it.
+LOG_TRITON_COMPILES = """
+import time, traceback
+COMPILED = []
+try:
+    from triton.backends.nvidia.compiler import CUDABackend
+    _make_cubin = CUDABackend.make_cubin
+    def _logged(self, src, metadata, *rest):
+        t = time.perf_counter()
+        cubin = _make_cubin(self, src, metadata, *rest)
+        frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in traceback.extract_stack()
+                  if "kiln" in f.filename or "_inductor" in f.filename or "saved_graph" in f.filename]
+        seconds = time.perf_counter() - t
+        COMPILED.append(f"make_cubin {metadata.get('name')} {seconds:.2f}s < {' < '.join(frames[-6:])}\\n")
+        return cubin
+    CUDABackend.make_cubin = _logged
+except ImportError:
+    pass
+""".strip()
+
+
 def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = None) -> dict:
     """One start in a fresh process; with `profile`, under cProfile, its busiest calls written there as text."""
     code = (
@@ -45,10 +67,11 @@ def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = No
         " flush=True)"
     )
     if profile:
-        code = (f"import cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); p.disable(); "
-                f"f = open({profile!r}, 'w'); s = pstats.Stats(p, stream=f); "
+        code = (f"{LOG_TRITON_COMPILES}\nimport cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); "
+                f"p.disable(); f = open({profile!r}, 'w'); f.writelines(COMPILED); s = pstats.Stats(p, stream=f); "
                 "s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(40); "
-                "f.close()")  # fmt: skip
+                "[s.print_callees(n) for n in ('warm_up', 'capture_cudagraphs', 'num_kv_blocks')]; "
+                "s.print_callers('make_cubin'); f.close()")  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"), "PYTHONPYCACHEPREFIX": PYCACHE}  # fmt: skip
     env.pop("PYTHONDONTWRITEBYTECODE", None)
