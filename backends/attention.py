@@ -8,6 +8,7 @@ the layer's query/key/value to the selected backend together with the step's for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 
 import torch
 
@@ -43,6 +44,11 @@ class AttentionBackend(ABC):
         scale: float,
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
     ) -> None: ...
+
+    def decode_variant(self, num_reqs: int, num_kv_heads: int) -> Hashable:
+        """What a decode-only batch of `num_reqs` requests runs as (kernel variant, launch config): batches of one
+        variant need one warm-up between them before any is captured or served. One variant unless overridden."""
+        return None
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -348,6 +348,11 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
 
+    def decode_variant(self, num_reqs: int, num_kv_heads: int) -> tuple[int, tuple[int, int, int]]:
+        """The split count (the kernel is specialised on it) and the launch config."""
+        splits = decode_num_splits(num_reqs, num_kv_heads, self.num_sms)
+        return splits, decode_config(num_reqs * num_kv_heads * splits, num_reqs)
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         if metadata.max_query_len == 1:
             num_splits = decode_num_splits(metadata.seq_lens.shape[0], kv_cache.shape[-2], self.num_sms)

@@ -1,6 +1,6 @@
 """Compile once, replay always: Dynamo trace, split at attention, Inductor per piece, disk cache, CUDA graphs."""
 
-from kiln.compile.cache import CompileCache, cache_key_inputs, default_cache_root, pin_triton_cache_dir
+from kiln.compile.cache import CompileCache, cache_key_inputs, default_cache_root, pin_triton_setup
 from kiln.compile.compiled_model import CompiledModel
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import default_capture_sizes
@@ -15,5 +15,5 @@ __all__ = [
     "cache_key_inputs",
     "default_cache_root",
     "default_capture_sizes",
-    "pin_triton_cache_dir",
+    "pin_triton_setup",
 ]

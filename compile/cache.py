@@ -27,6 +27,7 @@ import torch
 
 import kiln.backends.attention as unified_attention_module
 import kiln.backends.collectives as collectives_module
+from kiln.compile.counters import watch_triton_compiles
 
 logger = logging.getLogger("kiln")
 
@@ -37,15 +38,28 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "compile"
 
 
-def pin_triton_cache_dir() -> None:
-    """Fix Triton's cache folder (its own default, unless set) before anything compiles.
+def pin_triton_setup() -> None:
+    """Fix Triton's cache folder and the ptxas and libdevice it compiles with, before anything compiles; and count
+    its compiles from here on (`kiln.compile.counters`).
 
-    NOTE: unset, Inductor points TRITON_CACHE_DIR at a folder of its own when it first compiles or loads a kernel.
-    A warm start, which loads the cache's pieces first, then looked in that folder for the kernels a cold start had
-    compiled before it (the 8B's warm start on the H200 compiled 22 kernels again; that this was the whole reason is
-    not established: BENCHMARKS.md, eleventh session)."""
+    NOTE: Triton's cache key covers its cache folder's contents only under the same ptxas and libdevice, and Inductor
+    switches both to torch's own (its private `_set_triton_ptxas_path` and `_set_triton_libdevice_path`) the first
+    time it compiles a kernel in a process. A warm start compiles nothing, so every Triton kernel that a cold start
+    had compiled after that switch (Kiln's own, in the warm-up) missed the cache on a warm start and was compiled
+    again: 21 kernels, ~8 s of the 8B's warm start on the H200 (BENCHMARKS.md, twelfth session). Making the same
+    switch up front gives cold and warm starts the same keys. Likewise, unset, Inductor points TRITON_CACHE_DIR at a
+    folder of its own when it first compiles or loads a kernel."""
     triton_home = Path(os.environ.get("TRITON_HOME", Path.home()))  # where Triton's own default lies
     os.environ.setdefault("TRITON_CACHE_DIR", str(triton_home / ".triton" / "cache"))
+    try:
+        from torch._inductor.runtime import compile_tasks  # noqa: PLC0415
+    except ImportError:  # no Inductor with Triton (a CPU-only torch may lack it): nothing to align with
+        compile_tasks = None
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        switch = getattr(compile_tasks, name, None)
+        if switch is not None:
+            switch()
+    watch_triton_compiles()
 
 
 def device_target(device: torch.device) -> str:

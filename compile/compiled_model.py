@@ -137,7 +137,7 @@ class CompiledModel:
                            head: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None) -> None:  # fmt: skip
         """Record the whole forward for `size` tokens, then `head(hidden)` (the runner's LM head and greedy argmax)
         in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
-        has warmed this size (and the head) up once."""
+        has run every kernel variant this size uses (the runner's warm-up)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
             hidden = self(input_ids[:size], positions[:size])

@@ -5,7 +5,29 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+# Triton's compiles in this process, and its disk-cache hits, from the moment `watch_triton_compiles` is called
+TRITON_EVENTS = {"compiles": 0, "cache_hits": 0}
+
+
+def watch_triton_compiles() -> None:
+    """Count Triton's compiles (kernels not found in its disk cache) and cache hits in TRITON_EVENTS, through its
+    compilation listener (chained to one already set); once a process. Where this Triton has no listener, nothing is
+    counted."""
+    from triton import knobs  # noqa: PLC0415
+
+    previous = getattr(knobs.compilation, "listener", False)
+    if previous is False or getattr(previous, "kiln_counts", False):
+        return
+
+    def listener(**event) -> None:
+        TRITON_EVENTS["cache_hits" if event.get("cache_hit") else "compiles"] += 1
+        if previous is not None:
+            previous(**event)
+
+    listener.kiln_counts = True
+    knobs.compilation.listener = listener
 
 
 @dataclass
@@ -25,9 +47,16 @@ class CompileCounters:
     # steps before capture (on a cold start the Dynamo trace and Inductor's compiles are among them)
     kv_sizing_seconds: float = 0.0
     warm_up_seconds: float = 0.0
+    # Triton kernels compiled since these counters were made (the engine's start-up, onwards): its cache's misses
+    # (Kiln's own kernels and Inductor's; a warm start should have none), and its hits
+    triton_compiles: int = 0
+    triton_cache_hits: int = 0
+    _triton_mark: dict = field(default_factory=lambda: dict(TRITON_EVENTS), repr=False)
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        self.triton_compiles, self.triton_cache_hits = (TRITON_EVENTS[k] - self._triton_mark[k]
+                                                        for k in ("compiles", "cache_hits"))  # fmt: skip
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
     @contextmanager
     def timed(self, field: str) -> Iterator[None]:

@@ -22,7 +22,7 @@ from kiln.compile import (
     cache_key_inputs,
     default_cache_root,
     default_capture_sizes,
-    pin_triton_cache_dir,
+    pin_triton_setup,
 )
 from kiln.engine.config import EngineConfig, kiln_version
 from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers, WorkerDiedError, min_across_ranks
@@ -86,7 +86,7 @@ class EngineCore:
     def _start_up(self, config: EngineConfig, tp_rank: int) -> None:
         self.config = config
         start = time.perf_counter()
-        pin_triton_cache_dir()  # before anything compiles
+        pin_triton_setup()  # before anything compiles
         self.source: ModelSource = resolve_model(config.model)
         model_config = self.source.model_config
         self.device = config.resolve_device()

@@ -347,18 +347,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one
-        Dynamo trace, and every kernel variant a step can need, so none is JIT-compiled while serving:
-        prefills of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), and on the GPU
-        decodes of every power-of-two batch and of the largest (the decode kernel is specialised on its split
-        count, which halves as the batch doubles, and has a launch config of its own for large grids; one
-        request is also the one-row matmul kernel's case), and the greedy argmax kernel."""
+        """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one Dynamo trace,
+        and every kernel variant a step can need, so none is JIT-compiled while serving or inside a capture: prefills
+        of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), a decode of each variant the backend
+        runs 1 to the most requests as (one request is also the one-row matmul's case), and the argmax kernel."""
         longest = max(2, min(self.max_model_len - 1, self.inputs.max_tokens))  # the trace needs >= 2 tokens
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
         most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
-        sizes = [1 << i for i in range(most.bit_length())] + [most] if self.device.type == "cuda" else [1, 4]
-        for num_reqs in sorted({min(size, most) for size in sizes}):
+        kv_heads = self.kv_caches[0].shape[-2]
+        first_of_variant = {self.backend.decode_variant(n, kv_heads): n for n in range(most, 0, -1)}  # the smallest
+        for num_reqs in sorted({*first_of_variant.values(), most}):
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
             for dtype in {next(self.model.parameters()).dtype, torch.float32}:
@@ -366,11 +365,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:
-        """Largest size first, so smaller graphs reuse the shared pool's memory."""
+        """Largest size first, so smaller graphs reuse the shared pool's memory. No dummy step at each size before its
+        capture (until the twelfth session there were two): `warm_up` ran every kernel variant a step can use."""
         sizes = sorted(self.capture_sizes, reverse=True)
         for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", leave=False):
             with counters.timed("capture_seconds"):
-                self._dummy_forward(size, False, "none")
                 self._dummy_forward(size, False, "piecewise")  # captures each piece for this size
                 counters.cudagraphs_captured += 1
                 if self.cudagraph_mode == "full_and_piecewise":
@@ -378,7 +377,6 @@ class ModelRunner:
                     context = ForwardContext(metadata, self.kv_caches, self.backend)
                     inputs = self.inputs.views(size, size)
                     with set_forward_context(context):
-                        self.head(self.compiled(inputs.input_ids, inputs.positions))  # warm-up at this size
                         self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions, self.head)
         torch.cuda.synchronize()
 
