@@ -110,11 +110,12 @@ def main() -> None:
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
     print(f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "
           + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)
-          + f" {'compiles':>9} {'hits':>5} {'graphs':>7}")  # fmt: skip
+          + f" {'compiles':>9} {'hits':>5} {'graphs':>7} {'triton':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['model']:<14} {r['start']:<5} {r['wall_seconds']:>7.1f} {r['import_seconds']:>8.1f} "
               f"{r['total_seconds']:>7.1f} " + " ".join(f"{r[s]:>10.1f}" for s in STAGES)
-              + f" {r['inductor_compiles']:>9} {r['cache_hits']:>5} {r['cudagraphs_captured']:>7}")  # fmt: skip
+              + f" {r['inductor_compiles']:>9} {r['cache_hits']:>5} {r['cudagraphs_captured']:>7}"
+              f" {r.get('triton_compiles', -1):>7}")  # fmt: skip
     for model in dict.fromkeys(r["model"] for r in rows):
         cold, warm = (r["wall_seconds"] for r in rows if r["model"] == model)
         print(f"{model}: warm / cold = {warm / cold:.2f}")
