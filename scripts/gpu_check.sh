@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep)
+#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled). LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
@@ -50,6 +50,11 @@ for step in $steps; do
     env:*)
       export "${step#env:}"; tag="${tag}_${step#env:}"; tag=${tag//=/}
       echo "-- from here on: ${step#env:}" >> "$summary" ;;
+    resources)
+      # registers, spills and shared memory of the hot kernels, compiled with the toolchain the engine uses here
+      timeout -s ABRT -k 15 300 python3 scripts/kernel_resources.py --check > "$OUT/resources.txt" 2>&1
+      echo "kernel_resources --check: rc $? ($(grep -c . "$OUT/resources.txt") lines)" >> "$summary"
+      grep -E "ptxas|spills" "$OUT/resources.txt" >> "$summary" ;;
     tests)
       # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there;
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over

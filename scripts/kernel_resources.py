@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from kiln.backends import fused_kernels, gemv
 from kiln.backends import triton_attention as ta
+from kiln.compile import pin_triton_setup
 from kiln.engine.presets import PRESETS
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -135,7 +136,10 @@ def main() -> None:
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
-    print(f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}); STACK = bytes spilled a thread")
+    pin_triton_setup()  # the ptxas and libdevice the engine compiles with (torch's, where its Inductor has them)
+    ptxas = os.environ.get("TRITON_PTXAS_PATH", "Triton's own")
+    print(f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}, ptxas {ptxas}); STACK = bytes "
+          "spilled a thread")  # fmt: skip
     print(f"{'model':14} {'kernel':22} {'variant':28} {'REG':>4} {'STACK':>6} {'SHARED':>7}")
     seen: dict[tuple, dict[str, int]] = {}
     spills = []
