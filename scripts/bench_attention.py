@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
+from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -187,6 +188,7 @@ def main() -> None:
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     args = p.parse_args()
+    pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
     configs = {c: tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c}
     splits = [int(x) for x in args.split_sweep.split(",") if x]
