@@ -67,6 +67,8 @@ class ModelRunner:
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
         self.capture_sizes = sorted(capture_sizes or []) if use_graphs else []
+        # A decode-only batch has at most max_num_seqs tokens: full graphs up to the first size that holds them
+        self.largest_full = next((s for s in self.capture_sizes if s >= max_num_seqs), max(self.capture_sizes or [0]))
         # Padding never needs more rows than the largest capture size or the token budget.
         max_tokens = max(max_num_batched_tokens, *self.capture_sizes, 1)
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
@@ -201,7 +203,7 @@ class ModelRunner:
         size = next((s for s in self.capture_sizes if s >= num_tokens), None)
         if size is None:
             return GraphPlan("none", num_tokens, num_reqs)
-        if self.cudagraph_mode == "full_and_piecewise" and num_tokens == num_reqs:
+        if self.cudagraph_mode == "full_and_piecewise" and num_tokens == num_reqs and size <= self.largest_full:
             return GraphPlan("full", size, size)
         return GraphPlan("piecewise", size, num_reqs)
 
@@ -365,14 +367,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraphs(self, counters) -> None:
-        """Largest size first, so smaller graphs reuse the shared pool's memory. No dummy step at each size before its
-        capture (until the twelfth session there were two): `warm_up` ran every kernel variant a step can use."""
+        """Largest size first, so smaller graphs reuse the shared pool's memory; full graphs up to `largest_full`. No
+        dummy step at each size before its capture: `warm_up` ran every kernel variant a step can use."""
         sizes = sorted(self.capture_sizes, reverse=True)
         for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", leave=False):
             with counters.timed("capture_seconds"):
                 self._dummy_forward(size, False, "piecewise")  # captures each piece for this size
                 counters.cudagraphs_captured += 1
-                if self.cudagraph_mode == "full_and_piecewise":
+                if self.cudagraph_mode == "full_and_piecewise" and size <= self.largest_full:
                     metadata, _ = self._dummy_metadata(size, True, "full")
                     context = ForwardContext(metadata, self.kv_caches, self.backend)
                     inputs = self.inputs.views(size, size)

@@ -17,17 +17,20 @@ pytestmark = pytest.mark.gpu
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
-def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode):
+# (4 requests at most: a decode-only batch then never needs a full graph above size 4, and none is captured there)
+@pytest.mark.parametrize(("mode", "max_num_seqs"), [("full_and_piecewise", 256), ("piecewise", 256),
+                                                    ("full_and_piecewise", 4)])  # fmt: skip
+def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode, max_num_seqs):
     # NOTE: an explicit KV budget: profiling-based sizing counts every engine alive in the process.
-    common = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28)
+    common = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28, max_num_seqs=max_num_seqs)
     graphs = LLM(str(tiny_llama_dir), compile_cache_dir=str(tmp_path), cudagraph_mode=mode,
                  cudagraph_capture_sizes=SIZES, **common)  # fmt: skip
     eager = LLM(str(tiny_llama_dir), enforce_eager=True, **common)
     stats = graphs.engine.startup_stats
-    assert stats["dynamo_traces"] == 1 and stats["cudagraphs_captured"] >= len(SIZES)
-    if mode == "full_and_piecewise":
-        assert len(graphs.engine.compiled.full_graphs) == len(SIZES)
+    full = [s for s in SIZES if s <= max_num_seqs or s == min(s for s in SIZES if s >= max_num_seqs)]
+    full = full if mode == "full_and_piecewise" else []
+    assert stats["dynamo_traces"] == 1 and stats["cudagraphs_captured"] == len(SIZES) + len(full)
+    assert sorted(graphs.engine.compiled.full_graphs) == full
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     # Different requests at each replay: decode-only steps (full graphs), mixed prefill + decode steps
     # (piecewise), and a batch larger than the biggest size (no graph).
