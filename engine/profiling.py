@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.cache import allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.engine.distributed import min_across_ranks
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import SchedulerOutput
@@ -52,7 +53,10 @@ def measured_peak(core: EngineCore, max_model_len: int) -> int:
               "max_model_len": max_model_len, "block_size": config.block_size, "kv_spec": repr(core.kv_spec),
               "tensor_parallel_size": config.tensor_parallel_size}  # fmt: skip
     saved = cache.read_json(KV_SIZING) if cache is not None else None
-    if isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int):
+    found = isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int)
+    if core.shard.size > 1:  # NOTE: every rank profiles or none does: the profile's forward holds collectives
+        found = min_across_ranks(int(found)) == 1
+    if found:
         return saved["peak_bytes"]
     peak = profile_forward(core, max_model_len)
     if cache is not None:
