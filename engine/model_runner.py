@@ -359,7 +359,7 @@ class ModelRunner:
         most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
         kv_heads = self.kv_caches[0].shape[-2]
         first_of_variant = {self.backend.decode_variant(n, kv_heads): n for n in range(most, 0, -1)}  # the smallest
-        for num_reqs in sorted({*first_of_variant.values(), most}):
+        for num_reqs in sorted({*first_of_variant.values(), most if self.device.type == "cuda" else min(4, most)}):
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
             for dtype in {next(self.model.parameters()).dtype, torch.float32}:
