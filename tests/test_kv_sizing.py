@@ -71,3 +71,30 @@ def test_allocate_kv_caches():
         assert cache.device.type == "cpu" and not cache.any()
     assert caches[0].data_ptr() != caches[1].data_ptr()  # separate storage per layer
     assert sum(c.numel() * c.element_size() for c in caches) == 5 * spec.bytes_per_block
+
+
+def test_measured_peak_is_kept_in_the_compile_cache(tmp_path, monkeypatch):
+    """The profiled peak is measured once per compile-cache entry and sizing inputs: a second start reads it; other
+    sizing inputs, a damaged file or a disabled cache measure again."""
+    from types import SimpleNamespace
+
+    from kiln.compile import CompileCache
+    from kiln.engine import profiling
+    from kiln.engine.config import EngineConfig
+
+    peaks = iter([7 << 30, 9 << 30, 11 << 30, 13 << 30])
+    measured = []
+    monkeypatch.setattr(profiling, "profile_forward", lambda core, max_model_len: measured.append(1) or next(peaks))
+    cache = CompileCache(tmp_path, {"model": "tiny"})
+
+    def core(compile_cache=cache, **config):
+        compiled = SimpleNamespace(backend=SimpleNamespace(cache=compile_cache)) if compile_cache else None
+        return SimpleNamespace(config=EngineConfig(model="tiny", **config), compiled=compiled, kv_spec=LLAMA_8B,
+                               shard=SimpleNamespace(size=1))  # fmt: skip
+
+    assert profiling.measured_peak(core(), 4096) == 7 << 30 and len(measured) == 1
+    assert profiling.measured_peak(core(), 4096) == 7 << 30 and len(measured) == 1  # a warm start: read back
+    assert profiling.measured_peak(core(max_num_seqs=8), 4096) == 9 << 30 and len(measured) == 2  # other inputs
+    (tmp_path / cache.key / profiling.KV_SIZING).write_text("{not json")
+    assert profiling.measured_peak(core(), 4096) == 11 << 30 and len(measured) == 3  # damaged: measured again
+    assert profiling.measured_peak(core(compile_cache=None), 4096) == 13 << 30 and len(measured) == 4
