@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -224,3 +225,37 @@ def test_kiln_choices_make_norm_sized_rows_persistent():
                 bool(inductors.should_use_persistent_reduction(features(numel), True))  # fmt: skip
         assert not ours.should_use_persistent_reduction(features(2048, ReductionHint.OUTER), False)
     assert ours.uuid() != getattr(inductors, "uuid", lambda: None)()  # its own entry in Inductor's cache key
+
+
+def test_start_up_counters_count_triton_compiles_and_cache_hits(tmp_path):
+    """`pin_triton_setup` counts Triton's compiles into the start-up counters through Triton's compilation listener:
+    one kernel built for sm_90 (no GPU needed) into an empty cache is a compile, the same kernel again a cache hit."""
+    code = (
+        "import json, triton, triton.language as tl\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from kiln.compile import CompileCounters, pin_triton_setup\n"
+        "pin_triton_setup()\n"
+        "if not hasattr(triton.knobs.compilation, 'listener'): print('null'); raise SystemExit\n"
+        "@triton.jit\n"
+        "def copy(x_ptr, y_ptr, BLOCK: tl.constexpr):\n"
+        "    offs = tl.arange(0, BLOCK)\n"
+        "    tl.store(y_ptr + offs, tl.load(x_ptr + offs))\n"
+        "counters = CompileCounters()\n"
+        "source = ASTSource(copy, {'x_ptr': '*fp32', 'y_ptr': '*fp32', 'BLOCK': 'constexpr'}, {(2,): 64})\n"
+        "seen = []\n"
+        "for _ in range(2):\n"
+        "    triton.compile(source, target=GPUTarget('cuda', 90, 32))\n"
+        "    stats = counters.as_dict(); seen.append([stats['triton_compiles'], stats['triton_cache_hits']])\n"
+        "print(json.dumps(seen))\n"
+    )
+    script = tmp_path / "count_compiles.py"  # (a @triton.jit kernel must live in a file)
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if seen is None:
+        pytest.skip("this Triton has no compilation listener")
+    assert seen == [[1, 0], [1, 1]]
