@@ -70,7 +70,6 @@ def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = No
         code = (f"{LOG_TRITON_COMPILES}\nimport cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); "
                 f"p.disable(); f = open({profile!r}, 'w'); f.writelines(COMPILED); s = pstats.Stats(p, stream=f); "
                 "s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(40); "
-                "[s.print_callees(n) for n in ('warm_up', 'capture_cudagraphs', 'num_kv_blocks')]; "
                 "s.print_callers('make_cubin'); f.close()")  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"), "PYTHONPYCACHEPREFIX": PYCACHE}  # fmt: skip
