@@ -42,8 +42,8 @@ def pin_triton_setup() -> None:
     """Fix Triton's cache folder and the ptxas and libdevice it compiles with, before anything compiles; and count
     its compiles from here on (`kiln.compile.counters`).
 
-    NOTE: Triton's cache key covers its cache folder's contents only under the same ptxas and libdevice, and Inductor
-    switches both to torch's own (its private `_set_triton_ptxas_path` and `_set_triton_libdevice_path`) the first
+    NOTE: Triton's cache key covers the ptxas and libdevice a kernel is built with, and Inductor switches both to
+    torch's own (its private `_set_triton_ptxas_path` and `_set_triton_libdevice_path`) the first
     time it compiles a kernel in a process. A warm start compiles nothing, so every Triton kernel that a cold start
     had compiled after that switch (Kiln's own, in the warm-up) missed the cache on a warm start and was compiled
     again: 21 kernels, ~8 s of the 8B's warm start on the H200 (BENCHMARKS.md, twelfth session). Making the same
