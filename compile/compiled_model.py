@@ -69,8 +69,7 @@ class CompiledModel:
         self.model = model
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
-        self._forward = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
-                                      options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
+        self._forward = None  # torch.compile's wrapper, made for the trace (a warm start never needs it)
         self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced
         saved = cache.read_json(SAVED_GRAPH)
@@ -87,6 +86,8 @@ class CompiledModel:
             raise ValueError("the first (tracing) call needs at least 2 tokens: a size of 1 would be specialised")
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
+        self._forward = torch.compile(_private_forward(self.model), backend=self.backend, fullgraph=True,
+                                      options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
         before = self.counters.inductor_seconds + self.counters.cache_load_seconds
         start = time.perf_counter()
         out = self._forward(input_ids, positions)
@@ -139,7 +140,7 @@ class CompiledModel:
         in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
         has run every kernel variant this size uses (the runner's warm-up)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.backend.graph_pool()):
+        with self.backend.graph_pool.capture(graph):
             hidden = self(input_ids[:size], positions[:size])
             outputs = (hidden, *(head(hidden) if head is not None else ()))
         self.full_graphs[size] = (graph, weak_ref(outputs))
