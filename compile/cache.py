@@ -38,6 +38,13 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "compile"
 
 
+def cache_root(configured: str | None) -> Path | None:
+    """The compile cache's root folder (`configured`, else the default); None where the cache is disabled."""
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return None
+    return Path(configured) if configured else default_cache_root()
+
+
 def pin_triton_setup() -> None:
     """Fix Triton's cache folder and the ptxas and libdevice it compiles with, before anything compiles; and count
     its compiles from here on (`kiln.compile.counters`).

@@ -8,8 +8,10 @@ character split across tokens): we wait for the next token rather than emit half
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens decoded along, so the first output token gets its leading space right

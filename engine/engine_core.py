@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -20,7 +19,7 @@ from kiln.compile import (
     CompileCounters,
     CompiledModel,
     cache_key_inputs,
-    default_cache_root,
+    cache_root,
     default_capture_sizes,
     pin_triton_setup,
 )
@@ -87,12 +86,13 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         pin_triton_setup()  # before anything compiles
-        self.source: ModelSource = resolve_model(config.model)
+        cache_folder = cache_root(config.compile_cache_dir)  # (None: disabled) also keeps the resolved model config
+        self.source: ModelSource = resolve_model(config.model, cache_folder and cache_folder / "models")
         model_config = self.source.model_config
         self.device = config.resolve_device()
         if tp_rank > 0 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # the worker chose its GPU
-        self.dtype = config.resolve_dtype(self.device, _checkpoint_dtype(self.source.hf_config))
+        self.dtype = config.resolve_dtype(self.device, self.source.checkpoint_dtype)
         self.load_format = config.load_format
         if self.load_format == "auto":
             self.load_format = "dummy" if self.source.is_preset else "safetensors"
@@ -389,12 +389,4 @@ class EngineCore:
         }  # fmt: skip
         key = cache_key_inputs(kiln_version(), self.model, dataclasses.asdict(self.model_config), self.dtype,
                                self.device, settings)  # fmt: skip
-        root = Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_root()
-        return CompiledModel(self.model, CompileCache(root, key), self.counters)
-
-
-def _checkpoint_dtype(hf_config) -> torch.dtype | None:
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
+        return CompiledModel(self.model, CompileCache(cache_root(config.compile_cache_dir), key), self.counters)

@@ -1,35 +1,91 @@
-"""Resolve a `model` argument: a built-in preset name or a local Hugging Face directory."""
+"""Resolve a `model` argument: a built-in preset name or a local Hugging Face directory.
+
+What transformers makes of a model's config can be kept (`resolve_model`'s `memo_dir`; the engine keeps it beside
+its compile cache), keyed by the config files' bytes and the code and versions that read them: a start that finds
+it builds the model without importing transformers' model classes. (Those imports are slow: with transformers 5.17
+and scikit-learn installed, as on the H200, a config class's docstring decorator imports transformers' generation
+code and, through it, scikit-learn, ~1 s of a warm start.)
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
 import json
+import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoConfig, PretrainedConfig
+import torch
 
+from kiln.compile.cache import atomic_write_bytes
+from kiln.engine.models import config as config_module
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.presets import PRESETS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger("kiln")
 
 
 @dataclass(frozen=True)
 class ModelSource:
     name: str
     model_dir: Path | None  # None for a preset
-    hf_config: PretrainedConfig
     model_config: ModelConfig
+    checkpoint_dtype_name: str | None = None  # the config's `dtype` (`torch_dtype`), e.g. "bfloat16"
 
     @property
     def is_preset(self) -> bool:
         return self.model_dir is None
 
+    @property
+    def checkpoint_dtype(self) -> torch.dtype | None:
+        dtype = getattr(torch, self.checkpoint_dtype_name or "", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
-def resolve_model(model: str) -> ModelSource:
+    @cached_property
+    def hf_config(self) -> PretrainedConfig:
+        """transformers' config object, read when first asked for (the engine needs only `model_config`)."""
+        return _hf_config(self.name, self.model_dir)
+
+
+def resolve_model(model: str, memo_dir: Path | None = None) -> ModelSource:
+    """The model's source and config. With `memo_dir`, the resolved config is read from there when kept for these
+    config files, else resolved through transformers and kept there."""
+    model_dir = _model_dir(model)
+    memo = memo_dir / f"{_memo_key(model, model_dir)}.json" if memo_dir is not None else None
+    if memo is not None and memo.exists():
+        try:
+            kept = json.loads(memo.read_text())
+            fields = {**kept["model_config"], "eos_token_ids": tuple(kept["model_config"]["eos_token_ids"])}
+            return ModelSource(model, model_dir, ModelConfig(**fields), kept["checkpoint_dtype"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: resolved again and kept anew
+            logger.warning("model config memo %s unreadable (%s); resolving the config again", memo, e)
+    hf_config = _hf_config(model, model_dir)
+    if model_dir is None:
+        eos = _as_tuple(PRESETS[model]["eos_token_id"])
+    else:
+        eos = _eos_token_ids(model_dir, hf_config)
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    source = ModelSource(model, model_dir, ModelConfig.from_hf(hf_config, eos), dtype_name)
+    source.__dict__["hf_config"] = hf_config  # (the cached property, already read)
+    if memo is not None:
+        kept = {"model_config": dataclasses.asdict(source.model_config), "checkpoint_dtype": dtype_name}
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(memo, json.dumps(kept, indent=1).encode())
+    return source
+
+
+def _model_dir(model: str) -> Path | None:
+    """None for a preset; else the model's directory, checked."""
     if model in PRESETS:
-        raw = dict(PRESETS[model])
-        hf_config = AutoConfig.for_model(_model_type(raw["architectures"][0]), **raw)
-        return ModelSource(model, None, hf_config, ModelConfig.from_hf(hf_config, _as_tuple(raw["eos_token_id"])))
+        return None
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -39,11 +95,34 @@ def resolve_model(model: str) -> ModelSource:
         raise NotADirectoryError(f"model path {model!r} is not a directory")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+    return path
+
+
+def _hf_config(model: str, model_dir: Path | None) -> PretrainedConfig:
+    from transformers import AutoConfig  # noqa: PLC0415 (see the module's docstring)
+
+    if model_dir is None:
+        raw = dict(PRESETS[model])
+        return AutoConfig.for_model(_model_type(raw["architectures"][0]), **raw)
     try:
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"{path / 'config.json'}: cannot be read as a model config: {e}") from None
-    return ModelSource(model, path, hf_config, ModelConfig.from_hf(hf_config, _eos_token_ids(path, hf_config)))
+        raise ValueError(f"{model_dir / 'config.json'}: cannot be read as a model config: {e}") from None
+
+
+def _memo_key(model: str, model_dir: Path | None) -> str:
+    """A hash of what a resolved config depends on: the preset or the directory's config files, transformers'
+    version, and the source of the code that turns its config into a `ModelConfig`."""
+    h = hashlib.sha256()
+    if model_dir is None:
+        h.update(json.dumps(PRESETS[model], sort_keys=True).encode())
+    for name in ("config.json", "generation_config.json") if model_dir is not None else ():
+        path = model_dir / name
+        h.update(path.read_bytes() if path.exists() else b"(none)")
+    h.update(importlib.metadata.version("transformers").encode())
+    for module_file in (__file__, config_module.__file__):
+        h.update(Path(module_file).read_bytes())
+    return h.hexdigest()[:20]
 
 
 def _model_type(architecture: str) -> str:
@@ -57,7 +136,7 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list | tuple) else (int(value),)
 
 
-def _eos_token_ids(path: Path, hf_config: PretrainedConfig) -> tuple[int, ...]:
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     """generation_config.json's EOS ids win (Llama 3 lists several there); else config.json's."""
     generation_config = path / "generation_config.json"
     if generation_config.exists():

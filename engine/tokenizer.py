@@ -11,9 +11,12 @@ import random
 import string
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # (transformers is imported when a tokenizer is made: an engine that never makes one skips it)
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BUILTIN_EOS = "<|endoftext|>"
 
@@ -42,6 +45,8 @@ def builtin_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BUILTIN_EOS)
 
 
@@ -74,6 +79,8 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 

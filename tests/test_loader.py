@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +44,34 @@ def test_eos_ids_from_generation_config(tiny_llama_dir, tmp_path):
     d = copy_dir(tiny_llama_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9)
+
+
+def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_dir, tmp_path):
+    """The engine keeps what transformers resolved (a later start skips transformers' model classes); the same
+    config and checkpoint dtype come back, and a changed config.json or a damaged memo resolves again."""
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    memo = tmp_path / "memo"
+    plain = resolve_model(str(d))
+    first = resolve_model(str(d), memo)
+    assert first.model_config == plain.model_config and len(list(memo.glob("*.json"))) == 1
+    # a fresh process reads it back, and never imports transformers
+    code = ("import sys, json; from kiln.engine.model_source import resolve_model as r; s = r(sys.argv[1], "
+            "__import__('pathlib').Path(sys.argv[2])); print(json.dumps([repr(s.model_config), "
+            "s.checkpoint_dtype_name, any(m.startswith('transformers') for m in sys.modules)]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(d), str(memo)], capture_output=True, text=True, check=True)
+    config, dtype, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert config == repr(plain.model_config) and dtype == plain.checkpoint_dtype_name and not imported
+    assert plain.checkpoint_dtype == torch.float32 and first.hf_config.num_hidden_layers == 2
+    # a changed config misses the memo: its new value comes through transformers
+    config_json = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config_json, "rms_norm_eps": 1e-3}))
+    assert resolve_model(str(d), memo).model_config.rms_norm_eps == 1e-3
+    assert len(list(memo.glob("*.json"))) == 2
+    # a damaged memo is resolved again (and rewritten)
+    for f in memo.glob("*.json"):
+        f.write_text("{not json")
+    assert resolve_model(str(d), memo).model_config.rms_norm_eps == 1e-3
+    assert any('"rms_norm_eps": 0.001' in f.read_text() for f in memo.glob("*.json"))
 
 
 def test_missing_directory_is_clear():
