@@ -57,8 +57,9 @@ except ImportError:
 """.strip()
 
 
-def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = None) -> dict:
-    """One start in a fresh process; with `profile`, under cProfile, its busiest calls written there as text."""
+def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = None, py_spy: str | None = None) -> dict:
+    """One start in a fresh process; with `profile`, under cProfile, its busiest calls written there as text; with
+    `py_spy`, sampled by py-spy (native frames and waits too) into that file as collapsed stacks."""
     code = (
         "import json, time; t = time.perf_counter(); from kiln.engine.engine_core import EngineCore; "
         "from kiln.engine.config import EngineConfig; i = time.perf_counter() - t; "
@@ -76,9 +77,14 @@ def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = No
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryFile("w+") as stderr:
         start = time.perf_counter()
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   env=env)  # fmt: skip
+        command = [sys.executable, "-c", code]
+        if py_spy:
+            command = ["py-spy", "record", "--native", "--idle", "--threads", "--rate", "250", "--format", "raw",
+                       "--output", py_spy, "--", *command]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         line = process.stdout.readline()  # the stats, printed once the engine is ready
+        while line and not line.startswith("{"):  # (py-spy's own lines)
+            line = process.stdout.readline()
         ready = time.perf_counter() - start
         process.wait(timeout=1800)
         exited = time.perf_counter() - start
@@ -99,6 +105,8 @@ def main() -> None:
     p.add_argument("--prime", action="store_true",
                    help="one unmeasured start of the first model first (in a cache of its own), so no measured "
                    "cold start also pays for the machine's cold OS caches (6-8 s of the first start on the H200)")
+    p.add_argument("--py-spy", metavar="PREFIX", help="then one more warm start (not measured) sampled by py-spy, its "
+                   "collapsed stacks to PREFIX_MODEL.txt (py-spy on PATH)")
     args = p.parse_args()
     fill_bytecode_cache()
     if args.prime:
@@ -113,6 +121,12 @@ def main() -> None:
             print(f"{model} cold: {json.dumps(cold)}", flush=True)  # as it comes: a time limit may stop the rest
             warm = start_once(model, cache_dir, extra, args.profile_warm and f"{args.profile_warm}_{model}.txt")
             print(f"{model} warm: {json.dumps(warm)}", flush=True)
+            if args.py_spy:
+                try:
+                    sampled = start_once(model, cache_dir, extra, py_spy=f"{args.py_spy}_{model}.txt")
+                    print(f"{model} warm under py-spy: {sampled['wall_seconds']:.1f} s", flush=True)
+                except (OSError, RuntimeError) as e:
+                    print(f"{model}: no py-spy profile ({type(e).__name__}: {str(e)[-500:]})", flush=True)
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
     print(f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "
           + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)

@@ -5,7 +5,8 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
-# kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start).
+# kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
+# STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
@@ -67,13 +68,15 @@ for step in $steps; do
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
     startup)
       timeout -s ABRT -k 15 900 python3 scripts/bench_startup.py --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3.1-8b} \
-        ${STARTUP_PROFILE:+--profile-warm $OUT/profile_warm} ${STARTUP_PRIME:+--prime} --json "$OUT/startup.json" 2>&1 \
+        ${STARTUP_PROFILE:+--profile-warm $OUT/profile_warm} ${STARTUP_PRIME:+--prime} ${STARTUP_PYSPY:+--py-spy $OUT/pyspy} --json "$OUT/startup.json" 2>&1 \
         | tee "$OUT/startup.log" | tail -n 8
       tail -n 6 "$OUT/startup.log" >> "$summary" ;;
     attention)
+      base=$(fresh "$OUT/attention$tag")
       timeout -s ABRT -k 15 200 python3 scripts/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} \
-        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -n 30
-      grep -A60 "^decode attention" "$OUT/attention.log" >> "$summary" ;;
+        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
+      echo "-- attention${tag}" >> "$summary"
+      grep -A60 "^decode attention" "$base.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60

@@ -90,13 +90,15 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
 def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, num_heads, num_kv_heads, head_dim):
     """Contexts from under one page to many splits' worth: some requests use every split, some fewer,
     some one (written directly: also every context up to `unsplit_tokens`); the last split to finish merges the
-    rest; the new K/V reach the cache from the same kernel. Twice, because the arrival counts must be back at zero
-    for the next kernel. Both launch configs (the large grids' has a smaller key tile)."""
+    rest; the new K/V reach the cache from the same kernel, before it reads them there: what their slots held
+    before (NaN here) never reaches the output. Twice, because the arrival counts must be back at zero for the
+    next kernel. Both launch configs (the large grids' has a smaller key tile)."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
     )
     ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = float("nan")
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens, config,
@@ -107,7 +109,7 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, n
         flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
         torch.testing.assert_close(flat[0, metadata.slot_mapping], k)
         torch.testing.assert_close(flat[1, metadata.slot_mapping], v)
-        kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = 0  # the next round writes again
+        kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = float("nan")  # written again
 
 
 def test_kv_write_skips_negative_slots():
