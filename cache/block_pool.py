@@ -64,12 +64,13 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        # Blocks never handed out yet are the free queue's head, in id order; each is made when first taken
+        # (`blocks` grows): a pool of ~250,000 blocks (a 1B model's on the H200) made at once took 0.3 s of start-up.
+        self.blocks = [KVBlock(NULL_BLOCK_ID)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        # OrderedDict gives O(1) removal from the middle when a prefix hit revives a free block.
-        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict(
-            (block.block_id, block) for block in self.blocks[1:]
-        )
+        # The rest of the queue: blocks freed since, oldest first. OrderedDict gives O(1) removal from the middle
+        # when a prefix hit revives a free block.
+        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached_blocks: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -80,7 +81,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0, cached or not (a cached free block is reusable by eviction)."""
-        return len(self._free_queue)
+        return self.num_blocks - len(self.blocks) + len(self._free_queue)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -95,8 +96,10 @@ class BlockPool:
             raise ValueError(f"cannot take a negative number of blocks ({n})")
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
-        new_blocks = []
-        for _ in range(n):
+        fresh = min(n, self.num_blocks - len(self.blocks))
+        new_blocks = [KVBlock(block_id, ref_cnt=1) for block_id in range(len(self.blocks), len(self.blocks) + fresh)]
+        self.blocks += new_blocks
+        for _ in range(n - fresh):
             _, block = self._free_queue.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
