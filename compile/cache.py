@@ -5,6 +5,8 @@
         forward.json      the traced split graph as data (`saved_graph.py`): a warm start runs it, no Dynamo
         split_graph.py    the split graph and its pieces, as readable code (for debugging)
         pieces/<hash>.bin Inductor artifacts, one per distinct compute piece
+        kv_sizing.json    the KV sizing's measured peak, with its inputs (`kiln.engine.profiling`)
+    ~/.cache/kiln/compile/models/<hash>.json   what transformers made of a model's config (`kiln.engine.model_source`)
 
 Writes go to a temporary name in the same folder and are renamed into place, so a reader sees a
 whole artifact or none; two processes warming one cache both compile and the later rename wins.

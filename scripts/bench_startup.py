@@ -106,7 +106,7 @@ def main() -> None:
                    help="one unmeasured start of the first model first (in a cache of its own), so no measured "
                    "cold start also pays for the machine's cold OS caches (6-8 s of the first start on the H200)")
     p.add_argument("--py-spy", metavar="PREFIX", help="then one more warm start (not measured) sampled by py-spy, its "
-                   "collapsed stacks to PREFIX_MODEL.txt (py-spy on PATH)")
+                   "collapsed stacks to PREFIX_MODEL.txt (py-spy on PATH; `scripts/pyspy_summary.py` reads them)")
     args = p.parse_args()
     fill_bytecode_cache()
     if args.prime:
