@@ -70,15 +70,21 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start_n,
+def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The page of each key in [start_n, start_n + TILE_N) (0 past visible_end)."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    return tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, start_n,
                  visible_end, causal_limit, offs_d, d_ok, qk_scale,
                  ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  TILE_N: tl.constexpr):  # fmt: skip
-    """One online-softmax step over keys [start_n, start_n + TILE_N): row r may see key n when
-    n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
+    """One online-softmax step over keys [start_n, start_n + TILE_N), on their pages (`_tile_pages`): row r may see
+    key n when n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
-    page = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
     base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -130,7 +136,8 @@ def _unified_attention_kernel(
         acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
         for start_n in range(0, visible_end, TILE_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+            page = _tile_pages(table_row, start_n, visible_end, BLOCK_SIZE, TILE_N)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, start_n,
                                          visible_end, causal_limit, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -165,7 +172,7 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -213,8 +220,19 @@ def _decode_split_kernel(
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
+        # PREFETCH_PAGES: each tile's pages are loaded one iteration ahead, a value the loop carries. Loaded in the
+        # iteration that uses them, they leave Triton's pipeliner a K/V address that depends on a load of the same
+        # iteration, and it then keeps one K/V buffer whatever num_stages: every iteration waits for all its copies
+        # and issues the next tile's after its own compute (`scripts/kernel_resources.py`'s BUF column).
+        if PREFETCH_PAGES:
+            page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
         for start_n in range(start, end, TILE_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n,
+            if PREFETCH_PAGES:
+                this_page = page
+                page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
+            else:
+                this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
                                          end, no_causal, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
         if splits == 1:
@@ -278,6 +296,11 @@ FEW_REQUESTS = 1
 if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES for both (A/B runs of whole decode steps)
     DECODE_CONFIG = DECODE_CONFIG_FEW = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
+# Each tile's pages loaded an iteration ahead in the decode kernel (see its loop): Triton then double-buffers the K/V
+# tiles from 3 stages on (the default loop keeps one buffer), at ~70 KB of shared memory a program for 64-key tiles.
+# Not yet timed on the H200; KILN_DECODE_PREFETCH_PAGES=1 turns it on (A/B runs), `bench_attention.py
+# --config-sweep 64x2x3p,...` times it per config.
+PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -309,18 +332,19 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
-                    unsplit_tokens: int = UNSPLIT_TOKENS) -> None:  # fmt: skip
+                    unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
-    `decode_config`'s."""
+    `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
+    prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -335,7 +359,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
+        PREFETCH_PAGES=prefetch_pages, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
     )  # fmt: skip
 
 

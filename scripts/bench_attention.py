@@ -93,7 +93,7 @@ def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
 
 
 def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: dict[str, tuple[int, int, int]]) -> dict:  # fmt: skip
+                 configs: dict[str, tuple[int, int, int, bool]]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -126,7 +126,8 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     for name, c in configs.items():
         try:
             config_sweep[name] = graph_time_ms(lambda c=c: split_kv_decode(
-                q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c)) * 1e3  # fmt: skip
+                q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c[:3],
+                prefetch_pages=c[3])) * 1e3  # fmt: skip
         except Exception as e:  # e.g. a tile too big for shared memory
             print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
             config_sweep[name] = float("nan")
@@ -185,12 +186,14 @@ def main() -> None:
     p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     p.add_argument("--config-sweep", default="",
-                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2")  # fmt: skip
+                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (a trailing p: "
+                   "each tile's pages loaded an iteration ahead, 64x2x3p)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     args = p.parse_args()
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
-    configs = {c: tuple(int(v) for v in c.split("x")) for c in args.config_sweep.split(",") if c}
+    configs = {c: tuple(int(v) for v in c.removesuffix("p").split("x")) + (c.endswith("p"),)
+               for c in args.config_sweep.split(",") if c}  # fmt: skip
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")

@@ -4,7 +4,10 @@ Triton compiles for whatever target it is given (sm_90 here) without a GPU, and 
 the resources of the result. A kernel that runs out of registers spills to local memory (STACK > 0): 6d67307's
 decode kernel (each K/V tile patched with the new token in registers) used 255 registers and 936 bytes of stack
 against the kept kernel's 205 and none, and ran long contexts 1.5x slower on the H200. This shows such a change
-before a device call. The kernels at the presets' shapes and the launch configs the backends choose:
+before a device call; so does BUF, whether a kernel's loop keeps more than one K/V tile in flight (Triton's pipeliner
+double-buffers a loop's loads only where their addresses do not hang on a load of the same iteration). The kernels
+at the presets' shapes and the launch configs the backends choose, built as Triton's launcher builds them (aligned
+pointers and strides):
 
     python scripts/kernel_resources.py            # the table
     python scripts/kernel_resources.py --check    # exits 1 if any kernel spills (but FEW_SPILL_ALLOWED, below)
@@ -54,8 +57,13 @@ def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int =
             return POINTERS.get(name, "*bf16")
         return "fp32" if name in FLOATS else "i32"
 
+    # As Triton's launcher specialises them: every pointer 16-byte aligned (torch's allocations are), and the strides
+    # multiples of 16. NOTE: without these hints Triton cannot prove its loads aligned and pipelines no loop (no
+    # cp.async): the kernel compiled here was then not the one that runs.
+    aligned = [n for n in names if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))]
     source = ASTSource(fn=kernel, signature={n: arg_type(n) for n in names},
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})  # fmt: skip
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
     return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -69,7 +77,8 @@ def resources(compiled) -> dict[str, int]:
         report = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
                                 check=True).stdout  # fmt: skip
     found = {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", report)}
-    return {**found, "SHARED": compiled.metadata.shared}
+    waits = [int(n) for n in re.findall(r"async_wait[^{\n]*\{num = (\d+)", compiled.asm["ttgir"])]
+    return {**found, "SHARED": compiled.metadata.shared, "BUF": max(waits, default=-1)}
 
 
 def shapes(model: str) -> dict:
@@ -83,13 +92,17 @@ def decode_variants(model: str):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
+    configs = [(*c, ta.PREFETCH_PAGES) for c in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY)]
+    configs.append((*ta.DECODE_CONFIG, not ta.PREFETCH_PAGES))  # the default config with the other page loading
     for num_splits in (1, 64):
-        for tile_n, warps, stages in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY):
+        for tile_n, warps, stages, prefetch in configs:
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
-                              NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True)  # fmt: skip
-            yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", ta._decode_split_kernel, constexprs, warps, stages
+                              NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
+                              PREFETCH_PAGES=prefetch)  # fmt: skip
+            name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}"
+            yield name, ta._decode_split_kernel, constexprs, warps, stages
 
 
 def prefill_variants(model: str):
@@ -139,8 +152,9 @@ def main() -> None:
     pin_triton_setup()  # the ptxas and libdevice the engine compiles with (torch's, where its Inductor has them)
     ptxas = os.environ.get("TRITON_PTXAS_PATH", "Triton's own")
     print(f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}, ptxas {ptxas}); STACK = bytes "
-          "spilled a thread")  # fmt: skip
-    print(f"{'model':14} {'kernel':22} {'variant':28} {'REG':>4} {'STACK':>6} {'SHARED':>7}")
+          "spilled a thread; BUF = the most copy groups a loop's wait leaves in flight (0: one buffer, each "
+          "iteration waits for all its loads; -1: no pipelined loop; p: pages loaded an iteration ahead)")  # fmt: skip
+    print(f"{'model':14} {'kernel':22} {'variant':28} {'REG':>4} {'STACK':>6} {'SHARED':>7} {'BUF':>4}")
     seen: dict[tuple, dict[str, int]] = {}
     spills = []
     families = {"decode": decode_variants, "prefill": prefill_variants, "gemv": gemv_variants,
@@ -158,18 +172,18 @@ def main() -> None:
                 spilled = r.get("STACK", 0) + r.get("LOCAL", 0)
                 if spilled > spill_allowed(family, variant):
                     spills.append(f"{model} {family} {variant}")
-                print(f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7}",
-                      flush=True)  # fmt: skip
+                print(f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7} "
+                      f"{r['BUF']:4}", flush=True)  # fmt: skip
     if spills:
         print("spills: " + "; ".join(spills))
     if args.check and spills:
         sys.exit(1)
 
 
-# NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) spills up to 88 bytes a thread at
-# head_dim 128 under triton 3.9 and none for the 1B under the device's triton 3.6 (where the default config spills
-# 56-328): measured in the step, it made Qwen3-0.6B's batch-1 decode 8% faster (BENCHMARKS.md, eleventh session).
-# A spill that size passes the check; 6d67307's, which made long contexts 1.5x slower, was 936 bytes.
+# NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) spills 8 bytes a thread at head_dim 128 under
+# triton 3.9 (none under 3.6; built without the launcher's alignment hints, as before the thirteenth session, 88):
+# measured in the step, it made Qwen3-0.6B's batch-1 decode 8% faster (BENCHMARKS.md, eleventh session). A spill
+# that size passes the check; 6d67307's, which made long contexts 1.5x slower, was 936 bytes.
 FEW_SPILL_ALLOWED = 128
 
 

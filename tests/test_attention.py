@@ -82,17 +82,21 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
     torch.testing.assert_close(flat_v[metadata.slot_mapping], v)
 
 
-@pytest.mark.parametrize("num_splits,min_split_tokens,config,unsplit_tokens", [
-    (1, 16, None, 0), (3, 16, None, 0), (8, 16, None, 0), (1, 128, None, 0), (3, 128, None, 0), (8, 128, None, 0),
-    (3, 16, DECODE_CONFIG_MANY, 0), (1, 16, DECODE_CONFIG_MANY, 0), (8, 16, None, 112),
-    (3, 16, DECODE_CONFIG_FEW, 0), (1, 16, DECODE_CONFIG_FEW, 112)])  # fmt: skip
+@pytest.mark.parametrize("num_splits,min_split_tokens,config,unsplit_tokens,prefetch", [
+    (1, 16, None, 0, False), (3, 16, None, 0, False), (8, 16, None, 0, False), (1, 128, None, 0, False),
+    (3, 128, None, 0, False), (8, 128, None, 0, False), (3, 16, DECODE_CONFIG_MANY, 0, False),
+    (1, 16, DECODE_CONFIG_MANY, 0, False), (8, 16, None, 112, False), (3, 16, DECODE_CONFIG_FEW, 0, False),
+    (1, 16, DECODE_CONFIG_FEW, 112, False), (1, 16, None, 0, True), (3, 16, None, 0, True),
+    (8, 16, DECODE_CONFIG_MANY, 112, True)])  # fmt: skip
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
-def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, num_heads, num_kv_heads, head_dim):
-    """Contexts from under one page to many splits' worth: some requests use every split, some fewer,
-    some one (written directly: also every context up to `unsplit_tokens`); the last split to finish merges the
-    rest; the new K/V reach the cache from the same kernel, before it reads them there: what their slots held
-    before (NaN here) never reaches the output. Twice, because the arrival counts must be back at zero for the
-    next kernel. Both launch configs (the large grids' has a smaller key tile)."""
+def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, prefetch, num_heads, num_kv_heads,
+                         head_dim):  # fmt: skip
+    """Contexts from under one page to many splits' worth: some requests use every split, some fewer, some one
+    (written directly: also every context up to `unsplit_tokens`), each tile's pages loaded in its iteration or one
+    ahead (`prefetch`); the last split to finish merges the rest; the new K/V reach the cache from the same kernel,
+    before it reads them there: what their slots held before (NaN here) never reaches the output. Twice, because the
+    arrival counts must be back at zero for the next kernel. Both launch configs (the large grids' has a smaller key
+    tile)."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
@@ -102,7 +106,7 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, n
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens, config,
-                        unsplit_tokens=unsplit_tokens)  # fmt: skip
+                        unsplit_tokens=unsplit_tokens, prefetch_pages=prefetch)  # fmt: skip
         torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
         assert not arrival_counts(q.device, "decode", triton_attention.MAX_ARRIVAL_SLOTS).any()
         # the kernel wrote each token's K/V into its slot (the reference read them from k, v)
