@@ -87,7 +87,8 @@ class EngineCore:
         start = time.perf_counter()
         pin_triton_setup()  # before anything compiles
         cache_folder = cache_root(config.compile_cache_dir)  # (None: disabled) also keeps the resolved model config
-        self.source: ModelSource = resolve_model(config.model, cache_folder and cache_folder / "models")
+        memo_dir = None if cache_folder is None else cache_folder / "models"
+        self.source: ModelSource = resolve_model(config.model, memo_dir)
         model_config = self.source.model_config
         self.device = config.resolve_device()
         if tp_rank > 0 and self.device.type == "cuda":

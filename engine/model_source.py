@@ -50,22 +50,19 @@ class ModelSource:
 
     @cached_property
     def hf_config(self) -> PretrainedConfig:
-        """transformers' config object, read when first asked for (the engine needs only `model_config`)."""
+        """transformers' config object, read when first asked for (the engine needs only `model_config`; the
+        benchmarks' Hugging Face peers ask)."""
         return _hf_config(self.name, self.model_dir)
 
 
 def resolve_model(model: str, memo_dir: Path | None = None) -> ModelSource:
     """The model's source and config. With `memo_dir`, the resolved config is read from there when kept for these
-    config files, else resolved through transformers and kept there."""
+    config files, else resolved through transformers and kept there (a memo that cannot be read or written is
+    passed over with a warning: it only saves time)."""
     model_dir = _model_dir(model)
-    memo = memo_dir / f"{_memo_key(model, model_dir)}.json" if memo_dir is not None else None
-    if memo is not None and memo.exists():
-        try:
-            kept = json.loads(memo.read_text())
-            fields = {**kept["model_config"], "eos_token_ids": tuple(kept["model_config"]["eos_token_ids"])}
-            return ModelSource(model, model_dir, ModelConfig(**fields), kept["checkpoint_dtype"])
-        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: resolved again and kept anew
-            logger.warning("model config memo %s unreadable (%s); resolving the config again", memo, e)
+    key = _memo_key(model, model_dir) if memo_dir is not None else None
+    if key is not None and (kept := _read_memo(memo_dir / f"{key}.json")) is not None:
+        return ModelSource(model, model_dir, *kept)
     hf_config = _hf_config(model, model_dir)
     if model_dir is None:
         eos = _as_tuple(PRESETS[model]["eos_token_id"])
@@ -74,12 +71,30 @@ def resolve_model(model: str, memo_dir: Path | None = None) -> ModelSource:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
     source = ModelSource(model, model_dir, ModelConfig.from_hf(hf_config, eos), dtype_name)
-    source.__dict__["hf_config"] = hf_config  # (the cached property, already read)
-    if memo is not None:
-        kept = {"model_config": dataclasses.asdict(source.model_config), "checkpoint_dtype": dtype_name}
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(memo, json.dumps(kept, indent=1).encode())
+    if key is not None and _memo_key(model, model_dir) == key:  # (not if the files changed while being read)
+        _write_memo(memo_dir / f"{key}.json", source)
     return source
+
+
+def _read_memo(path: Path) -> tuple[ModelConfig, str | None] | None:
+    try:
+        kept = json.loads(path.read_text())
+        fields = {**kept["model_config"], "eos_token_ids": tuple(kept["model_config"]["eos_token_ids"])}
+        return ModelConfig(**fields), kept["checkpoint_dtype"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # damaged or unreadable: resolved again
+        logger.warning("model config memo %s unreadable (%s); resolving the config again", path, e)
+        return None
+
+
+def _write_memo(path: Path, source: ModelSource) -> None:
+    kept = {"model_config": dataclasses.asdict(source.model_config), "checkpoint_dtype": source.checkpoint_dtype_name}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(kept, indent=1).encode())
+    except OSError as e:
+        logger.warning("model config memo %s not kept (%s)", path, e)
 
 
 def _model_dir(model: str) -> Path | None:
@@ -116,9 +131,9 @@ def _memo_key(model: str, model_dir: Path | None) -> str:
     h = hashlib.sha256()
     if model_dir is None:
         h.update(json.dumps(PRESETS[model], sort_keys=True).encode())
-    for name in ("config.json", "generation_config.json") if model_dir is not None else ():
-        path = model_dir / name
-        h.update(path.read_bytes() if path.exists() else b"(none)")
+    else:
+        for path in (model_dir / "config.json", model_dir / "generation_config.json"):
+            h.update(path.read_bytes() if path.exists() else b"(none)")
     h.update(importlib.metadata.version("transformers").encode())
     for module_file in (__file__, config_module.__file__):
         h.update(Path(module_file).read_bytes())

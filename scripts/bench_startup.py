@@ -86,7 +86,11 @@ def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = No
         while line and not line.startswith("{"):  # (py-spy's own lines)
             line = process.stdout.readline()
         ready = time.perf_counter() - start
-        process.wait(timeout=1800)
+        try:
+            process.wait(timeout=1800)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
         exited = time.perf_counter() - start
         if process.returncode != 0 or not line:
             stderr.seek(0)
@@ -125,7 +129,7 @@ def main() -> None:
                 try:
                     sampled = start_once(model, cache_dir, extra, py_spy=f"{args.py_spy}_{model}.txt")
                     print(f"{model} warm under py-spy: {sampled['wall_seconds']:.1f} s", flush=True)
-                except (OSError, RuntimeError) as e:
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     print(f"{model}: no py-spy profile ({type(e).__name__}: {str(e)[-500:]})", flush=True)
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
     print(f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "

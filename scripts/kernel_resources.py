@@ -58,7 +58,8 @@ def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int =
         return "fp32" if name in FLOATS else "i32"
 
     # As Triton's launcher specialises them: every pointer 16-byte aligned (torch's allocations are), and the strides
-    # multiples of 16. NOTE: without these hints Triton cannot prove its loads aligned and pipelines no loop (no
+    # multiples of 16 (the block table's is max_model_len / 16: a multiple of 16 from 256 tokens on, for lengths of
+    # 256-token steps). NOTE: without these hints Triton cannot prove its loads aligned and pipelines no loop (no
     # cp.async): the kernel compiled here was then not the one that runs.
     aligned = [n for n in names if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))]
     source = ASTSource(fn=kernel, signature={n: arg_type(n) for n in names},

@@ -46,11 +46,12 @@ def test_eos_ids_from_generation_config(tiny_llama_dir, tmp_path):
     assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9)
 
 
-def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_dir, tmp_path):
+def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_dir, tmp_path, caplog):
     """The engine keeps what transformers resolved (a later start skips transformers' model classes); the same
     config and checkpoint dtype come back, and a changed config.json or a damaged memo resolves again."""
     d = copy_dir(tiny_llama_dir, tmp_path / "m")
     memo = tmp_path / "memo"
+    (tmp_path / "weights.bin").write_text("a file, not a folder")
     plain = resolve_model(str(d))
     first = resolve_model(str(d), memo)
     assert first.model_config == plain.model_config and len(list(memo.glob("*.json"))) == 1
@@ -72,6 +73,10 @@ def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_d
         f.write_text("{not json")
     assert resolve_model(str(d), memo).model_config.rms_norm_eps == 1e-3
     assert any('"rms_norm_eps": 0.001' in f.read_text() for f in memo.glob("*.json"))
+    # a memo folder that can be neither read nor made (under a file): resolved all the same, with a warning
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert resolve_model(str(d), tmp_path / "weights.bin" / "memo").model_config.rms_norm_eps == 1e-3
+    assert "not kept" in caplog.text
 
 
 def test_missing_directory_is_clear():
