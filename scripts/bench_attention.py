@@ -113,7 +113,6 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
     b2b_ms = back_to_back_ms(lambda c: backend.forward(q, k_new, v_new, c, metadata, HEAD_DIM**-0.5, out), caches)
-    caches = None
     chosen = decode_num_splits(batch, NUM_KV_HEADS, backend.num_sms)
     # The decode kernel alone (it writes the K/V too) at each split count: what the split heuristic should pick
     sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out,
@@ -121,17 +120,18 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     # ... and at the chosen split count, with each smallest split size (MIN_SPLIT_TOKENS is the default)
     min_sweep = {t: graph_time_ms(lambda t=t: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5,
                                                               out, chosen, t)) * 1e3 for t in min_tokens}  # fmt: skip
-    # ... and with each launch config (keys per tile, warps, stages)
-    config_sweep = {}
+    # ... and with each launch config (keys per tile, warps, stages; pages loaded ahead), a replay and back to back
+    config_sweep, config_b2b = {}, {}
     for name, c in configs.items():
+        decode = lambda cache, c=c: split_kv_decode(q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, chosen,
+                                                    config=c[:3], prefetch_pages=c[3])  # noqa: E731  # fmt: skip
         try:
-            config_sweep[name] = graph_time_ms(lambda c=c: split_kv_decode(
-                q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, chosen, config=c[:3],
-                prefetch_pages=c[3])) * 1e3  # fmt: skip
+            config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
+            config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
         except Exception as e:  # e.g. a tile too big for shared memory
             print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
-            config_sweep[name] = float("nan")
-    kv_cache = None  # free it before SDPA's copy is made
+            config_sweep[name] = config_b2b[name] = float("nan")
+    kv_cache = caches = None  # free them before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
     q4 = q.unsqueeze(2)
@@ -148,7 +148,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
             "sdpa_b2b_util": util(sdpa_b2b_ms), "read_us": read_ms * 1e3, "read_util": util(read_ms),
             "read_b2b_us": read_b2b_ms * 1e3, "read_b2b_util": util(read_b2b_ms),
             "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
-            "config_us": config_sweep}  # fmt: skip
+            "config_us": config_sweep, "config_b2b_us": config_b2b}  # fmt: skip
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -222,7 +222,9 @@ def main() -> None:
                     "decode kernel at the chosen split count, smallest split, us")  # fmt: skip
     if configs:
         print_sweep(rows, "config_us", {name: name for name in configs},
-                    "decode kernel at the chosen split count, tile x warps x stages, us")  # fmt: skip
+                    "decode kernel at the chosen split count, tile x warps x stages, us, a replay")  # fmt: skip
+        print_sweep(rows, "config_b2b_us", {name: name for name in configs},
+                    "the same, us, eight back to back")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:
