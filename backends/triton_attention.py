@@ -108,6 +108,7 @@ def _unified_attention_kernel(
     qk_scale, num_reqs, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
     NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
 ):  # fmt: skip
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
     sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group."""
@@ -135,9 +136,15 @@ def _unified_attention_kernel(
         l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
+        if PREFETCH_PAGES:  # as in _decode_split_kernel
+            page = _tile_pages(table_row, 0, visible_end, BLOCK_SIZE, TILE_N)
         for start_n in range(0, visible_end, TILE_N):
-            page = _tile_pages(table_row, start_n, visible_end, BLOCK_SIZE, TILE_N)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, start_n,
+            if PREFETCH_PAGES:
+                this_page = page
+                page = _tile_pages(table_row, start_n + TILE_N, visible_end, BLOCK_SIZE, TILE_N)
+            else:
+                this_page = _tile_pages(table_row, start_n, visible_end, BLOCK_SIZE, TILE_N)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
                                          visible_end, causal_limit, offs_d, d_ok, qk_scale,
                                          NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -301,6 +308,7 @@ DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 # Not yet timed on the H200; KILN_DECODE_PREFETCH_PAGES=1 turns it on (A/B runs), `bench_attention.py
 # --config-sweep 64x2x3p,...` times it per config.
 PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
+PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -311,7 +319,10 @@ def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
     return DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
 
 
-def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                      prefetch_pages: bool | None = None) -> None:  # fmt: skip
+    """Any batch (prefill chunks and decodes), from the cache (its new K/V already written). `prefetch_pages`:
+    load each tile's pages an iteration ahead (default PREFILL_PREFETCH_PAGES)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -326,6 +337,7 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
         metadata.block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2], TILE_N=32,
+        PREFETCH_PAGES=PREFILL_PREFETCH_PAGES if prefetch_pages is None else prefetch_pages,
     )  # fmt: skip
 
 

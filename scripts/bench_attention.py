@@ -5,7 +5,11 @@ Attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, random
 tables; batch x context grid. Bandwidth = K and V bytes read / time, against 4.3 TB/s (the H200's
 measured copy bandwidth). SDPA reads the same K/V laid out contiguously ([B, 8, ctx, 128]).
 
-    python scripts/bench_attention.py [--max-tokens 4194304] [--shapes 64x256,1x32768]
+Prefill (--prefill): the unified kernel on batches of prefill chunks (each request's chunk attending causally to
+itself and to its cached context), its tiles' pages loaded in the iteration that uses them and one ahead; FLOP/s
+counts the causal half.
+
+    python scripts/bench_attention.py [--max-tokens 4194304] [--shapes 64x256,1x32768] [--prefill]
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
-from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
+from kiln.backends.triton_attention import decode_num_splits, split_kv_decode, unified_attention
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -151,6 +155,31 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
             "config_us": config_sweep, "config_b2b_us": config_b2b}  # fmt: skip
 
 
+# (requests, new tokens a request, cached tokens a request) of the prefill points
+PREFILL_SHAPES = [(1, 2048, 0), (8, 512, 0), (4, 512, 2048), (1, 512, 16384), (16, 128, 1024)]
+
+
+def bench_prefill(reqs: int, new: int, cached: int) -> dict:
+    dtype, device = torch.bfloat16, "cuda"
+    seq = cached + new
+    blocks_per_seq = triton.cdiv(seq, BLOCK_SIZE)
+    num_blocks = reqs * blocks_per_seq + 1
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    block_table = (torch.randperm(num_blocks - 1, device=device) + 1).view(reqs, -1).to(torch.int32)
+    qsl = torch.arange(0, (reqs + 1) * new, new, dtype=torch.int32)
+    seq_lens = torch.full((reqs,), seq, dtype=torch.int32)
+    slots = torch.zeros(reqs * new, dtype=torch.int64, device=device)  # unused: the kernel reads the cache only
+    metadata = AttentionMetadata(reqs * new, qsl.to(device), seq_lens.to(device), block_table, slots, new, seq, qsl,
+                                 seq_lens)  # fmt: skip
+    q = torch.randn(reqs * new, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    times = {p: graph_time_ms(lambda p=p: unified_attention(q, kv_cache, metadata, HEAD_DIM**-0.5, out, p)) * 1e3
+             for p in (False, True)}  # fmt: skip
+    flops = 4 * reqs * NUM_HEADS * HEAD_DIM * new * (cached + (new + 1) / 2)  # QK^T and PV over the visible keys
+    return {"reqs": reqs, "new": new, "cached": cached, "us": times[False], "prefetch_us": times[True],
+            "tflops": flops / times[False] * 1e-6, "prefetch_tflops": flops / times[True] * 1e-6}  # fmt: skip
+
+
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
     dtype, device = torch.bfloat16, "cuda"
     x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
@@ -189,6 +218,7 @@ def main() -> None:
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (a trailing p: "
                    "each tile's pages loaded an iteration ahead, 64x2x3p)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
+    p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
     args = p.parse_args()
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
@@ -225,13 +255,21 @@ def main() -> None:
                     "decode kernel at the chosen split count, tile x warps x stages, us, a replay")  # fmt: skip
         print_sweep(rows, "config_b2b_us", {name: name for name in configs},
                     "the same, us, eight back to back")  # fmt: skip
+    prefill = [bench_prefill(*shape) for shape in PREFILL_SHAPES] if args.prefill else []
+    if prefill:
+        print("\nprefill attention (unified kernel), Llama-3.1-8B shapes, bf16, CUDA graph; pages: loaded in the "
+              "iteration that uses them | one ahead")  # fmt: skip
+        print(f"{'reqs':>4} {'new':>5} {'cached':>6} {'us':>9} {'TFLOP/s':>8} | {'ahead us':>9} {'TFLOP/s':>8}")
+        for r in prefill:
+            print(f"{r['reqs']:>4} {r['new']:>5} {r['cached']:>6} {r['us']:>9.1f} {r['tflops']:>8.1f} | "
+                  f"{r['prefetch_us']:>9.1f} {r['prefetch_tflops']:>8.1f}")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:
         print(f"{r['kernel']:<20} {r['tokens']:>6} {r['torch_us']:>9.1f} {r['triton_us']:>9.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"decode": rows, "fused": fused}, f, indent=1)
+            json.dump({"decode": rows, "prefill": prefill, "fused": fused}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from kiln.backends.triton_attention import (
     decode_config,
     decode_num_splits,
     split_kv_decode,
+    unified_attention,
     write_kv,
 )
 
@@ -60,6 +61,24 @@ def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, n
     torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
     flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
     torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_unified_kernel_page_loading(prefetch, block_size):
+    """The unified kernel with each key tile's pages loaded in the iteration that uses them or one ahead (a chunk
+    with 70 tokens of context and 45 new crosses several tiles and pages; the last tile runs past the table's
+    pages in use, which the ahead load must mask)."""
+    query_lens, context_lens = [45, 1, 9, 1], [70, 33, 0, 100]
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
+    )
+    write_kv(kv_cache, k, v, metadata.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, kv_cache, metadata, head_dim**-0.5, out, prefetch_pages=prefetch)
+    torch.testing.assert_close(out.double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5),
+                               atol=TOL, rtol=TOL)  # fmt: skip
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [CASES[2], ([1, 1, 1, 1], [3, 40, 100, 17])])
