@@ -10,8 +10,8 @@
 # LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
-# stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the
-# prefill points). Logs come back as $OUT/logs.tgz.
+# stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
+# ATTENTION_PREFILL=1 adds the prefill points). Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
