@@ -4,6 +4,7 @@
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
+#   | probe (PROBE_SHAPES=64x256,...: the decode kernel's reads alone)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
@@ -78,6 +79,11 @@ for step in $steps; do
         ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
       echo "-- attention${tag}" >> "$summary"
       grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
+    probe)
+      # the decode kernel's reads alone (contiguous, paged, head-major) beside the kernel and the plainest read
+      timeout -s ABRT -k 15 ${PROBE_TIMEOUT:-200} python3 scripts/bench_decode_probe.py ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} \
+        2>&1 | tee "$OUT/probe.log" | tail -n 40
+      grep -A40 "^decode read probe" "$OUT/probe.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
