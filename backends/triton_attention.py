@@ -303,12 +303,14 @@ FEW_REQUESTS = 1
 if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES for both (A/B runs of whole decode steps)
     DECODE_CONFIG = DECODE_CONFIG_FEW = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
 DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
-# Each tile's pages loaded an iteration ahead in the decode kernel (see its loop): Triton then double-buffers the K/V
-# tiles from 3 stages on (the default loop keeps one buffer), at ~70 KB of shared memory a program for 64-key tiles.
-# Not yet timed on the H200; KILN_DECODE_PREFETCH_PAGES=1 turns it on (A/B runs), `bench_attention.py
-# --config-sweep 64x2x3p,...` times it per config.
+# Each key tile's pages loaded an iteration ahead (see the decode kernel's loop): Triton then double-buffers the K/V
+# tiles from 3 stages on (loaded in the iteration that uses them, it keeps one buffer). In the unified kernel it made
+# every prefill point of `bench_attention.py --prefill` 10-24% faster on the H200 (e.g. 4 chunks of 512 tokens after
+# 2,048 cached: 328 -> 273 µs; BENCHMARKS.md, fourteenth session). In the decode kernel no config gained from it (12
+# configs x 7 batch x context points, `--config-sweep 64x2x3p,...`): each program already has a tile of every
+# program on its SM in flight, and the bandwidth is shared. KILN_{DECODE,PREFILL}_PREFETCH_PAGES=0/1 (A/B runs).
 PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
-PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "0") == "1"
+PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "1") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:

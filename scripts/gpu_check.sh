@@ -4,7 +4,7 @@
 #   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
-#   | probe (PROBE_SHAPES=64x256,...: the decode kernel's reads alone)
+#   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
@@ -79,11 +79,13 @@ for step in $steps; do
         ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
       echo "-- attention${tag}" >> "$summary"
       grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
-    probe)
-      # the decode kernel's reads alone (contiguous, paged, head-major) beside the kernel and the plainest read
-      timeout -s ABRT -k 15 ${PROBE_TIMEOUT:-200} python3 scripts/bench_decode_probe.py ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} \
-        2>&1 | tee "$OUT/probe.log" | tail -n 40
-      grep -A40 "^decode read probe" "$OUT/probe.log" >> "$summary" ;;
+    ncu)
+      # Nsight Compute on the decode kernel and the plainest read of the same bytes (NCU_SHAPES=64x256,64x2048)
+      timeout -s ABRT -k 15 ${NCU_TIMEOUT:-300} ncu --target-processes all -k regex:'_decode_split_kernel|_read_kernel' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats ${NCU_ARGS:-} \
+        python3 scripts/ncu_decode.py ${NCU_SHAPES:+--shapes $NCU_SHAPES} > "$OUT/ncu.txt" 2>&1
+      echo "ncu: rc $? ($(grep -c . "$OUT/ncu.txt") lines)" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
@@ -147,8 +149,9 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
     throughput-compiled:*)
       model=${step#throughput-compiled:}
       timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
-        | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" | tail -n 5
-      tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}.log" >> "$summary" ;;
+        | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" | tail -n 5
+      echo "-- throughput-compiled:$model$tag" >> "$summary"
+      tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout -s ABRT -k 15 240 python3 scripts/bench_throughput.py --model "$model" --enforce-eager --hf \
