@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import torch
 import triton
@@ -127,8 +128,10 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     # ... and with each launch config (keys per tile, warps, stages; pages loaded ahead), a replay and back to back
     config_sweep, config_b2b = {}, {}
     for name, c in configs.items():
-        decode = lambda cache, c=c: split_kv_decode(q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, chosen,
-                                                    config=c[:3], prefetch_pages=c[3])  # noqa: E731  # fmt: skip
+        # a config's own split count (sN) takes that many at any context (the one-split cut-off off)
+        decode = lambda cache, c=c: split_kv_decode(
+            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, c[4] or chosen, config=c[:3], prefetch_pages=c[3],
+            **({"unsplit_tokens": 0} if c[4] else {}))  # noqa: E731  # fmt: skip
         try:
             config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
             config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
@@ -208,6 +211,14 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
         print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} " + " ".join(f"{r[key][c]:>9.1f}" for c in columns))
 
 
+def parse_config(name: str) -> tuple[int, int, int, bool, int]:
+    """TILExWARPSxSTAGES[p][sSPLITS] -> (tile, warps, stages, pages ahead, splits or 0 for the chosen count)."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p?)(?:s(\d+))?", name)
+    if not m:
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p][sSPLITS], e.g. 64x2x3, 32x2x3ps2")
+    return int(m[1]), int(m[2]), int(m[3]), bool(m[4]), int(m[5] or 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
@@ -215,15 +226,15 @@ def main() -> None:
     p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     p.add_argument("--config-sweep", default="",
-                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (a trailing p: "
-                   "each tile's pages loaded an iteration ahead, 64x2x3p)")  # fmt: skip
+                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (then p: each "
+                   "tile's pages loaded an iteration ahead, 64x2x3p; sN: N splits at any context, 32x2x2s2)",
+                   )  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
     args = p.parse_args()
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
-    configs = {c: tuple(int(v) for v in c.removesuffix("p").split("x")) + (c.endswith("p"),)
-               for c in args.config_sweep.split(",") if c}  # fmt: skip
+    configs = {c: parse_config(c) for c in args.config_sweep.split(",") if c}
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
