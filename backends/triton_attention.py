@@ -100,6 +100,66 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, star
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
+@triton.jit
+def _attend_runs(q_runs, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n, visible_end, offs_d,
+                 d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE_N: tl.constexpr, RUNS: tl.constexpr):  # fmt: skip
+    """`_attend_tile` for a decode (no causal limit) with the tile cut into RUNS runs of keys, each with its own
+    softmax state (m_i, l_i [RUNS, GROUP], acc [RUNS, GROUP, HEAD_DIM_P]; q_runs is q repeated RUNS times): one
+    batched dot whose runs fall to different warps, so no step reduces across warps (with the whole tile in one dot,
+    two warps split its keys and meet in shared memory, behind a barrier, for the max, the sum and P)."""
+    RUN_N: tl.constexpr = TILE_N // RUNS
+    offs_n = start_n + tl.arange(0, RUNS)[:, None] * RUN_N + tl.arange(0, RUN_N)[None, :]
+    n_ok = offs_n < visible_end
+    page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW + kv_head * HEAD_DIM
+    k = tl.load(k_cache_ptr + base[:, None, :] + offs_d[None, :, None], mask=n_ok[:, None, :] & d_ok[None, :, None],
+                other=0.0)  # fmt: skip
+    s = tl.dot(q_runs, k) * qk_scale
+    s = tl.where(n_ok[:, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, :, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    v = tl.load(v_cache_ptr + base[:, :, None] + offs_d[None, None, :], mask=n_ok[:, :, None] & d_ok[None, None, :],
+                other=0.0)  # fmt: skip
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 2), acc
+
+
+@triton.jit
+def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, visible_end, offs_d, qk_scale,
+                        ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                        MASKED: tl.constexpr):  # fmt: skip
+    """`_attend_tile` for a decode with fewer instructions: no causal limit, no mask on a full tile (MASKED: the
+    last, partial one), 32-bit offsets from the head's own base pointers (the caller checks a layer's cache has
+    fewer than 2**31 elements), head_dim a power of two."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    if MASKED:
+        n_ok = offs_n < visible_end
+        page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(table_row + offs_n // BLOCK_SIZE)
+    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
+    if MASKED:
+        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
+    s = tl.dot(q, k) * qk_scale
+    if MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    if MASKED:
+        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
 # NOTE: `num_reqs` changes with every batch; specialised (== 1, divisible by 16) it would make new variants to
 # JIT-compile while serving, each a stall of a fraction of a second.
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -180,6 +240,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+    RUNS: tl.constexpr, LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -231,17 +292,43 @@ def _decode_split_kernel(
         # iteration that uses them, they leave Triton's pipeliner a K/V address that depends on a load of the same
         # iteration, and it then keeps one K/V buffer whatever num_stages: every iteration waits for all its copies
         # and issues the next tile's after its own compute (`scripts/kernel_resources.py`'s BUF column).
-        if PREFETCH_PAGES:
-            page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
-        for start_n in range(start, end, TILE_N):
+        if RUNS > 1:  # RUNS states side by side, merged after the loop
+            q_runs = tl.broadcast_to(q[None, :, :], (RUNS, GROUP, HEAD_DIM_P))
+            m_r = tl.full([RUNS, GROUP], float("-inf"), tl.float32)
+            l_r = tl.zeros([RUNS, GROUP], tl.float32)
+            acc_r = tl.zeros([RUNS, GROUP, HEAD_DIM_P], tl.float32)
+            for start_n in range(start, end, TILE_N):
+                m_r, l_r, acc_r = _attend_runs(q_runs, m_r, l_r, acc_r, k_cache_ptr, v_cache_ptr, table_row, kv_head,
+                                               start_n, end, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM,
+                                               HEAD_DIM, BLOCK_SIZE, TILE_N, RUNS)  # fmt: skip
+            m_i = tl.max(m_r, 0)
+            scale = tl.math.exp2(m_r - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+            l_i = tl.sum(l_r * scale, 0)
+            acc = tl.sum(acc_r * scale[:, :, None], 0)
+        elif LEAN:  # full tiles without masks, then the partial one
+            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+            full_end = start + (end - start) // TILE_N * TILE_N
+            for start_n in range(start, full_end, TILE_N):
+                m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
+                                                    offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
+                                                    False)  # fmt: skip
+            if full_end < end:
+                m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
+                                                    offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
+                                                    True)  # fmt: skip
+        else:
             if PREFETCH_PAGES:
-                this_page = page
-                page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-            else:
-                this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
-                                         end, no_causal, offs_d, d_ok, qk_scale,
-                                         NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+                page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
+            for start_n in range(start, end, TILE_N):
+                if PREFETCH_PAGES:
+                    this_page = page
+                    page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
+                else:
+                    this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
+                                             end, no_causal, offs_d, d_ok, qk_scale,
+                                             NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -311,6 +398,10 @@ DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 # program on its SM in flight, and the bandwidth is shared. KILN_{DECODE,PREFILL}_PREFETCH_PAGES=0/1 (A/B runs).
 PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "1") == "1"
+# Each decode tile cut into this many runs of keys, each with its own softmax state (`_attend_runs`).
+DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
+# The decode loop without masks on full tiles and with 32-bit offsets (`_attend_decode_tile`).
+DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -346,12 +437,14 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
-                    unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None) -> None:  # fmt: skip
+                    unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
+                    runs: int | None = None, lean: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
-    `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES)."""
+    `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
+    `runs`: cut each tile into that many runs of keys with softmax states of their own (default DECODE_RUNS)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -359,6 +452,10 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     head_dim_p = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
+    runs = DECODE_RUNS if runs is None else runs
+    assert runs == 1 or not prefetch_pages, "a tile cut into runs loads its pages in its own iteration"
+    lean = (DECODE_LEAN if lean is None else lean) and runs == 1 and not prefetch_pages and head_dim == head_dim_p
+    lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -373,7 +470,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(query),
+        PREFETCH_PAGES=prefetch_pages, RUNS=runs, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_kwargs(query),
     )  # fmt: skip
 
 

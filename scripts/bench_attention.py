@@ -98,7 +98,7 @@ def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
 
 
 def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: dict[str, tuple[int, int, int, bool]]) -> dict:  # fmt: skip
+                 configs: dict[str, dict]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -128,10 +128,8 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     # ... and with each launch config (keys per tile, warps, stages; pages loaded ahead), a replay and back to back
     config_sweep, config_b2b = {}, {}
     for name, c in configs.items():
-        # a config's own split count (sN) takes that many at any context (the one-split cut-off off)
         decode = lambda cache, c=c: split_kv_decode(
-            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, c[4] or chosen, config=c[:3], prefetch_pages=c[3],
-            **({"unsplit_tokens": 0} if c[4] else {}))  # noqa: E731  # fmt: skip
+            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, **{"num_splits": chosen, **c})  # noqa: E731
         try:
             config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
             config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
@@ -211,12 +209,17 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
         print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} " + " ".join(f"{r[key][c]:>9.1f}" for c in columns))
 
 
-def parse_config(name: str) -> tuple[int, int, int, bool, int]:
-    """TILExWARPSxSTAGES[p][sSPLITS] -> (tile, warps, stages, pages ahead, splits or 0 for the chosen count)."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p?)(?:s(\d+))?", name)
+def parse_config(name: str) -> dict:
+    """TILExWARPSxSTAGES, then any of p (pages an iteration ahead), l (lean: no masks on full tiles, 32-bit
+    offsets), rN (N runs of keys a tile), sN (N splits at any context) -> split_kv_decode's keywords."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p?)(l?)(?:r(\d+))?(?:s(\d+))?", name)
     if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p][sSPLITS], e.g. 64x2x3, 32x2x3ps2")
-    return int(m[1]), int(m[2]), int(m[3]), bool(m[4]), int(m[5] or 0)
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p][l][rN][sN], e.g. 64x2x3, 64x2x2ls2")
+    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": bool(m[4]), "lean": bool(m[5]),
+              "runs": int(m[6] or 1)}  # fmt: skip
+    if m[7]:  # its own split count, the one-split cut-off off
+        kwargs.update(num_splits=int(m[7]), unsplit_tokens=0)
+    return kwargs
 
 
 def main() -> None:
@@ -227,8 +230,8 @@ def main() -> None:
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     p.add_argument("--config-sweep", default="",
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (then p: each "
-                   "tile's pages loaded an iteration ahead, 64x2x3p; sN: N splits at any context, 32x2x2s2)",
-                   )  # fmt: skip
+                   "tile's pages loaded an iteration ahead; l: lean loop; rN: N runs a tile; sN: N splits at any "
+                   "context; e.g. 64x2x3p, 64x2x2l, 32x2x2r2s2)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
     args = p.parse_args()
