@@ -93,17 +93,20 @@ def decode_variants(model: str):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
-    configs = [(*c, ta.PREFETCH_PAGES) for c in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY)]
-    configs.append((*ta.DECODE_CONFIG, not ta.PREFETCH_PAGES))  # the default config with the other page loading
+    defaults = (ta.PREFETCH_PAGES, ta.DECODE_LEAN)
+    configs = [(*c, *defaults) for c in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY)]
+    configs.append((*ta.DECODE_CONFIG, ta.PREFETCH_PAGES, not ta.DECODE_LEAN))  # the default config's other loop
+    configs.append((*ta.DECODE_CONFIG, not ta.PREFETCH_PAGES, False))  # ... and its other page loading
     for num_splits in (1, 64):
-        for tile_n, warps, stages, prefetch in configs:
+        for tile_n, warps, stages, prefetch, lean in configs:
+            pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
+            lean = lean and not prefetch and ta.DECODE_RUNS == 1 and pow2
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
-                              PREFETCH_PAGES=prefetch, RUNS=ta.DECODE_RUNS,
-                              LEAN=ta.DECODE_LEAN)  # fmt: skip
-            name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}"
+                              PREFETCH_PAGES=prefetch, RUNS=ta.DECODE_RUNS, LEAN=lean)  # fmt: skip
+            name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, ta._decode_split_kernel, constexprs, warps, stages
 
 
@@ -191,7 +194,7 @@ FEW_SPILL_ALLOWED = 128
 
 def spill_allowed(family: str, variant: str) -> int:
     few = "x".join(str(v) for v in ta.DECODE_CONFIG_FEW)
-    return FEW_SPILL_ALLOWED if family == "decode" and variant.endswith(f", {few}") else 0
+    return FEW_SPILL_ALLOWED if family == "decode" and variant.removesuffix("l").endswith(f", {few}") else 0
 
 
 if __name__ == "__main__":
