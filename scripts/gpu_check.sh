@@ -8,7 +8,8 @@
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
-# LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests`,
+# LATENCY_HF=0 leaves Hugging Face out of a latency step, KERNEL_TESTS=0 the kernel tests out of `tests` (their
+# limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most of it),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
 # stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
@@ -65,7 +66,7 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
       [ "${KERNEL_TESTS:-1}" = 0 ] && continue
-      timeout -s ABRT -k 15 200 python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
+      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
         | tee "$OUT/pytest_kernels.log" | tail -n 5
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
     startup)
