@@ -231,8 +231,8 @@ def main() -> None:
             tps, util = decode_tokens_per_s(llm, batch)
             rows.append({"engine": f"kiln {mode}", "batch": batch, "tokens_per_s": tps, "bw_util": util,
                          "startup_s": llm.engine.startup_seconds})  # fmt: skip
+        llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
         del llm
-        torch.cuda.empty_cache()
     if args.hf:
         for batch in (int(b) for b in args.hf_batches.split(",")):
             tps = hf_tokens_per_s(args.model, batch)
