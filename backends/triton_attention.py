@@ -398,7 +398,9 @@ DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 # program on its SM in flight, and the bandwidth is shared. KILN_{DECODE,PREFILL}_PREFETCH_PAGES=0/1 (A/B runs).
 PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "1") == "1"
-# Each decode tile cut into this many runs of keys, each with its own softmax state (`_attend_runs`).
+# Each decode tile cut into this many runs of keys, each with its own softmax state (`_attend_runs`): no cross-warp
+# step in the loop, but twice the accumulator registers; slower at every point timed on the H200 (64 x 256: 32 x 2 x 3
+# in 2 runs 29.0 µs against the default's 23.0; BENCHMARKS.md, fourteenth session). KILN_DECODE_RUNS (A/B runs).
 DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
 # The decode loop without masks on full tiles and with 32-bit offsets (`_attend_decode_tile`): 721 -> 503 SASS
 # instructions a 64-key tile under triton 3.6, and on the H200 as fast or faster at every point timed (8 batch x
