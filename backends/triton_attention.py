@@ -131,15 +131,26 @@ def _attend_runs(q_runs, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_
 def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, visible_end, offs_d, qk_scale,
                         ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                         MASKED: tl.constexpr):  # fmt: skip
-    """`_attend_tile` for a decode with fewer instructions: no causal limit, no mask on a full tile (MASKED: the
-    last, partial one), 32-bit offsets from the head's own base pointers (the caller checks a layer's cache has
-    fewer than 2**31 elements), head_dim a power of two."""
+    """`_attend_lean_tile` for a decode, loading its tile's pages (masked on the last, partial tile)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     if MASKED:
-        n_ok = offs_n < visible_end
-        page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+        page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0)
     else:
         page = tl.load(table_row + offs_n // BLOCK_SIZE)
+    return _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
+                             ROW, BLOCK_SIZE, TILE_N, MASKED)  # fmt: skip
+
+
+@triton.jit
+def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
+                      ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                      MASKED: tl.constexpr):  # fmt: skip
+    """`_attend_tile` with fewer instructions, for keys every row may see (a decode's, or a prefill block's below its
+    first row): no causal limit, no mask on a full tile (MASKED: the last, partial one), 32-bit offsets from the
+    head's own base pointers (the caller checks a layer's cache has fewer than 2**31 elements), head_dim a power of
+    two. `page`: the tile's pages, 32-bit."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    n_ok = offs_n < visible_end
     base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
     if MASKED:
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
@@ -168,10 +179,12 @@ def _unified_attention_kernel(
     qk_scale, num_reqs, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
     NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr, LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
-    sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group."""
+    sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group. LEAN: the
+    keys every row sees (below the block's first query token) in `_attend_lean_tile`s first, their pages an
+    iteration ahead; the rest, masked, after."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -196,9 +209,23 @@ def _unified_attention_kernel(
         l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
+        masked_start = 0
+        if LEAN:
+            masked_start = tl.minimum(context_len + local_block * BLOCK_Q, visible_end) // TILE_N * TILE_N
+            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+            offs_t = tl.arange(0, TILE_N)
+            page = tl.load(table_row + offs_t // BLOCK_SIZE, mask=offs_t < masked_start, other=0)
+            for start_n in range(0, masked_start, TILE_N):
+                this_page = page
+                offs_next = start_n + TILE_N + offs_t
+                page = tl.load(table_row + offs_next // BLOCK_SIZE, mask=offs_next < masked_start, other=0)
+                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n,
+                                                  masked_start, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM,
+                                                  BLOCK_SIZE, TILE_N, False)  # fmt: skip
         if PREFETCH_PAGES:  # as in _decode_split_kernel
-            page = _tile_pages(table_row, 0, visible_end, BLOCK_SIZE, TILE_N)
-        for start_n in range(0, visible_end, TILE_N):
+            page = _tile_pages(table_row, masked_start, visible_end, BLOCK_SIZE, TILE_N)
+        for start_n in range(masked_start, visible_end, TILE_N):
             if PREFETCH_PAGES:
                 this_page = page
                 page = _tile_pages(table_row, start_n + TILE_N, visible_end, BLOCK_SIZE, TILE_N)
@@ -407,6 +434,8 @@ DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
+# The same loop in the unified kernel for the keys every row of a block sees (below its first query token).
+PREFILL_LEAN = os.environ.get("KILN_PREFILL_LEAN", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -418,9 +447,10 @@ def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                      prefetch_pages: bool | None = None) -> None:  # fmt: skip
+                      prefetch_pages: bool | None = None, lean: bool | None = None) -> None:  # fmt: skip
     """Any batch (prefill chunks and decodes), from the cache (its new K/V already written). `prefetch_pages`:
-    load each tile's pages an iteration ahead (default PREFILL_PREFETCH_PAGES)."""
+    load each tile's pages an iteration ahead (default PREFILL_PREFETCH_PAGES); `lean`: the keys every row of a
+    block sees in the lean loop first (default PREFILL_LEAN)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -436,6 +466,8 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
         NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2], TILE_N=32,
         PREFETCH_PAGES=PREFILL_PREFETCH_PAGES if prefetch_pages is None else prefetch_pages,
+        LEAN=(PREFILL_LEAN if lean is None else lean) and head_dim == triton.next_power_of_2(head_dim)
+        and kv_cache[0].numel() < 2**31,
     )  # fmt: skip
 
 

@@ -129,7 +129,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     config_sweep, config_b2b = {}, {}
     for name, c in configs.items():
         decode = lambda cache, c=c: split_kv_decode(
-            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, **{"num_splits": chosen, **c})  # noqa: E731
+            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, **{"num_splits": chosen, **c})  # noqa: E731  # fmt: skip
         try:
             config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
             config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
@@ -174,11 +174,12 @@ def bench_prefill(reqs: int, new: int, cached: int) -> dict:
                                  seq_lens)  # fmt: skip
     q = torch.randn(reqs * new, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     out = torch.empty_like(q)
-    times = {p: graph_time_ms(lambda p=p: unified_attention(q, kv_cache, metadata, HEAD_DIM**-0.5, out, p)) * 1e3
-             for p in (False, True)}  # fmt: skip
+    # pages in the iteration, pages ahead, pages ahead and the lean loop below each block's first row
+    times = [graph_time_ms(lambda a=ahead, b=lean: unified_attention(q, kv_cache, metadata, HEAD_DIM**-0.5, out, a, b))
+             * 1e3 for ahead, lean in ((False, False), (True, False), (True, True))]  # fmt: skip
     flops = 4 * reqs * NUM_HEADS * HEAD_DIM * new * (cached + (new + 1) / 2)  # QK^T and PV over the visible keys
-    return {"reqs": reqs, "new": new, "cached": cached, "us": times[False], "prefetch_us": times[True],
-            "tflops": flops / times[False] * 1e-6, "prefetch_tflops": flops / times[True] * 1e-6}  # fmt: skip
+    return {"reqs": reqs, "new": new, "cached": cached, "us": times[0], "prefetch_us": times[1],
+            "lean_us": times[2], "tflops": [flops / t * 1e-6 for t in times]}  # fmt: skip
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -272,11 +273,13 @@ def main() -> None:
     prefill = [bench_prefill(*shape) for shape in PREFILL_SHAPES] if args.prefill else []
     if prefill:
         print("\nprefill attention (unified kernel), Llama-3.1-8B shapes, bf16, CUDA graph; pages: loaded in the "
-              "iteration that uses them | one ahead")  # fmt: skip
-        print(f"{'reqs':>4} {'new':>5} {'cached':>6} {'us':>9} {'TFLOP/s':>8} | {'ahead us':>9} {'TFLOP/s':>8}")
+              "iteration that uses them | one ahead | one ahead, lean loop below each block's first row")  # fmt: skip
+        print(f"{'reqs':>4} {'new':>5} {'cached':>6} {'us':>9} {'TFLOP/s':>8} | {'ahead us':>9} {'TFLOP/s':>8} | "
+              f"{'lean us':>9} {'TFLOP/s':>8}")  # fmt: skip
         for r in prefill:
-            print(f"{r['reqs']:>4} {r['new']:>5} {r['cached']:>6} {r['us']:>9.1f} {r['tflops']:>8.1f} | "
-                  f"{r['prefetch_us']:>9.1f} {r['prefetch_tflops']:>8.1f}")  # fmt: skip
+            flops = r["tflops"]
+            print(f"{r['reqs']:>4} {r['new']:>5} {r['cached']:>6} {r['us']:>9.1f} {flops[0]:>8.1f} | "
+                  f"{r['prefetch_us']:>9.1f} {flops[1]:>8.1f} | {r['lean_us']:>9.1f} {flops[2]:>8.1f}")  # fmt: skip
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:

@@ -115,11 +115,15 @@ def prefill_variants(model: str):
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
     group = triton.next_power_of_2(q_per_kv)
-    for block_m, prefetch in itertools.product((64, 16), (ta.PREFILL_PREFETCH_PAGES, not ta.PREFILL_PREFETCH_PAGES)):
+    pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
+    defaults = (ta.PREFILL_PREFETCH_PAGES, ta.PREFILL_LEAN and pow2)
+    loops = (defaults, (defaults[0], not defaults[1] and pow2), (not defaults[0], False))
+    for block_m, (prefetch, lean) in itertools.product((64, 16), dict.fromkeys(loops)):
         constexprs = dict(NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=max(block_m // group, 1),
                           HEAD_DIM=s["head_dim"], HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16,
-                          TILE_N=32, PREFETCH_PAGES=prefetch)  # fmt: skip
-        yield f"block_m {block_m}{', pages ahead' if prefetch else ''}", ta._unified_attention_kernel, constexprs, 4, 3
+                          TILE_N=32, PREFETCH_PAGES=prefetch, LEAN=lean)  # fmt: skip
+        name = f"block_m {block_m}{', pages ahead' if prefetch else ''}{', lean' if lean else ''}"
+        yield name, ta._unified_attention_kernel, constexprs, 4, 3
 
 
 def gemv_variants(model: str):

@@ -63,12 +63,13 @@ def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, n
     torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch,lean", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_unified_kernel_page_loading(prefetch, block_size):
-    """The unified kernel with each key tile's pages loaded in the iteration that uses them or one ahead (a chunk
-    with 70 tokens of context and 45 new crosses several tiles and pages; the last tile runs past the table's
-    pages in use, which the ahead load must mask)."""
+def test_unified_kernel_page_loading(prefetch, lean, block_size):
+    """The unified kernel with each key tile's pages loaded in the iteration that uses them or one ahead, and with
+    the keys every row of a block sees in the lean loop first (a chunk with 70 tokens of context and 45 new crosses
+    several tiles and pages, in both loops; the last tile runs past the table's pages in use, which the ahead load
+    must mask)."""
     query_lens, context_lens = [45, 1, 9, 1], [70, 33, 0, 100]
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     q, k, v, kv_cache, metadata, history = make_paged_batch(
@@ -76,7 +77,7 @@ def test_unified_kernel_page_loading(prefetch, block_size):
     )
     write_kv(kv_cache, k, v, metadata.slot_mapping)
     out = torch.full_like(q, float("nan"))
-    unified_attention(q, kv_cache, metadata, head_dim**-0.5, out, prefetch_pages=prefetch)
+    unified_attention(q, kv_cache, metadata, head_dim**-0.5, out, prefetch_pages=prefetch, lean=lean)
     torch.testing.assert_close(out.double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5),
                                atol=TOL, rtol=TOL)  # fmt: skip
 
