@@ -101,6 +101,29 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, star
 
 
 @triton.jit
+def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end, causal_limit, offs_d,
+                  d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE_N: tl.constexpr, PREFETCH_PAGES: tl.constexpr):  # fmt: skip
+    """`_attend_tile` over keys [start, end), tile by tile. PREFETCH_PAGES: each tile's pages are loaded one
+    iteration ahead, a value the loop carries. Loaded in the iteration that uses them, they leave Triton's pipeliner
+    a K/V address that depends on a load of the same iteration, and it then keeps one K/V buffer whatever num_stages:
+    every iteration waits for all its copies and issues the next tile's after its own compute
+    (`scripts/kernel_resources.py`'s BUF column)."""
+    if PREFETCH_PAGES:
+        page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
+    for start_n in range(start, end, TILE_N):
+        if PREFETCH_PAGES:
+            this_page = page
+            page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
+        else:
+            this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n, end,
+                                     causal_limit, offs_d, d_ok, qk_scale, ROW, HEAD_DIM, BLOCK_SIZE,
+                                     TILE_N)  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend_runs(q_runs, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n, visible_end, offs_d,
                  d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  TILE_N: tl.constexpr, RUNS: tl.constexpr):  # fmt: skip
@@ -223,17 +246,9 @@ def _unified_attention_kernel(
                 m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n,
                                                   masked_start, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM,
                                                   BLOCK_SIZE, TILE_N, False)  # fmt: skip
-        if PREFETCH_PAGES:  # as in _decode_split_kernel
-            page = _tile_pages(table_row, masked_start, visible_end, BLOCK_SIZE, TILE_N)
-        for start_n in range(masked_start, visible_end, TILE_N):
-            if PREFETCH_PAGES:
-                this_page = page
-                page = _tile_pages(table_row, start_n + TILE_N, visible_end, BLOCK_SIZE, TILE_N)
-            else:
-                this_page = _tile_pages(table_row, start_n, visible_end, BLOCK_SIZE, TILE_N)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
-                                         visible_end, causal_limit, offs_d, d_ok, qk_scale,
-                                         NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+        m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, masked_start,
+                                      visible_end, causal_limit, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM,
+                                      HEAD_DIM, BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -315,10 +330,6 @@ def _decode_split_kernel(
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
-        # PREFETCH_PAGES: each tile's pages are loaded one iteration ahead, a value the loop carries. Loaded in the
-        # iteration that uses them, they leave Triton's pipeliner a K/V address that depends on a load of the same
-        # iteration, and it then keeps one K/V buffer whatever num_stages: every iteration waits for all its copies
-        # and issues the next tile's after its own compute (`scripts/kernel_resources.py`'s BUF column).
         if RUNS > 1:  # RUNS states side by side, merged after the loop
             q_runs = tl.broadcast_to(q[None, :, :], (RUNS, GROUP, HEAD_DIM_P))
             m_r = tl.full([RUNS, GROUP], float("-inf"), tl.float32)
@@ -345,17 +356,9 @@ def _decode_split_kernel(
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
                                                     True)  # fmt: skip
         else:
-            if PREFETCH_PAGES:
-                page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
-            for start_n in range(start, end, TILE_N):
-                if PREFETCH_PAGES:
-                    this_page = page
-                    page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-                else:
-                    this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n,
-                                             end, no_causal, offs_d, d_ok, qk_scale,
-                                             NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+            m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end,
+                                          no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
+                                          BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]

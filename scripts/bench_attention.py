@@ -97,8 +97,9 @@ def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
     return max(1, min(8, budget // kv_bytes))
 
 
-def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: dict[str, dict]) -> dict:  # fmt: skip
+def decode_inputs(batch: int, context: int) -> tuple:
+    """A decode step's inputs at the 8B's shapes: (kv_cache, metadata, q, k_new, v_new, out), each request with
+    `context` tokens on random pages, its new token in its last page's last slot."""
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
@@ -112,8 +113,13 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
                                  qsl, seq_lens)  # fmt: skip
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k_new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    v_new = torch.randn_like(k_new)
-    out = torch.empty_like(q)
+    return kv_cache, metadata, q, k_new, torch.randn_like(k_new), torch.empty_like(q)
+
+
+def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
+                 configs: dict[str, dict]) -> dict:  # fmt: skip
+    dtype, device = torch.bfloat16, "cuda"
+    kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
     ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
