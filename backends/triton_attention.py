@@ -437,8 +437,11 @@ DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# The same loop in the unified kernel for the keys every row of a block sees (below its first query token).
-PREFILL_LEAN = os.environ.get("KILN_PREFILL_LEAN", "0") == "1"
+# The same loop in the unified kernel for the keys every row of a block sees (below its first query token), their
+# pages an iteration ahead: on the H200 every prefill point of `bench_attention.py --prefill` 9-21% faster than with
+# the pages ahead alone (4 chunks of 512 after 2,048 cached: 274 -> 234 µs; BENCHMARKS.md, fourteenth session).
+# KILN_PREFILL_LEAN=0 turns it off (A/B runs).
+PREFILL_LEAN = os.environ.get("KILN_PREFILL_LEAN", "1") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
