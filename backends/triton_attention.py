@@ -234,7 +234,8 @@ def _unified_attention_kernel(
         table_row = block_table_ptr + req * stride_block_table
         masked_start = 0
         if LEAN:
-            masked_start = tl.minimum(context_len + local_block * BLOCK_Q, visible_end) // TILE_N * TILE_N
+            # NOTE: at least 0: a padded request (one token, seq_len 0) has context_len -1
+            masked_start = tl.maximum(context_len + local_block * BLOCK_Q, 0) // TILE_N * TILE_N
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             offs_t = tl.arange(0, TILE_N)
@@ -497,6 +498,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     runs = DECODE_RUNS if runs is None else runs
     assert runs == 1 or not prefetch_pages, "a tile cut into runs loads its pages in its own iteration"
+    assert runs & (runs - 1) == 0 and tile_n % runs == 0 and tile_n // runs >= 16, "runs of at least 16 keys"
     lean = (DECODE_LEAN if lean is None else lean) and runs == 1 and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1

@@ -218,10 +218,12 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then any of p (pages an iteration ahead), l (lean: no masks on full tiles, 32-bit
-    offsets), rN (N runs of keys a tile), sN (N splits at any context) -> split_kv_decode's keywords."""
+    offsets; without it the masked loop, not the default), rN (N runs of keys a tile), sN (N splits at any
+    context) -> split_kv_decode's keywords."""
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p?)(l?)(?:r(\d+))?(?:s(\d+))?", name)
-    if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p][l][rN][sN], e.g. 64x2x3, 64x2x2ls2")
+    if not m or (m[5] and (m[4] or int(m[6] or 1) > 1)):  # the lean loop loads its pages in its own iteration
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][rN][sN] (l alone, without p or rN), "
+                         "e.g. 64x2x3, 64x2x2ls2")  # fmt: skip
     kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": bool(m[4]), "lean": bool(m[5]),
               "runs": int(m[6] or 1)}  # fmt: skip
     if m[7]:  # its own split count, the one-split cut-off off

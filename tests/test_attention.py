@@ -6,7 +6,7 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from kiln.backends import get_attention_backend, triton_attention
+from kiln.backends import AttentionMetadata, get_attention_backend, triton_attention
 from kiln.backends.arrivals import arrival_counts
 from kiln.backends.triton_attention import (
     DECODE_CONFIG,
@@ -80,6 +80,30 @@ def test_unified_kernel_page_loading(prefetch, lean, block_size):
     unified_attention(q, kv_cache, metadata, head_dim**-0.5, out, prefetch_pages=prefetch, lean=lean)
     torch.testing.assert_close(out.double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5),
                                atol=TOL, rtol=TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_unified_kernel_one_query_a_block_and_a_padded_request(lean):
+    """16 query heads to a KV head (a program's block is one query token: BLOCK_Q 1) and, after the real requests,
+    a padded one as the runner pads a mixed batch (one token, no context: seq_len 0): the real outputs match the
+    reference, the padded row's is finite."""
+    query_lens, context_lens = [9, 1, 14], [40, 70, 0]
+    num_heads, num_kv_heads, head_dim = 16, 1, 64
+    q, k, v, kv_cache, m, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    write_kv(kv_cache, k, v, m.slot_mapping)
+    qsl = torch.cat([m.query_start_loc_cpu, m.query_start_loc_cpu[-1:] + 1])
+    seq_lens = torch.cat([m.seq_lens_cpu, torch.zeros(1, dtype=torch.int32)])
+    table = torch.cat([m.block_table, torch.zeros_like(m.block_table[:1])])
+    padded = AttentionMetadata(m.num_actual_tokens, qsl.to(DEVICE), seq_lens.to(DEVICE), table, m.slot_mapping,
+                               m.max_query_len, m.max_seq_len, qsl, seq_lens)  # fmt: skip
+    q_padded = torch.cat([q, torch.randn_like(q[:1])])
+    out = torch.full_like(q_padded, float("nan"))
+    unified_attention(q_padded, kv_cache, padded, head_dim**-0.5, out, lean=lean)
+    torch.testing.assert_close(out[:-1].double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5),
+                               atol=TOL, rtol=TOL)  # fmt: skip
+    assert torch.isfinite(out[-1]).all()
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [CASES[2], ([1, 1, 1, 1], [3, 40, 100, 17])])
