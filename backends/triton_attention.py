@@ -1,15 +1,9 @@
 """Paged attention in Triton: a KV-write kernel and one unified kernel for any mix of prefill chunks and
-decodes, and a split-KV (flash-decoding) kernel for decode-only batches that writes the K/V itself.
+decodes; decode-only batches take the split-KV kernel (`triton_decode`), which writes the K/V itself.
 
 Every kernel reads its per-step metadata from device tensors and launches a grid that depends only on
 the (padded) token count, the request count and constants: no host sync, nothing data-dependent,
-so the op can be captured in a CUDA graph.
-
-Paged K/V addressing, shared by all kernels (row = num_kv_heads * head_dim elements)::
-
-    position p of request s  ->  page = block_table[s, p // BLOCK_SIZE]
-                                 slot = page * BLOCK_SIZE + p % BLOCK_SIZE
-                                 K[p, h, :] = k_cache[slot * row + h * head_dim : ... + head_dim]
+so the op can be captured in a CUDA graph. The K/V addressing: `attention_tiles`.
 """
 
 from __future__ import annotations
@@ -20,12 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends import pdl
-from kiln.backends.arrivals import arrival_counts
 from kiln.backends.attention import AttentionBackend, register_backend
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range
 from kiln.backends.forward_context import AttentionMetadata
-
-LOG2E = 1.4426950408889634
+from kiln.backends.triton_decode import decode_config, decode_num_splits, split_kv_decode
 
 
 @triton.jit
@@ -67,131 +59,6 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The page of each key in [start_n, start_n + TILE_N) (0 past visible_end)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    return tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0).to(tl.int64)
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, start_n,
-                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
-                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr):  # fmt: skip
-    """One online-softmax step over keys [start_n, start_n + TILE_N), on their pages (`_tile_pages`): row r may see
-    key n when n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    n_ok = offs_n < visible_end
-    slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
-    base = slot * ROW + kv_head * HEAD_DIM
-    k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    s = tl.dot(q, k) * qk_scale
-    allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end, causal_limit, offs_d,
-                  d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr, PREFETCH_PAGES: tl.constexpr):  # fmt: skip
-    """`_attend_tile` over keys [start, end), tile by tile. PREFETCH_PAGES: each tile's pages are loaded one
-    iteration ahead, a value the loop carries. Loaded in the iteration that uses them, they leave Triton's pipeliner
-    a K/V address that depends on a load of the same iteration, and it then keeps one K/V buffer whatever num_stages:
-    every iteration waits for all its copies and issues the next tile's after its own compute
-    (`scripts/kernel_resources.py`'s BUF column)."""
-    if PREFETCH_PAGES:
-        page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
-    for start_n in range(start, end, TILE_N):
-        if PREFETCH_PAGES:
-            this_page = page
-            page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-        else:
-            this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n, end,
-                                     causal_limit, offs_d, d_ok, qk_scale, ROW, HEAD_DIM, BLOCK_SIZE,
-                                     TILE_N)  # fmt: skip
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_runs(q_runs, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n, visible_end, offs_d,
-                 d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr, RUNS: tl.constexpr):  # fmt: skip
-    """`_attend_tile` for a decode (no causal limit) with the tile cut into RUNS runs of keys, each with its own
-    softmax state (m_i, l_i [RUNS, GROUP], acc [RUNS, GROUP, HEAD_DIM_P]; q_runs is q repeated RUNS times): one
-    batched dot whose runs fall to different warps, so no step reduces across warps (with the whole tile in one dot,
-    two warps split its keys and meet in shared memory, behind a barrier, for the max, the sum and P)."""
-    RUN_N: tl.constexpr = TILE_N // RUNS
-    offs_n = start_n + tl.arange(0, RUNS)[:, None] * RUN_N + tl.arange(0, RUN_N)[None, :]
-    n_ok = offs_n < visible_end
-    page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW + kv_head * HEAD_DIM
-    k = tl.load(k_cache_ptr + base[:, None, :] + offs_d[None, :, None], mask=n_ok[:, None, :] & d_ok[None, :, None],
-                other=0.0)  # fmt: skip
-    s = tl.dot(q_runs, k) * qk_scale
-    s = tl.where(n_ok[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, :, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    v = tl.load(v_cache_ptr + base[:, :, None] + offs_d[None, None, :], mask=n_ok[:, :, None] & d_ok[None, None, :],
-                other=0.0)  # fmt: skip
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 2), acc
-
-
-@triton.jit
-def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, visible_end, offs_d, qk_scale,
-                        ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                        MASKED: tl.constexpr):  # fmt: skip
-    """`_attend_lean_tile` for a decode, loading its tile's pages (masked on the last, partial tile)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    if MASKED:
-        page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0)
-    else:
-        page = tl.load(table_row + offs_n // BLOCK_SIZE)
-    return _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
-                             ROW, BLOCK_SIZE, TILE_N, MASKED)  # fmt: skip
-
-
-@triton.jit
-def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
-                      ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      MASKED: tl.constexpr):  # fmt: skip
-    """`_attend_tile` with fewer instructions, for keys every row may see (a decode's, or a prefill block's below its
-    first row): no causal limit, no mask on a full tile (MASKED: the last, partial one), 32-bit offsets from the
-    head's own base pointers (the caller checks a layer's cache has fewer than 2**31 elements), head_dim a power of
-    two. `page`: the tile's pages, 32-bit."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    n_ok = offs_n < visible_end
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
-    if MASKED:
-        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-    else:
-        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
-    s = tl.dot(q, k) * qk_scale
-    if MASKED:
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    if MASKED:
-        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 # NOTE: `num_reqs` changes with every batch; specialised (== 1, divisible by 16) it would make new variants to
@@ -255,202 +122,16 @@ def _unified_attention_kernel(
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
-    """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
-    2^(max_s - max) and the sum normalised. All three loads at once (none waits for another)."""
-    offs_s = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    ok = offs_s < num_splits
-    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
-    total = tl.sum(w * l_s, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-@triton.jit
-def _decode_split_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
-    v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
-    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    RUNS: tl.constexpr, LEAN: tl.constexpr,
-):  # fmt: skip
-    """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
-    pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
-    pages, and one up to `unsplit_pages` (that program normalises and writes the output itself, no
-    partials). With more, each writes its unnormalised partial with its running max and sum (log2
-    units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
-    last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
-    it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
-    # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
-    seq_len = tl.load(seq_lens_ptr + req)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token)
-    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
-    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
-    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    if split < splits:
-        start = split * pages_per_split * BLOCK_SIZE
-        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
-        offs_m = tl.arange(0, GROUP)
-        offs_d = tl.arange(0, HEAD_DIM_P)
-        d_ok = offs_d < HEAD_DIM
-        row_ok = offs_m < Q_PER_KV
-        head = kv_head * Q_PER_KV + offs_m
-        # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
-        q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if split == splits - 1:
-            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
-            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
-        m_i = tl.full([GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP], tl.float32)
-        acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
-        no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-        table_row = block_table_ptr + req * stride_block_table
-        if RUNS > 1:  # RUNS states side by side, merged after the loop
-            q_runs = tl.broadcast_to(q[None, :, :], (RUNS, GROUP, HEAD_DIM_P))
-            m_r = tl.full([RUNS, GROUP], float("-inf"), tl.float32)
-            l_r = tl.zeros([RUNS, GROUP], tl.float32)
-            acc_r = tl.zeros([RUNS, GROUP, HEAD_DIM_P], tl.float32)
-            for start_n in range(start, end, TILE_N):
-                m_r, l_r, acc_r = _attend_runs(q_runs, m_r, l_r, acc_r, k_cache_ptr, v_cache_ptr, table_row, kv_head,
-                                               start_n, end, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM,
-                                               HEAD_DIM, BLOCK_SIZE, TILE_N, RUNS)  # fmt: skip
-            m_i = tl.max(m_r, 0)
-            scale = tl.math.exp2(m_r - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-            l_i = tl.sum(l_r * scale, 0)
-            acc = tl.sum(acc_r * scale[:, :, None], 0)
-        elif LEAN:  # full tiles without masks, then the partial one
-            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
-            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
-            full_end = start + (end - start) // TILE_N * TILE_N
-            for start_n in range(start, full_end, TILE_N):
-                m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
-                                                    offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                    False)  # fmt: skip
-            if full_end < end:
-                m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
-                                                    offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                    True)  # fmt: skip
-        else:
-            m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end,
-                                          no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
-                                          BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
-        if splits == 1:
-            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-            tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        else:
-            part = (req * NUM_HEADS + head) * NUM_SPLITS + split  # [B, H, S] layout
-            tl.store(part_max_ptr + part, m_i, mask=row_ok)
-            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
-            # NOTE: every thread's stores before one thread's release of the count (the barrier orders them);
-            # the last arrival's acquire then sees all partials (read past L1: .cg).
-            tl.debug_barrier()
-            arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                for i in tl.static_range(Q_PER_KV):
-                    h = kv_head * Q_PER_KV + i
-                    first = (req * NUM_HEADS + h) * NUM_SPLITS
-                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                  token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P, SPLITS_P)  # fmt: skip
-
-
-def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
-    """The most splits that keep (requests x kv heads x splits) within four programs per SM: more than two
-    per SM unless one split already gives that. (Measured on the H200, `bench_attention.py --split-sweep`:
-    at batch 64, 512 programs with one split beat 1,024 with two at every context from 256 to 32k; at
-    batch 16, four splits were best from 2k up.) It depends only on the batch size, so a CUDA graph
-    captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at
-    most log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the
-    kernel's `min_split_pages`)."""
-    splits = max(1, min(max_splits, 4 * num_sms // (num_reqs * num_kv_heads)))
-    return 1 << (splits.bit_length() - 1)
-
-
-# Each decode's (request, kv head) counts its splits' arrivals (`kiln.backends.arrivals`), in one buffer per device
-# big enough for any batch: 512 capture rows x 128 KV heads.
-MAX_ARRIVAL_SLOTS = 512 * 128
-# One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`.
-# KILN_DECODE_MIN_SPLIT_TOKENS sets it (A/B runs of whole decode steps); read once, at import.
-MIN_SPLIT_TOKENS = int(os.environ.get("KILN_DECODE_MIN_SPLIT_TOKENS", "64"))
-# Contexts up to this many tokens take one split whatever the batch: in a batch-1 decode step on the H200, one split
-# (no partials to merge) made Llama-3.2-1B 5% faster at 32-160 tokens of context (BENCHMARKS.md, tenth session),
-# where the kernel alone timed in a loop had shown no difference. KILN_DECODE_UNSPLIT_TOKENS sets it (0: off).
-UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
-# (TILE_N, num_warps, num_stages) of the decode kernel, from `bench_attention.py --config-sweep` on the H200 (18
-# configs in two runs): 2 warps beat Triton's default 4 by 1-28% (e.g. batch 16 x 256: 10.2 against 14.1 µs), and
-# in one run 64 x 2 x 3 was the fastest or within 3% of it at 12 of the 15 batch x context points (64 x 2 x 2 was
-# 9% faster at batch 1 x 8k and as fast elsewhere below batch 256). At batch 256 (2,048 programs) 32 x 2 x 2 is
-# faster at 256 tokens (72.9 against 84.2 µs: more programs fit an SM) and equal beyond.
-# Up to FEW_REQUESTS requests, a 128-key tile with 4 warps: inside Qwen3-0.6B's batch-1 decode step on the H200 it
-# made the step 8% faster (1,561 against 1,445 tokens/s in one call; the 1B as fast: BENCHMARKS.md, eleventh
-# session), where the kernel alone timed in a loop had not preferred it: with one split for short contexts, a
-# program walks its keys in half as many dependent iterations. It costs long contexts (batch 1 x 32k: 61% of the
-# bandwidth against 73%), and spills a little (`scripts/kernel_resources.py`). Measured at batch 1 only (the device
-# calls ran it up to 4 requests; 2 to 4 were not timed), so it holds for one request.
-DECODE_CONFIG = (64, 2, 3)
-DECODE_CONFIG_FEW = (128, 4, 2)
-FEW_REQUESTS = 1
-if os.environ.get("KILN_DECODE_CONFIG"):  # TILExWARPSxSTAGES for both (A/B runs of whole decode steps)
-    DECODE_CONFIG = DECODE_CONFIG_FEW = tuple(int(v) for v in os.environ["KILN_DECODE_CONFIG"].split("x"))
-DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
-# Each key tile's pages loaded an iteration ahead (see the decode kernel's loop): Triton then double-buffers the K/V
-# tiles from 3 stages on (loaded in the iteration that uses them, it keeps one buffer). In the unified kernel it made
-# every prefill point of `bench_attention.py --prefill` 10-24% faster on the H200 (e.g. 4 chunks of 512 tokens after
-# 2,048 cached: 328 -> 273 µs; BENCHMARKS.md, fourteenth session). In the decode kernel no config gained from it (12
-# configs x 7 batch x context points, `--config-sweep 64x2x3p,...`): each program already has a tile of every
-# program on its SM in flight, and the bandwidth is shared. KILN_{DECODE,PREFILL}_PREFETCH_PAGES=0/1 (A/B runs).
-PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
+# Each key tile's pages loaded an iteration ahead (`_attend_range`): Triton then double-buffers the K/V tiles from 3
+# stages on (loaded in the iteration that uses them, it keeps one buffer). It made every prefill point of
+# `bench_attention.py --prefill` 10-24% faster on the H200 (e.g. 4 chunks of 512 tokens after 2,048 cached: 328 -> 273
+# µs; BENCHMARKS.md, fourteenth session). KILN_PREFILL_PREFETCH_PAGES=0 turns it off (A/B runs).
 PREFILL_PREFETCH_PAGES = os.environ.get("KILN_PREFILL_PREFETCH_PAGES", "1") == "1"
-# Each decode tile cut into this many runs of keys, each with its own softmax state (`_attend_runs`): no cross-warp
-# step in the loop, but twice the accumulator registers; slower at every point timed on the H200 (64 x 256: 32 x 2 x 3
-# in 2 runs 29.0 µs against the default's 23.0; BENCHMARKS.md, fourteenth session). KILN_DECODE_RUNS (A/B runs).
-DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
-# The decode loop without masks on full tiles and with 32-bit offsets (`_attend_decode_tile`): 721 -> 503 SASS
-# instructions a 64-key tile under triton 3.6, and on the H200 as fast or faster at every point timed (8 batch x
-# context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
-# session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
-DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# The same loop in the unified kernel for the keys every row of a block sees (below its first query token), their
-# pages an iteration ahead: on the H200 every prefill point of `bench_attention.py --prefill` 9-21% faster than with
-# the pages ahead alone (4 chunks of 512 after 2,048 cached: 274 -> 234 µs; BENCHMARKS.md, fourteenth session).
+# The decode's lean loop (`_attend_lean_tile`) for the keys every row of a block sees (below its first query token),
+# their pages an iteration ahead: on the H200 every prefill point of `bench_attention.py --prefill` 9-21% faster than
+# with the pages ahead alone (4 chunks of 512 after 2,048 cached: 274 -> 234 µs; BENCHMARKS.md, fourteenth session).
 # KILN_PREFILL_LEAN=0 turns it off (A/B runs).
 PREFILL_LEAN = os.environ.get("KILN_PREFILL_LEAN", "1") == "1"
-
-
-def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
-    """The decode kernel's launch config for a grid of `num_programs` over `num_reqs` requests: fixed by the batch
-    size, so graph-safe."""
-    if num_programs >= 2048:
-        return DECODE_CONFIG_MANY
-    return DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
 
 
 def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
@@ -475,48 +156,6 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
         PREFETCH_PAGES=PREFILL_PREFETCH_PAGES if prefetch_pages is None else prefetch_pages,
         LEAN=(PREFILL_LEAN if lean is None else lean) and head_dim == triton.next_power_of_2(head_dim)
         and kv_cache[0].numel() < 2**31,
-    )  # fmt: skip
-
-
-def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                    num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                    config: tuple[int, int, int] | None = None,
-                    unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    runs: int | None = None, lean: bool | None = None) -> None:  # fmt: skip
-    """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
-    the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
-    `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
-    merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
-    `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
-    `runs`: cut each tile into that many runs of keys with softmax states of their own (default DECODE_RUNS)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
-    q_per_kv = num_heads // num_kv_heads
-    num_reqs = metadata.seq_lens.shape[0]
-    head_dim_p = triton.next_power_of_2(head_dim)
-    tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
-    prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
-    runs = DECODE_RUNS if runs is None else runs
-    assert runs == 1 or not prefetch_pages, "a tile cut into runs loads its pages in its own iteration"
-    assert runs & (runs - 1) == 0 and tile_n % runs == 0 and tile_n // runs >= 16, "runs of at least 16 keys"
-    lean = (DECODE_LEAN if lean is None else lean) and runs == 1 and not prefetch_pages and head_dim == head_dim_p
-    lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
-    assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
-    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
-    part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty_like(part_max)
-    assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
-    arrivals = arrival_counts(query.device, "decode", MAX_ARRIVAL_SLOTS)
-    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, part_acc, part_max, part_sum, arrivals, query, key, value, kv_cache[0], kv_cache[1],
-        metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
-        query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
-        GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, RUNS=runs, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_kwargs(query),
     )  # fmt: skip
 
 

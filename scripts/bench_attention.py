@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
-from kiln.backends.triton_attention import decode_num_splits, split_kv_decode, unified_attention
+from kiln.backends.triton_attention import unified_attention
+from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 

@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from kiln.backends import fused_kernels, gemv
 from kiln.backends import triton_attention as ta
+from kiln.backends import triton_decode as td
 from kiln.compile import pin_triton_setup
 from kiln.engine.presets import PRESETS
 
@@ -93,21 +94,21 @@ def decode_variants(model: str):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
-    defaults = (ta.PREFETCH_PAGES, ta.DECODE_LEAN)
-    configs = [(*c, *defaults) for c in (ta.DECODE_CONFIG, ta.DECODE_CONFIG_FEW, ta.DECODE_CONFIG_MANY)]
-    configs.append((*ta.DECODE_CONFIG, ta.PREFETCH_PAGES, not ta.DECODE_LEAN))  # the default config's other loop
-    configs.append((*ta.DECODE_CONFIG, not ta.PREFETCH_PAGES, False))  # ... and its other page loading
+    defaults = (td.PREFETCH_PAGES, td.DECODE_LEAN)
+    configs = [(*c, *defaults) for c in (td.DECODE_CONFIG, td.DECODE_CONFIG_FEW, td.DECODE_CONFIG_MANY)]
+    configs.append((*td.DECODE_CONFIG, td.PREFETCH_PAGES, not td.DECODE_LEAN))  # the default config's other loop
+    configs.append((*td.DECODE_CONFIG, not td.PREFETCH_PAGES, False))  # ... and its other page loading
     for num_splits in (1, 64):
         for tile_n, warps, stages, prefetch, lean in configs:
             pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
-            lean = lean and not prefetch and ta.DECODE_RUNS == 1 and pow2
+            lean = lean and not prefetch and td.DECODE_RUNS == 1 and pow2
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
-                              PREFETCH_PAGES=prefetch, RUNS=ta.DECODE_RUNS, LEAN=lean)  # fmt: skip
+                              PREFETCH_PAGES=prefetch, RUNS=td.DECODE_RUNS, LEAN=lean)  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
-            yield name, ta._decode_split_kernel, constexprs, warps, stages
+            yield name, td._decode_split_kernel, constexprs, warps, stages
 
 
 def prefill_variants(model: str):
@@ -197,7 +198,7 @@ FEW_SPILL_ALLOWED = 128
 
 
 def spill_allowed(family: str, variant: str) -> int:
-    few = "x".join(str(v) for v in ta.DECODE_CONFIG_FEW)
+    few = "x".join(str(v) for v in td.DECODE_CONFIG_FEW)
     return FEW_SPILL_ALLOWED if family == "decode" and variant.removesuffix("l").endswith(f", {few}") else 0
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 from bench_attention import HEAD_DIM, NUM_KV_HEADS, _read_kernel, decode_inputs
 
-from kiln.backends.triton_attention import decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 
 READ_CONFIG = (4096, 4, 8)  # elements a block, blocks a program, warps: among the fastest on the H200

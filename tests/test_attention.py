@@ -6,9 +6,10 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from kiln.backends import AttentionMetadata, get_attention_backend, triton_attention
+from kiln.backends import AttentionMetadata, get_attention_backend, triton_decode
 from kiln.backends.arrivals import arrival_counts
-from kiln.backends.triton_attention import (
+from kiln.backends.triton_attention import unified_attention, write_kv
+from kiln.backends.triton_decode import (
     DECODE_CONFIG,
     DECODE_CONFIG_FEW,
     DECODE_CONFIG_MANY,
@@ -16,8 +17,6 @@ from kiln.backends.triton_attention import (
     decode_config,
     decode_num_splits,
     split_kv_decode,
-    unified_attention,
-    write_kv,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +151,7 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, p
         split_kv_decode(q, k, v, kv_cache, metadata, head_dim**-0.5, out, num_splits, min_split_tokens, config,
                         unsplit_tokens=unsplit_tokens, prefetch_pages=prefetch)  # fmt: skip
         torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
-        assert not arrival_counts(q.device, "decode", triton_attention.MAX_ARRIVAL_SLOTS).any()
+        assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
         # the kernel wrote each token's K/V into its slot (the reference read them from k, v)
         flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
         torch.testing.assert_close(flat[0, metadata.slot_mapping], k)
