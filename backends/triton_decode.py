@@ -30,33 +30,6 @@ def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, sta
 
 
 @triton.jit
-def _attend_runs(q_runs, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start_n, visible_end, offs_d,
-                 d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr, RUNS: tl.constexpr):  # fmt: skip
-    """`_attend_tile` for a decode (no causal limit) with the tile cut into RUNS runs of keys, each with its own
-    softmax state (m_i, l_i [RUNS, GROUP], acc [RUNS, GROUP, HEAD_DIM_P]; q_runs is q repeated RUNS times): one
-    batched dot whose runs fall to different warps, so no step reduces across warps (with the whole tile in one dot,
-    two warps split its keys and meet in shared memory, behind a barrier, for the max, the sum and P)."""
-    RUN_N: tl.constexpr = TILE_N // RUNS
-    offs_n = start_n + tl.arange(0, RUNS)[:, None] * RUN_N + tl.arange(0, RUN_N)[None, :]
-    n_ok = offs_n < visible_end
-    page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW + kv_head * HEAD_DIM
-    k = tl.load(k_cache_ptr + base[:, None, :] + offs_d[None, :, None], mask=n_ok[:, None, :] & d_ok[None, :, None],
-                other=0.0)  # fmt: skip
-    s = tl.dot(q_runs, k) * qk_scale
-    s = tl.where(n_ok[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, :, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    v = tl.load(v_cache_ptr + base[:, :, None] + offs_d[None, None, :], mask=n_ok[:, :, None] & d_ok[None, None, :],
-                other=0.0)  # fmt: skip
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 2), acc
-
-
-@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
@@ -84,7 +57,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    RUNS: tl.constexpr, LEAN: tl.constexpr,
+    LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -132,20 +105,7 @@ def _decode_split_kernel(
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
-        if RUNS > 1:  # RUNS states side by side, merged after the loop
-            q_runs = tl.broadcast_to(q[None, :, :], (RUNS, GROUP, HEAD_DIM_P))
-            m_r = tl.full([RUNS, GROUP], float("-inf"), tl.float32)
-            l_r = tl.zeros([RUNS, GROUP], tl.float32)
-            acc_r = tl.zeros([RUNS, GROUP, HEAD_DIM_P], tl.float32)
-            for start_n in range(start, end, TILE_N):
-                m_r, l_r, acc_r = _attend_runs(q_runs, m_r, l_r, acc_r, k_cache_ptr, v_cache_ptr, table_row, kv_head,
-                                               start_n, end, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM,
-                                               HEAD_DIM, BLOCK_SIZE, TILE_N, RUNS)  # fmt: skip
-            m_i = tl.max(m_r, 0)
-            scale = tl.math.exp2(m_r - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-            l_i = tl.sum(l_r * scale, 0)
-            acc = tl.sum(acc_r * scale[:, :, None], 0)
-        elif LEAN:  # full tiles without masks, then the partial one
+        if LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -227,10 +187,6 @@ DECODE_CONFIG_MANY = (32, 2, 2)  # from 2,048 programs on
 # `bench_attention.py --config-sweep 64x2x3p,...`; BENCHMARKS.md, fourteenth session): each program already has a tile
 # of every program on its SM in flight, and the bandwidth is shared. KILN_DECODE_PREFETCH_PAGES=1 (A/B runs).
 PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
-# Each decode tile cut into this many runs of keys, each with its own softmax state (`_attend_runs`): no cross-warp
-# step in the loop, but twice the accumulator registers; slower at every point timed on the H200 (64 x 256: 32 x 2 x 3
-# in 2 runs 29.0 µs against the default's 23.0; BENCHMARKS.md, fourteenth session). KILN_DECODE_RUNS (A/B runs).
-DECODE_RUNS = int(os.environ.get("KILN_DECODE_RUNS", "1"))
 # The decode loop without masks on full tiles and with 32-bit offsets (`_attend_decode_tile`): 721 -> 503 SASS
 # instructions a 64-key tile under triton 3.6, and on the H200 as fast or faster at every point timed (8 batch x
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
@@ -250,13 +206,13 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    runs: int | None = None, lean: bool | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
     `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
-    `runs`: cut each tile into that many runs of keys with softmax states of their own (default DECODE_RUNS)."""
+    `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -264,10 +220,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     head_dim_p = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
-    runs = DECODE_RUNS if runs is None else runs
-    assert runs == 1 or not prefetch_pages, "a tile cut into runs loads its pages in its own iteration"
-    assert runs & (runs - 1) == 0 and tile_n % runs == 0 and tile_n // runs >= 16, "runs of at least 16 keys"
-    lean = (DECODE_LEAN if lean is None else lean) and runs == 1 and not prefetch_pages and head_dim == head_dim_p
+    lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
@@ -283,6 +236,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, RUNS=runs, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

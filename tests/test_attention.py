@@ -159,12 +159,12 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, p
         kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = float("nan")  # written again
 
 
-@pytest.mark.parametrize("num_splits,config,unsplit_tokens,kwargs", [
-    (1, None, 0, {"lean": True}), (3, None, 0, {"lean": True}), (8, DECODE_CONFIG_MANY, 112, {"lean": True}),
-    (1, (32, 2, 2), 0, {"runs": 2}), (3, (64, 4, 2), 0, {"runs": 4})])  # fmt: skip
-def test_split_kv_decode_loop_variants(num_splits, config, unsplit_tokens, kwargs):
-    """The decode loop's other forms against the reference: without masks on full tiles and with 32-bit offsets
-    (`lean`), and each tile cut into runs of keys with softmax states of their own (`runs`)."""
+@pytest.mark.parametrize("num_splits,config,unsplit_tokens,lean", [
+    (1, None, 0, True), (3, None, 0, True), (8, DECODE_CONFIG_MANY, 112, True), (3, None, 0, False),
+    (8, DECODE_CONFIG_MANY, 112, False)])  # fmt: skip
+def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_tokens, lean):
+    """The decode loop in both forms against the reference: without masks on full tiles and with 32-bit offsets,
+    then the partial tile masked (`lean`, the default), and every tile masked."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
@@ -173,7 +173,7 @@ def test_split_kv_decode_loop_variants(num_splits, config, unsplit_tokens, kwarg
     kv_cache.reshape(2, -1, 2, 64)[:, metadata.slot_mapping] = float("nan")
     out = torch.full_like(q, float("nan"))
     split_kv_decode(q, k, v, kv_cache, metadata, 64**-0.5, out, num_splits, 16, config, unsplit_tokens=unsplit_tokens,
-                    **kwargs)  # fmt: skip
+                    lean=lean)  # fmt: skip
     torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
 
 
