@@ -81,6 +81,19 @@ def test_unified_kernel_page_loading(prefetch, lean, block_size):
                                atol=TOL, rtol=TOL)  # fmt: skip
 
 
+def with_padded_request(q, k, v, m: AttentionMetadata):
+    """The batch with one more request as the runner pads one: one token, no context (seq_len 0), its K/V bound
+    for the scratch block 0's first slot."""
+    qsl = torch.cat([m.query_start_loc_cpu, m.query_start_loc_cpu[-1:] + 1])
+    seq_lens = torch.cat([m.seq_lens_cpu, torch.zeros(1, dtype=torch.int32)])
+    table = torch.cat([m.block_table, torch.zeros_like(m.block_table[:1])])
+    slots = torch.cat([m.slot_mapping, torch.zeros_like(m.slot_mapping[:1])])
+    padded = AttentionMetadata(m.num_actual_tokens + 1, qsl.to(q.device), seq_lens.to(q.device), table, slots,
+                               m.max_query_len, m.max_seq_len, qsl, seq_lens)  # fmt: skip
+    extra = lambda x: torch.cat([x, torch.randn_like(x[:1])])  # noqa: E731
+    return extra(q), extra(k), extra(v), padded
+
+
 @pytest.mark.parametrize("lean", [False, True])
 def test_unified_kernel_one_query_a_block_and_a_padded_request(lean):
     """16 query heads to a KV head (a program's block is one query token: BLOCK_Q 1) and, after the real requests,
@@ -92,12 +105,7 @@ def test_unified_kernel_one_query_a_block_and_a_padded_request(lean):
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
     )
     write_kv(kv_cache, k, v, m.slot_mapping)
-    qsl = torch.cat([m.query_start_loc_cpu, m.query_start_loc_cpu[-1:] + 1])
-    seq_lens = torch.cat([m.seq_lens_cpu, torch.zeros(1, dtype=torch.int32)])
-    table = torch.cat([m.block_table, torch.zeros_like(m.block_table[:1])])
-    padded = AttentionMetadata(m.num_actual_tokens, qsl.to(DEVICE), seq_lens.to(DEVICE), table, m.slot_mapping,
-                               m.max_query_len, m.max_seq_len, qsl, seq_lens)  # fmt: skip
-    q_padded = torch.cat([q, torch.randn_like(q[:1])])
+    q_padded, _, _, padded = with_padded_request(q, k, v, m)
     out = torch.full_like(q_padded, float("nan"))
     unified_attention(q_padded, kv_cache, padded, head_dim**-0.5, out, lean=lean)
     torch.testing.assert_close(out[:-1].double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5),
@@ -164,17 +172,21 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, p
     (8, DECODE_CONFIG_MANY, 112, False)])  # fmt: skip
 def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_tokens, lean):
     """The decode loop in both forms against the reference: without masks on full tiles and with 32-bit offsets,
-    then the partial tile masked (`lean`, the default), and every tile masked."""
+    then the partial tile masked (`lean`, the default), and every tile masked; a padded request last (no context),
+    whose output is finite and whose splits' count is back at zero."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
     )
     ref = reference_attention(q, history, query_lens, 64**-0.5)
     kv_cache.reshape(2, -1, 2, 64)[:, metadata.slot_mapping] = float("nan")
+    q, k, v, padded = with_padded_request(q, k, v, metadata)
     out = torch.full_like(q, float("nan"))
-    split_kv_decode(q, k, v, kv_cache, metadata, 64**-0.5, out, num_splits, 16, config, unsplit_tokens=unsplit_tokens,
+    split_kv_decode(q, k, v, kv_cache, padded, 64**-0.5, out, num_splits, 16, config, unsplit_tokens=unsplit_tokens,
                     lean=lean)  # fmt: skip
-    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out[:-1].double().cpu(), ref, atol=TOL, rtol=TOL)
+    assert torch.isfinite(out[-1]).all()
+    assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
 
 
 def test_kv_write_skips_negative_slots():
