@@ -18,10 +18,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The page of each key in [start_n, start_n + TILE_N) (0 past visible_end)."""
+def _tile_pages32(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The page of each key in [start_n, start_n + TILE_N) (0 past visible_end), as the table holds it (32-bit)."""
     offs_n = start_n + tl.arange(0, TILE_N)
-    return tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0).to(tl.int64)
+    return tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0)
+
+
+@triton.jit
+def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """`_tile_pages32` widened for 64-bit offsets."""
+    return _tile_pages32(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE, TILE_N).to(tl.int64)
 
 
 @triton.jit

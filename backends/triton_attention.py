@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.attention import AttentionBackend, register_backend
-from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
 from kiln.backends.triton_decode import decode_config, decode_num_splits, split_kv_decode
 
@@ -105,12 +105,10 @@ def _unified_attention_kernel(
             masked_start = tl.maximum(context_len + local_block * BLOCK_Q, 0) // TILE_N * TILE_N
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
-            offs_t = tl.arange(0, TILE_N)
-            page = tl.load(table_row + offs_t // BLOCK_SIZE, mask=offs_t < masked_start, other=0)
+            page = _tile_pages32(table_row, 0, masked_start, BLOCK_SIZE, TILE_N)
             for start_n in range(0, masked_start, TILE_N):
                 this_page = page
-                offs_next = start_n + TILE_N + offs_t
-                page = tl.load(table_row + offs_next // BLOCK_SIZE, mask=offs_next < masked_start, other=0)
+                page = _tile_pages32(table_row, start_n + TILE_N, masked_start, BLOCK_SIZE, TILE_N)
                 m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n,
                                                   masked_start, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM,
                                                   BLOCK_SIZE, TILE_N, False)  # fmt: skip

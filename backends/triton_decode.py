@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kiln.backends import pdl
 from kiln.backends.arrivals import arrival_counts
-from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
 
 
@@ -20,11 +20,10 @@ def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, sta
                         ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                         MASKED: tl.constexpr):  # fmt: skip
     """`_attend_lean_tile` for a decode, loading its tile's pages (masked on the last, partial tile)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
     if MASKED:
-        page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < visible_end, other=0)
+        page = _tile_pages32(table_row, start_n, visible_end, BLOCK_SIZE, TILE_N)
     else:
-        page = tl.load(table_row + offs_n // BLOCK_SIZE)
+        page = tl.load(table_row + (start_n + tl.arange(0, TILE_N)) // BLOCK_SIZE)
     return _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
                              ROW, BLOCK_SIZE, TILE_N, MASKED)  # fmt: skip
 
