@@ -105,26 +105,3 @@ def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, v
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Asks L2 for the 128-byte lines holding `ptrs` where `mask`: fire and forget, no register waits on it (the
-    interpreter cannot run it: callers keep it behind a constexpr that is off on CPU)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_tile_l2(k_head_ptr, v_head_ptr, table_row, start_n, visible_end, ROW: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """L2 prefetches of the K and V rows of keys [start_n, start_n + TILE_N) below visible_end (`_attend_lean_tile`'s
-    32-bit addressing): a 128-byte line at a time."""
-    LINE: tl.constexpr = 128 // (k_head_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements a line
-    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
-    offs_n = start_n + tl.arange(0, TILE_N)
-    n_ok = offs_n < visible_end
-    page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
-    offs = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE)[:, None] * ROW + tl.arange(0, LINES)[None, :] * LINE
-    _prefetch_l2(k_head_ptr + offs, n_ok[:, None])
-    _prefetch_l2(v_head_ptr + offs, n_ok[:, None])

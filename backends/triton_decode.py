@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kiln.backends import pdl
 from kiln.backends.arrivals import arrival_counts
-from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _prefetch_tile_l2, _tile_pages32
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
 
 
@@ -56,7 +56,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, L2_AHEAD: tl.constexpr,
+    LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -73,23 +73,16 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    start = split * pages_per_split * BLOCK_SIZE
-    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
-    k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
-    v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
-    table_row = block_table_ptr + req * stride_block_table
-    if L2_AHEAD > 0:  # the first tiles' K/V asked of L2 before the wait: no kernel before this one writes them
-        for t in tl.static_range(L2_AHEAD):
-            _prefetch_tile_l2(k_head_ptr, v_head_ptr, table_row, start + t * TILE_N, end, NUM_KV_HEADS * HEAD_DIM,
-                              HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if split < splits:
+        start = split * pages_per_split * BLOCK_SIZE
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
@@ -110,12 +103,12 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+        table_row = block_table_ptr + req * stride_block_table
         if LEAN:  # full tiles without masks, then the partial one
+            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
             for start_n in range(start, full_end, TILE_N):
-                if L2_AHEAD > 0:  # keeps L2_AHEAD tiles asked for ahead of the one it waits on
-                    _prefetch_tile_l2(k_head_ptr, v_head_ptr, table_row, start_n + L2_AHEAD * TILE_N, end,
-                                      NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
                                                     False)  # fmt: skip
@@ -198,9 +191,6 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# Key tiles asked of L2 ahead of the one the lean loop waits on (prefetch.global.L2: no shared memory, no registers
-# held), the first ones before the PDL wait. 0: off (the interpreter cannot run the prefetches). KILN_DECODE_L2_AHEAD.
-L2_AHEAD = int(os.environ.get("KILN_DECODE_L2_AHEAD", "0"))
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -215,7 +205,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, l2_ahead: int | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -231,7 +221,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
-    l2_ahead = (L2_AHEAD if l2_ahead is None else l2_ahead) if lean else 0
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -246,6 +235,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, LEAN=lean, L2_AHEAD=l2_ahead, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_kwargs(query),
     )  # fmt: skip
