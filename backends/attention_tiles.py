@@ -95,19 +95,6 @@ def _load_lean_tile(k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, 
 
 
 @triton.jit
-def _load_lean_tile_at_once(k_head_ptr, v_head_ptr, page, start_n, visible_end, ROW: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """`_load_lean_tile` (masked) as one load of K and V side by side: both in flight before either is used."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
-    cols = tl.arange(0, 2 * HEAD_DIM)
-    ptrs = tl.where((cols < HEAD_DIM)[None, :], k_head_ptr + cols[None, :], v_head_ptr + (cols - HEAD_DIM)[None, :])
-    kv = tl.load(ptrs + base[:, None], mask=(offs_n < visible_end)[:, None], other=0.0)
-    k, v = tl.split(tl.permute(tl.reshape(kv, [TILE_N, 2, HEAD_DIM]), [0, 2, 1]))
-    return tl.trans(k), v
-
-
-@triton.jit
 def _lean_step(q, m_i, l_i, acc, k, v, start_n, visible_end, qk_scale, TILE_N: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over a loaded tile (`_load_lean_tile`): every row sees every key, but those at or
     past visible_end where MASKED."""

@@ -17,7 +17,6 @@ from kiln.backends.attention_tiles import (
     _attend_range,
     _lean_step,
     _load_lean_tile,
-    _load_lean_tile_at_once,
     _tile_pages32,
 )
 from kiln.backends.forward_context import AttentionMetadata
@@ -95,13 +94,8 @@ def _decode_split_kernel(
     v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
     table_row = block_table_ptr + req * stride_block_table
     if EARLY_TILE:  # the first tile's K/V asked for before the wait: no kernel before this one writes those keys
-        page0 = _tile_pages32(table_row, start, end, BLOCK_SIZE, TILE_N)
-        if EARLY_TILE == 2:  # one load: K's and V's copies in flight together (two: Triton waits for K's first)
-            k0, v0 = _load_lean_tile_at_once(k_head_ptr, v_head_ptr, page0, start, end, NUM_KV_HEADS * HEAD_DIM,
-                                             HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
-        else:
-            k0, v0 = _load_lean_tile(k_head_ptr, v_head_ptr, page0, start, end, offs_d, NUM_KV_HEADS * HEAD_DIM,
-                                     BLOCK_SIZE, TILE_N, True)  # fmt: skip
+        k0, v0 = _load_lean_tile(k_head_ptr, v_head_ptr, _tile_pages32(table_row, start, end, BLOCK_SIZE, TILE_N),
+                                 start, end, offs_d, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N, True)  # fmt: skip
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -232,9 +226,8 @@ DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
 # The new token's K/V taken from the step's key/value, not read back from the cache after the program writes it
 # there: no write, barrier and read on the way to the first K/V tile. KILN_DECODE_NEW_KV_DIRECT (A/B runs).
 NEW_KV_DIRECT = os.environ.get("KILN_DECODE_NEW_KV_DIRECT", "0") == "1"
-# With it and the lean loop, the first tile's K/V loaded before the PDL wait (overlapping the kernel before): 1 as
-# two loads, 2 as one (K's and V's copies in flight together); 0: off.
-EARLY_TILE = int(os.environ.get("KILN_DECODE_EARLY_TILE", "0"))
+# With it and the lean loop, the first tile's K/V loaded before the PDL wait (overlapping the kernel before).
+EARLY_TILE = os.environ.get("KILN_DECODE_EARLY_TILE", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -250,7 +243,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, new_kv_direct: bool | None = None,
-                    early_tile: int | None = None) -> None:  # fmt: skip
+                    early_tile: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -267,7 +260,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     new_kv_direct = NEW_KV_DIRECT if new_kv_direct is None else new_kv_direct
-    early_tile = (EARLY_TILE if early_tile is None else early_tile) if lean and new_kv_direct else 0
+    early_tile = (EARLY_TILE if early_tile is None else early_tile) and lean and new_kv_direct
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)

@@ -107,7 +107,7 @@ def decode_variants(model: str):
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
                               PREFETCH_PAGES=prefetch, LEAN=lean, NEW_KV_DIRECT=td.NEW_KV_DIRECT,
-                              EARLY_TILE=td.EARLY_TILE if td.NEW_KV_DIRECT and lean else 0)  # fmt: skip
+                              EARLY_TILE=td.EARLY_TILE and td.NEW_KV_DIRECT and lean)  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, td._decode_split_kernel, constexprs, warps, stages
 
