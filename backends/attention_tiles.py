@@ -78,38 +78,6 @@ def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head
 
 
 @triton.jit
-def _load_lean_tile(k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, ROW: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """The K tile ([head_dim, TILE_N]) and V tile ([TILE_N, head_dim]) of keys [start_n, start_n + TILE_N) on their
-    pages (32-bit), from the head's own base pointers: unmasked unless MASKED (keys at or past visible_end read 0)."""
-    offs_n = start_n + tl.arange(0, TILE_N)
-    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
-    if MASKED:
-        n_ok = offs_n < visible_end
-        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
-        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
-    return k, v
-
-
-@triton.jit
-def _lean_step(q, m_i, l_i, acc, k, v, start_n, visible_end, qk_scale, TILE_N: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step over a loaded tile (`_load_lean_tile`): every row sees every key, but those at or
-    past visible_end where MASKED."""
-    s = tl.dot(q, k) * qk_scale
-    if MASKED:
-        s = tl.where((start_n + tl.arange(0, TILE_N) < visible_end)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
 def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
                       ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                       MASKED: tl.constexpr):  # fmt: skip
@@ -117,5 +85,23 @@ def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, v
     first row): no causal limit, no mask on a full tile (MASKED: the last, partial one), 32-bit offsets from the
     head's own base pointers (the caller checks a layer's cache has fewer than 2**31 elements), head_dim a power of
     two. `page`: the tile's pages, 32-bit."""
-    k, v = _load_lean_tile(k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, ROW, BLOCK_SIZE, TILE_N, MASKED)
-    return _lean_step(q, m_i, l_i, acc, k, v, start_n, visible_end, qk_scale, TILE_N, MASKED)
+    offs_n = start_n + tl.arange(0, TILE_N)
+    n_ok = offs_n < visible_end
+    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
+    if MASKED:
+        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
+    s = tl.dot(q, k) * qk_scale
+    if MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    if MASKED:
+        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc

@@ -11,14 +11,7 @@ import triton.language as tl
 
 from kiln.backends import pdl
 from kiln.backends.arrivals import arrival_counts
-from kiln.backends.attention_tiles import (
-    LOG2E,
-    _attend_lean_tile,
-    _attend_range,
-    _lean_step,
-    _load_lean_tile,
-    _tile_pages32,
-)
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
 
 
@@ -63,7 +56,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, NEW_KV_DIRECT: tl.constexpr, EARLY_TILE: tl.constexpr,
+    LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -80,40 +73,27 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    start = split * pages_per_split * BLOCK_SIZE
-    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
-    last = split == splits - 1
-    if NEW_KV_DIRECT:  # the loop stops short of the new token (position seq_len - 1): it comes from key/value
-        end = tl.maximum(tl.where(last, end - 1, end), start)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
-    v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
-    table_row = block_table_ptr + req * stride_block_table
-    if EARLY_TILE:  # the first tile's K/V asked for before the wait: no kernel before this one writes those keys
-        k0, v0 = _load_lean_tile(k_head_ptr, v_head_ptr, _tile_pages32(table_row, start, end, BLOCK_SIZE, TILE_N),
-                                 start, end, offs_d, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N, True)  # fmt: skip
-    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if split < splits:
+        start = split * pages_per_split * BLOCK_SIZE
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
+        offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-        if NEW_KV_DIRECT:  # the new token's K/V from key/value (after the loop); its slot written last, unread here
-            new_ok = offs_d < tl.where(last, HEAD_DIM, 0)  # only the last split's program adds the new token
-            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
-            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=new_ok, other=0.0)
-        elif last:
+        if split == splits - 1:
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
                 v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
                 tl.store(k_cache_ptr + row, k_new, mask=d_ok)
@@ -123,11 +103,11 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+        table_row = block_table_ptr + req * stride_block_table
         if LEAN:  # full tiles without masks, then the partial one
-            if EARLY_TILE:
-                m_i, l_i, acc = _lean_step(q, m_i, l_i, acc, k0, v0, start, end, qk_scale, TILE_N, True)
-                start = start + TILE_N
-            full_end = start + tl.maximum(end - start, 0) // TILE_N * TILE_N
+            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+            full_end = start + (end - start) // TILE_N * TILE_N
             for start_n in range(start, full_end, TILE_N):
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
@@ -140,18 +120,6 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end,
                                           no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
                                           BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
-        if NEW_KV_DIRECT:  # noqa: SIM102 (a constexpr test, then the program's)
-            if last & (seq_len > 0):  # the new token: one more key, the last online-softmax step
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.math.exp2(m_i - m_new)
-                p_new = tl.math.exp2(s_new - m_new)
-                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-                l_i = l_i * alpha + p_new
-                m_i = m_new
-                if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                    tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                    tl.store(v_cache_ptr + row, v_new, mask=d_ok)
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -223,11 +191,6 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# The new token's K/V taken from the step's key/value, not read back from the cache after the program writes it
-# there: no write, barrier and read on the way to the first K/V tile. KILN_DECODE_NEW_KV_DIRECT (A/B runs).
-NEW_KV_DIRECT = os.environ.get("KILN_DECODE_NEW_KV_DIRECT", "0") == "1"
-# With it and the lean loop, the first tile's K/V loaded before the PDL wait (overlapping the kernel before).
-EARLY_TILE = os.environ.get("KILN_DECODE_EARLY_TILE", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -242,8 +205,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, new_kv_direct: bool | None = None,
-                    early_tile: bool | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -259,8 +221,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
-    new_kv_direct = NEW_KV_DIRECT if new_kv_direct is None else new_kv_direct
-    early_tile = (EARLY_TILE if early_tile is None else early_tile) and lean and new_kv_direct
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -275,7 +235,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, LEAN=lean, NEW_KV_DIRECT=new_kv_direct, EARLY_TILE=early_tile,
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_kwargs(query),
     )  # fmt: skip
