@@ -105,3 +105,45 @@ def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, v
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _heads_pages(table_row, start_n, visible_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 HEADS: tl.constexpr):  # fmt: skip
+    """The page of each column of a `_attend_heads_range` tile (column c: key start_n + c // HEADS), 32-bit."""
+    key = start_n + tl.arange(0, TILE_N) // HEADS
+    return tl.load(table_row + key // BLOCK_SIZE, mask=key < visible_end, other=0)
+
+
+@triton.jit
+def _attend_heads_range(q, m_i, l_i, acc, k_ptr, v_ptr, table_row, start, end, offs_d, qk_scale, ROW: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEADS: tl.constexpr,
+                        Q_PER_KV: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Keys [start, end) of HEADS kv heads side by side (k_ptr, v_ptr: the first head's base), for q's rows of all
+    of them (row r: kv head r // Q_PER_KV): a tile's column c is key start_n + c // HEADS of head c % HEADS, and
+    a row's scores for the other heads' columns are masked, so one dot serves the heads (its rows padded to 16
+    either way). The pages of the next tile are loaded an iteration ahead (Triton then keeps two K/V buffers);
+    32-bit offsets (the caller's checks as for `_attend_lean_tile`)."""
+    KEYS: tl.constexpr = TILE_N // HEADS
+    cols = tl.arange(0, TILE_N)
+    col_off = (cols % HEADS) * HEAD_DIM
+    same_head = (tl.arange(0, GROUP) // Q_PER_KV)[:, None] == (cols % HEADS)[None, :]
+    page = _heads_pages(table_row, start, end, BLOCK_SIZE, TILE_N, HEADS)
+    for start_n in range(start, end, KEYS):
+        this_page = page
+        page = _heads_pages(table_row, start_n + KEYS, end, BLOCK_SIZE, TILE_N, HEADS)
+        key = start_n + cols // HEADS
+        n_ok = key < end
+        base = (this_page * BLOCK_SIZE + key % BLOCK_SIZE) * ROW + col_off
+        k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where(same_head & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return m_i, l_i, acc
