@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kiln.backends import pdl
 from kiln.backends.arrivals import arrival_counts
-from kiln.backends.attention_tiles import LOG2E, _attend_heads_range, _attend_lean_tile, _attend_range, _tile_pages32
+from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
 
 
@@ -56,7 +56,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, HEADS: tl.constexpr,
+    LEAN: tl.constexpr,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -66,8 +66,7 @@ def _decode_split_kernel(
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
     it is read. So a decode is one kernel: no K/V write before it, no reduction after it."""
     req = tl.program_id(0)
-    kv_group = tl.program_id(1)  # kv heads kv_group * HEADS, ... (HEADS > 1: `_attend_heads_range`)
-    kv_head = kv_group * HEADS
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
@@ -87,33 +86,25 @@ def _decode_split_kernel(
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
-        row_ok = offs_m < HEADS * Q_PER_KV
+        row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
         # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         if split == splits - 1:
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                offs_w = tl.arange(0, HEADS * HEAD_DIM_P)  # the program's heads, each token's side by side
-                w_ok = offs_w % HEAD_DIM_P < HEAD_DIM
-                col = kv_head * HEAD_DIM + offs_w // HEAD_DIM_P * HEAD_DIM + offs_w % HEAD_DIM_P
-                row = slot * (NUM_KV_HEADS * HEAD_DIM) + col
-                k_new = tl.load(key_ptr + token * stride_key + col, mask=w_ok)
-                v_new = tl.load(value_ptr + token * stride_value + col, mask=w_ok)
-                tl.store(k_cache_ptr + row, k_new, mask=w_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=w_ok)
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         table_row = block_table_ptr + req * stride_block_table
-        if HEADS > 1:
-            m_i, l_i, acc = _attend_heads_range(q, m_i, l_i, acc, k_cache_ptr + kv_head * HEAD_DIM,
-                                                v_cache_ptr + kv_head * HEAD_DIM, table_row, start, end, offs_d,
-                                                qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, HEADS,
-                                                Q_PER_KV, GROUP)  # fmt: skip
-        elif LEAN:  # full tiles without masks, then the partial one
+        if LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -141,10 +132,10 @@ def _decode_split_kernel(
             # NOTE: every thread's stores before one thread's release of the count (the barrier orders them);
             # the last arrival's acquire then sees all partials (read past L1: .cg).
             tl.debug_barrier()
-            arrivals = arrivals_ptr + req * (NUM_KV_HEADS // HEADS) + kv_group
+            arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                for i in tl.static_range(HEADS * Q_PER_KV):
+                for i in tl.static_range(Q_PER_KV):
                     h = kv_head * Q_PER_KV + i
                     first = (req * NUM_HEADS + h) * NUM_SPLITS
                     _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
@@ -214,7 +205,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, heads: int = 1) -> None:  # fmt: skip
+                    lean: bool | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -230,21 +221,20 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
-    assert heads == 1 or (lean and num_kv_heads % heads == 0), "kv heads side by side: the lean loop's conditions"
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)
     part_max = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     assert num_reqs * num_kv_heads <= MAX_ARRIVAL_SLOTS
     arrivals = arrival_counts(query.device, "decode", MAX_ARRIVAL_SLOTS)
-    _decode_split_kernel[(num_reqs, num_kv_heads // heads, num_splits)](
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, arrivals, query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
-        GROUP=max(16, triton.next_power_of_2(heads * q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, LEAN=lean, HEADS=heads, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_kwargs(query),
     )  # fmt: skip
