@@ -73,60 +73,48 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    start = split * pages_per_split * BLOCK_SIZE
-    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
-    table_row = block_table_ptr + req * stride_block_table
-    if LEAN and PREFETCH_PAGES:  # the first tile's pages, with the metadata (the lean loop's pages ahead)
-        page = _tile_pages32(table_row, start, end, BLOCK_SIZE, TILE_N)
-    if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if split < splits:
+        start = split * pages_per_split * BLOCK_SIZE
+        end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
-        # The last split's program writes the new token's K/V (NOTE: as in _kv_write_kernel, a negative slot writes
-        # nowhere). Its loads and q's are all issued before any waits (loaded under a branch, the new K/V waited
-        # for q's copy to shared memory: two latencies in a row).
+        # The last split's program writes the new token's K/V into its slot (NOTE: as in _kv_write_kernel, a negative
+        # slot writes nowhere). Their loads and q's are issued together, before any wait: under the branch, the new
+        # K/V's loads waited for q's copy to shared memory, two latencies in a row on the way to the first tile.
         w_ok = offs_d < tl.where((split == splits - 1) & (slot >= 0), HEAD_DIM, 0)
         k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=w_ok)
         v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=w_ok)
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-        tl.store(k_cache_ptr + row, k_new, mask=w_ok)
-        tl.store(v_cache_ptr + row, v_new, mask=w_ok)
-        tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
+        if split == splits - 1:  # (the stores and barrier stay in the branch: unbranched, the large-grid config
+            row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d  # took 8 more registers)
+            tl.store(k_cache_ptr + row, k_new, mask=w_ok)
+            tl.store(v_cache_ptr + row, v_new, mask=w_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+        table_row = block_table_ptr + req * stride_block_table
         if LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
             for start_n in range(start, full_end, TILE_N):
-                if PREFETCH_PAGES:  # each tile's pages loaded in the iteration before (the first's before the wait)
-                    this_page = page
-                    page = _tile_pages32(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-                    m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n,
-                                                      end, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE,
-                                                      TILE_N, False)  # fmt: skip
-                else:
-                    m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n,
-                                                        end, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE,
-                                                        TILE_N, False)  # fmt: skip
-            if PREFETCH_PAGES and full_end < end:
-                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, full_end, end, offs_d,
-                                                  qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                  True)  # fmt: skip
-            elif full_end < end:
+                m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
+                                                    offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
+                                                    False)  # fmt: skip
+            if full_end < end:
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
                                                     True)  # fmt: skip
@@ -225,8 +213,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
     `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
-    `lean`: the lean loop (default DECODE_LEAN; with `prefetch_pages`, the first tile's pages load before the PDL
-    wait)."""
+    `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -234,7 +221,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     head_dim_p = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
-    lean = (DECODE_LEAN if lean is None else lean) and head_dim == head_dim_p
+    lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=query.device)

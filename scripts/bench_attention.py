@@ -219,13 +219,12 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
-    without it the masked loop, not the default; lp: both), then sN (N splits at any context) -> split_kv_decode's
+    without it the masked loop, not the default), then sN (N splits at any context) -> split_kv_decode's
     keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l|lp)?(?:s(\d+))?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?", name)
     if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l|lp][sN], e.g. 64x2x3, 64x2x2ls2")
-    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": "p" in (m[4] or ""),
-              "lean": "l" in (m[4] or "")}  # fmt: skip
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN], e.g. 64x2x3, 64x2x2ls2")
+    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
     if m[5]:  # its own split count, the one-split cut-off off
         kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
     return kwargs
@@ -239,8 +238,7 @@ def main() -> None:
     p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
     p.add_argument("--config-sweep", default="",
                    help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (then p: each "
-                   "tile's pages loaded an iteration ahead, or l: the lean loop, or lp: both; sN: N splits at any "
-                   "context; e.g. "
+                   "tile's pages loaded an iteration ahead, or l: the lean loop; sN: N splits at any context; e.g. "
                    "64x2x3p, 64x2x2l, 32x2x2ls2)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
