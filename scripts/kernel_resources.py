@@ -100,6 +100,8 @@ def decode_variants(model: str):
     configs.append((*td.DECODE_CONFIG, not td.PREFETCH_PAGES, False))  # ... and its other page loading
     for num_splits in (1, 64):
         for tile_n, warps, stages, prefetch, lean in configs:
+            if num_splits > 1 and (tile_n, warps, stages) == td.DECODE_CONFIG_MANY:
+                continue  # never launched: it is chosen from 2,048 programs on, where decode_num_splits gives one split
             pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
             lean = lean and not prefetch and pow2
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,

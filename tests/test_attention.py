@@ -217,6 +217,17 @@ def test_decode_num_splits_fills_the_gpu():
     assert {decode_num_splits(n, 8, 132) for n in range(1, 513)} == {1, 2, 4, 8, 16, 32, 64}
 
 
+def test_large_grid_config_runs_unsplit():
+    """The large-grid config is chosen from 2,048 programs on, more than a split count above one ever gives (at
+    most four programs an SM), so it never runs split: `kernel_resources.py` checks its registers at one split only."""
+    for num_sms in (132, 114, 78):
+        for num_kv_heads in (1, 2, 4, 8, 16, 32):
+            for num_reqs in range(1, 1025):
+                splits = decode_num_splits(num_reqs, num_kv_heads, num_sms)
+                if decode_config(num_reqs * num_kv_heads * splits, num_reqs) == DECODE_CONFIG_MANY:
+                    assert splits == 1
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch.*triton"):
         get_attention_backend("flash")
