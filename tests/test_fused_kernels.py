@@ -385,7 +385,8 @@ def test_decode_kernels_do_not_spill_registers_on_the_h200():
     run = subprocess.run([sys.executable, str(script), "--families", "decode,gemv,qk_norm_rope", "--check"],
                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count(" decode ") == 30 and "spills" not in run.stdout, run.stdout
+    # three models x (5 configs at one split + 4 at 64: the large-grid one never runs split)
+    assert run.stdout.count(" decode ") == 27 and "spills" not in run.stdout, run.stdout
     # the pages loaded an iteration ahead let Triton keep more than one K/V tile in flight (BUF, the last column)
     assert all(int(line.split()[-1]) >= 1 for line in run.stdout.splitlines() if "x3p " in line), run.stdout
     assert any("x3p " in line for line in run.stdout.splitlines()), run.stdout
