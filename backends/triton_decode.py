@@ -88,18 +88,16 @@ def _decode_split_kernel(
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
-        # The last split's program writes the new token's K/V into its slot (NOTE: as in _kv_write_kernel, a negative
-        # slot writes nowhere). Their loads and q's are issued together, before any wait: under the branch, the new
-        # K/V's loads waited for q's copy to shared memory, two latencies in a row on the way to the first tile.
-        w_ok = offs_d < tl.where((split == splits - 1) & (slot >= 0), HEAD_DIM, 0)
-        k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=w_ok)
-        v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=w_ok)
+        # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if split == splits - 1:  # (the stores and barrier stay in the branch: unbranched, the large-grid config
-            row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d  # took 8 more registers)
-            tl.store(k_cache_ptr + row, k_new, mask=w_ok)
-            tl.store(v_cache_ptr + row, v_new, mask=w_ok)
+        if split == splits - 1:
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
+                row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
