@@ -29,6 +29,23 @@ def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, sta
 
 
 @triton.jit
+def _stamp(dep):
+    """(%globaltimer, %clock64) once `dep` (an int32 scalar) has arrived: the timeline's probe (TIMELINE)."""
+    t = tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, 123456789; @p mov.u64 $0, %globaltimer; "
+                                  "@!p mov.u64 $0, 0; }", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    c = tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, 123456789; @p mov.u64 $0, %clock64; "
+                                  "@!p mov.u64 $0, 0; }", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    return t, c
+
+
+@triton.jit
+def _record(timeline_ptr, row, point, dep):
+    t, c = _stamp(dep)
+    tl.store(timeline_ptr + row * 32 + 2 * point, t)
+    tl.store(timeline_ptr + row * 32 + 2 * point + 1, c)
+
+
+@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
@@ -56,7 +73,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr,
+    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -68,6 +85,11 @@ def _decode_split_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if TIMELINE:
+        trow = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+        _record(timeline_ptr, trow, 0, req)
+        smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(timeline_ptr + trow * 32 + 31, smid.to(tl.int64))
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
@@ -76,6 +98,9 @@ def _decode_split_kernel(
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if TIMELINE:
+        _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
+        _record(timeline_ptr, trow, 2, seq_len)
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
@@ -99,6 +124,8 @@ def _decode_split_kernel(
                 tl.store(k_cache_ptr + row, k_new, mask=d_ok)
                 tl.store(v_cache_ptr + row, v_new, mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
+        if TIMELINE:
+            _record(timeline_ptr, trow, 3, seq_len)  # (in program order after the barrier)
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
@@ -112,6 +139,10 @@ def _decode_split_kernel(
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
                                                     False)  # fmt: skip
+                if TIMELINE:
+                    i = (start_n - start) // TILE_N
+                    if i < 12:
+                        _record(timeline_ptr, trow, 4 + i, tl.max(l_i, 0).to(tl.int32, bitcast=True))
             if full_end < end:
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
@@ -120,6 +151,8 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end,
                                           no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
                                           BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
+        if TIMELINE:
+            _record(timeline_ptr, trow, 14, tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True))
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -205,7 +238,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None, timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -236,5 +269,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
+        timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

@@ -5,6 +5,7 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
+#   | timeline (TIMELINE_SHAPES=64x256,...: the decode programs' own time stamps, scripts/decode_timeline.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
@@ -87,6 +88,12 @@ for step in $steps; do
         --section WarpStateStats --section SchedulerStats ${NCU_ARGS:-} \
         python3 scripts/ncu_decode.py ${NCU_SHAPES:+--shapes $NCU_SHAPES} > "$OUT/ncu.txt" 2>&1
       echo "ncu: rc $? ($(grep -c . "$OUT/ncu.txt") lines)" >> "$summary" ;;
+    timeline)
+      # each decode program's stamps: start, metadata, PDL wait, K/V write, each tile, end (TIMELINE_SHAPES=64x256,...)
+      base=$(fresh "$OUT/timeline$tag")
+      timeout -s ABRT -k 15 ${TIMELINE_TIMEOUT:-200} python3 scripts/decode_timeline.py ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} \
+        --raw "$base.pt" > "$base.log" 2>&1
+      echo "timeline$tag: rc $?" >> "$summary"; cat "$base.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
