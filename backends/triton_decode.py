@@ -69,11 +69,12 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_s
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
-    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
+    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, table_cols, min_split_pages,
+    unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    LEAN: tl.constexpr, FAST_START: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -93,30 +94,51 @@ def _decode_split_kernel(
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    if FAST_START:  # a decode-only batch: query_start_loc is 0, 1, 2, ... (token r is request r's)
+        token = req.to(tl.int64)
+    else:
+        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
+    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
+    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
+    table_row = block_table_ptr + req * stride_block_table
+    if FAST_START:  # the first tile's pages with the metadata (any past the table's row read as page 0)
+        if NUM_SPLITS == 1:
+            start = 0
+        else:
+            start = split * pages_per_split * BLOCK_SIZE
+        first_pages = start // BLOCK_SIZE + tl.arange(0, TILE_N) // BLOCK_SIZE
+        page = tl.load(table_row + first_pages, mask=first_pages < table_cols, other=0)
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if TIMELINE:
         _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
         _record(timeline_ptr, trow, 2, seq_len)
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
-    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
-    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
     if split < splits:
-        start = split * pages_per_split * BLOCK_SIZE
+        if not FAST_START:
+            start = split * pages_per_split * BLOCK_SIZE
         end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
+        if FAST_START:  # the new K/V's loads and q's all issued before any wait: their latencies overlap
+            w_ok = offs_d < tl.where((split == splits - 1) & (slot >= 0), HEAD_DIM, 0)
+            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=w_ok)
+            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=w_ok)
         # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if split == splits - 1:
+        if FAST_START:
+            new_row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+            tl.store(k_cache_ptr + new_row, k_new, mask=w_ok)
+            tl.store(v_cache_ptr + new_row, v_new, mask=w_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
+        elif split == splits - 1:
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
@@ -130,8 +152,25 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-        table_row = block_table_ptr + req * stride_block_table
-        if LEAN:  # full tiles without masks, then the partial one
+        if FAST_START:  # the lean loop with each tile's pages loaded an iteration ahead
+            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+            full_end = start + (end - start) // TILE_N * TILE_N
+            for start_n in range(start, full_end, TILE_N):
+                this_page = page
+                page = _tile_pages32(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
+                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n, end,
+                                                  offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
+                                                  False)  # fmt: skip
+                if TIMELINE:
+                    i = (start_n - start) // TILE_N
+                    if i < 10:
+                        _record(timeline_ptr, trow, 4 + i, tl.max(l_i, 0).to(tl.int32, bitcast=True))
+            if full_end < end:
+                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, full_end, end,
+                                                  offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
+                                                  True)  # fmt: skip
+        elif LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -141,7 +180,7 @@ def _decode_split_kernel(
                                                     False)  # fmt: skip
                 if TIMELINE:
                     i = (start_n - start) // TILE_N
-                    if i < 12:
+                    if i < 10:
                         _record(timeline_ptr, trow, 4 + i, tl.max(l_i, 0).to(tl.int32, bitcast=True))
             if full_end < end:
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
@@ -224,6 +263,8 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
+# (experiment) the lean loop's start shortened: token r is request r's, the first tile's pages before the PDL wait
+FAST_START = os.environ.get("KILN_DECODE_FAST_START", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -238,7 +279,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, timeline: torch.Tensor | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None, fast_start: bool | None = None,
+                    timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -264,11 +306,14 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         out, part_acc, part_max, part_sum, arrivals, query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
+        metadata.block_table.stride(0), metadata.block_table.shape[1], max(1, -(-min_split_tokens // block_size)),
+        unsplit_tokens // block_size,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, FAST_START=lean and (FAST_START if fast_start is None else
+                                                                         fast_start),
+        num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+import bench_attention as ba
 import torch
-from bench_attention import HEAD_DIM, NUM_KV_HEADS, back_to_back_ms, decode_inputs, graph_time_ms, kv_copies
 
 from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
@@ -20,23 +20,23 @@ POINTS = {0: "start", 1: "metadata", 2: "PDL wait", 3: "K/V write"} | {4 + i: f"
 END = 14
 
 
-def run(batch: int, context: int) -> dict:
-    kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
+def run(batch: int, context: int, kwargs: dict) -> dict:
+    kv_cache, metadata, q, k_new, v_new, out = ba.decode_inputs(batch, context)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = decode_num_splits(batch, NUM_KV_HEADS, num_sms)
-    programs = batch * NUM_KV_HEADS * splits
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
-    caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
+    splits = kwargs.pop("num_splits", decode_num_splits(batch, ba.NUM_KV_HEADS, num_sms))
+    programs = batch * ba.NUM_KV_HEADS * splits
+    kv_bytes = 2 * batch * context * ba.NUM_KV_HEADS * ba.HEAD_DIM * 2
+    caches = [kv_cache] + [kv_cache.clone() for _ in range(ba.kv_copies(kv_bytes) - 1)]
     lines = torch.zeros(8, programs, 32, dtype=torch.int64, device="cuda")
 
     def call(cache, i, stamped=True):
-        split_kv_decode(q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, splits,
-                        timeline=lines[i] if stamped else None)  # fmt: skip
+        split_kv_decode(q, k_new, v_new, cache, metadata, ba.HEAD_DIM**-0.5, out, splits,
+                        timeline=lines[i] if stamped else None, **kwargs)  # fmt: skip
 
-    plain_us = graph_time_ms(lambda: call(kv_cache, 0, False)) * 1e3
-    stamped_us = graph_time_ms(lambda: call(kv_cache, 0)) * 1e3
+    plain_us = ba.graph_time_ms(lambda: call(kv_cache, 0, False)) * 1e3
+    stamped_us = ba.graph_time_ms(lambda: call(kv_cache, 0)) * 1e3
     replay = lines[0].clone()
-    b2b_us = back_to_back_ms(lambda c: call(c, next(i for i, x in enumerate(caches) if x is c)), caches) * 1e3
+    b2b_us = ba.back_to_back_ms(lambda c: call(c, next(i for i, x in enumerate(caches) if x is c)), caches) * 1e3
     b2b = lines[: len(caches)].clone()
     return {"batch": batch, "context": context, "splits": splits, "plain_us": plain_us, "stamped_us": stamped_us,
             "b2b_us": b2b_us, "replay": replay.cpu(), "b2b": b2b.cpu()}  # fmt: skip
@@ -66,15 +66,17 @@ def describe(t: torch.Tensor, origin: int, label: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x256,64x2048")
+    p.add_argument("--configs", default="", help="launch configs as bench_attention.py's --config-sweep takes them "
+                   "(default: the kernel's own)")
     p.add_argument("--raw", help="torch.save the stamps here")
     args = p.parse_args()
     pin_triton_setup()
     results = []
-    for shape in args.shapes.split(","):
+    for shape, config in [(s, c) for s in args.shapes.split(",") for c in args.configs.split(",")]:
         batch, context = (int(v) for v in shape.split("x"))
-        r = run(batch, context)
+        r = run(batch, context, ba.parse_config(config) if config else {})
         results.append(r)
-        print(f"\n{batch} x {context} ({r['splits']} split): {r['plain_us']:.1f} µs a replay, "
+        print(f"\n{batch} x {context} {config or 'default'} ({r['splits']} split): {r['plain_us']:.1f} µs a replay, "
               f"{r['stamped_us']:.1f} stamped, {r['b2b_us']:.1f} back to back (stamped)")  # fmt: skip
         replay = r["replay"]
         describe(replay, int(replay[:, 0].min()), "a replay")
