@@ -74,7 +74,8 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, FAST_START: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    LEAN: tl.constexpr, FAST_START: tl.constexpr, TOUCH: tl.constexpr = False, timeline_ptr=None,
+    TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -111,6 +112,15 @@ def _decode_split_kernel(
             start = split * pages_per_split * BLOCK_SIZE
         first_pages = start // BLOCK_SIZE + tl.arange(0, TILE_N) // BLOCK_SIZE
         page = tl.load(table_row + first_pages, mask=first_pages < table_cols, other=0)
+        if TOUCH:  # (experiment) one line of each of the first 16 pages' K and V (this head) asked of L2 here
+            lane = tl.arange(0, 32)
+            tp = start // BLOCK_SIZE + lane % 16
+            ok = (tp < table_cols) & (tp < tl.cdiv(seq_len, BLOCK_SIZE))
+            ids = tl.load(table_row + tp, mask=ok, other=0).to(tl.int64)
+            off = tl.where(ok, ids * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM, 0)
+            ptrs = tl.where(lane < 16, k_cache_ptr + off, v_cache_ptr + off)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -279,7 +289,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, fast_start: bool | None = None,
+                    lean: bool | None = None, fast_start: bool | None = None, touch: bool = False,
                     timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
@@ -313,7 +323,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, FAST_START=lean and (FAST_START if fast_start is None else
                                                                          fast_start),
-        num_warps=num_warps, num_stages=num_stages,
+        TOUCH=touch, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

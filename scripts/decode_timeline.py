@@ -20,8 +20,12 @@ POINTS = {0: "start", 1: "metadata", 2: "PDL wait", 3: "K/V write"} | {4 + i: f"
 END = 14
 
 
-def run(batch: int, context: int, kwargs: dict) -> dict:
+def run(batch: int, context: int, kwargs: dict, contiguous: bool = False) -> dict:
     kv_cache, metadata, q, k_new, v_new, out = ba.decode_inputs(batch, context)
+    if contiguous:  # each request's pages one after another (block ids 1, 2, ... in order)
+        table = metadata.block_table
+        table.copy_(torch.arange(1, table.numel() + 1, dtype=table.dtype, device=table.device).view_as(table))
+        metadata.slot_mapping.copy_(table[:, -1].long() * ba.BLOCK_SIZE + ba.BLOCK_SIZE - 1)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = kwargs.pop("num_splits", decode_num_splits(batch, ba.NUM_KV_HEADS, num_sms))
     programs = batch * ba.NUM_KV_HEADS * splits
@@ -68,16 +72,20 @@ def main() -> None:
     p.add_argument("--shapes", default="64x256,64x2048")
     p.add_argument("--configs", default="", help="launch configs as bench_attention.py's --config-sweep takes them "
                    "(default: the kernel's own)")
+    p.add_argument("--contiguous", action="store_true", help="also with each request's pages in order")
     p.add_argument("--raw", help="torch.save the stamps here")
     args = p.parse_args()
     pin_triton_setup()
     results = []
-    for shape, config in [(s, c) for s in args.shapes.split(",") for c in args.configs.split(",")]:
+    runs = [(s, c, False) for s in args.shapes.split(",") for c in args.configs.split(",")]
+    runs += [(s, c, True) for s, c, _ in runs] if args.contiguous else []
+    for shape, config, contiguous in runs:
         batch, context = (int(v) for v in shape.split("x"))
-        r = run(batch, context, ba.parse_config(config) if config else {})
+        r = run(batch, context, ba.parse_config(config) if config else {}, contiguous)
         results.append(r)
-        print(f"\n{batch} x {context} {config or 'default'} ({r['splits']} split): {r['plain_us']:.1f} µs a replay, "
-              f"{r['stamped_us']:.1f} stamped, {r['b2b_us']:.1f} back to back (stamped)")  # fmt: skip
+        pages = "pages in order" if contiguous else "random pages"
+        print(f"\n{batch} x {context} {config or 'default'}, {pages} ({r['splits']} split): {r['plain_us']:.1f} µs "
+              f"a replay, {r['stamped_us']:.1f} stamped, {r['b2b_us']:.1f} back to back (stamped)")  # fmt: skip
         replay = r["replay"]
         describe(replay, int(replay[:, 0].min()), "a replay")
         b2b = r["b2b"]

@@ -91,7 +91,7 @@ for step in $steps; do
     timeline)
       # each decode program's stamps: start, metadata, PDL wait, K/V write, each tile, end (TIMELINE_SHAPES=64x256,...)
       base=$(fresh "$OUT/timeline$tag")
-      timeout -s ABRT -k 15 ${TIMELINE_TIMEOUT:-200} python3 scripts/decode_timeline.py ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} ${TIMELINE_CONFIGS:+--configs $TIMELINE_CONFIGS} \
+      timeout -s ABRT -k 15 ${TIMELINE_TIMEOUT:-200} python3 scripts/decode_timeline.py ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} ${TIMELINE_CONFIGS:+--configs $TIMELINE_CONFIGS} ${TIMELINE_CONTIGUOUS:+--contiguous} \
         --raw "$base.pt" > "$base.log" 2>&1
       echo "timeline$tag: rc $?" >> "$summary"; cat "$base.log" >> "$summary" ;;
     gemv)
