@@ -74,7 +74,8 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, FAST_START: tl.constexpr, TOUCH: tl.constexpr = False, timeline_ptr=None,
+    LEAN: tl.constexpr, FAST_START: tl.constexpr, TOUCH: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
+    timeline_ptr=None,
     TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
@@ -144,7 +145,11 @@ def _decode_split_kernel(
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         if FAST_START:
-            new_row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
+            if HEAD_MAJOR:
+                new_row = ((slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM)
+                           + kv_head * BLOCK_SIZE * HEAD_DIM + (slot % BLOCK_SIZE) * HEAD_DIM + offs_d)  # fmt: skip
+            else:
+                new_row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
             tl.store(k_cache_ptr + new_row, k_new, mask=w_ok)
             tl.store(v_cache_ptr + new_row, v_new, mask=w_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
@@ -163,15 +168,19 @@ def _decode_split_kernel(
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
         if FAST_START:  # the lean loop with each tile's pages loaded an iteration ahead
-            k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
-            v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+            if HEAD_MAJOR:
+                k_head_ptr = k_cache_ptr + kv_head * BLOCK_SIZE * HEAD_DIM
+                v_head_ptr = v_cache_ptr + kv_head * BLOCK_SIZE * HEAD_DIM
+            else:
+                k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+                v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
             for start_n in range(start, full_end, TILE_N):
                 this_page = page
                 page = _tile_pages32(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
                 m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n, end,
                                                   offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                  False)  # fmt: skip
+                                                  False, HEAD_DIM if HEAD_MAJOR else 0)  # fmt: skip
                 if TIMELINE:
                     i = (start_n - start) // TILE_N
                     if i < 10:
@@ -179,7 +188,7 @@ def _decode_split_kernel(
             if full_end < end:
                 m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, full_end, end,
                                                   offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                  True)  # fmt: skip
+                                                  True, HEAD_DIM if HEAD_MAJOR else 0)  # fmt: skip
         elif LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
@@ -290,6 +299,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, fast_start: bool | None = None, touch: bool = False,
+                    head_major: bool = False,
                     timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
@@ -299,6 +309,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
+    if head_major:  # (experiment) [2, blocks, kv heads, block size, head_dim]
+        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
@@ -323,7 +335,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, FAST_START=lean and (FAST_START if fast_start is None else
                                                                          fast_start),
-        TOUCH=touch, num_warps=num_warps, num_stages=num_stages,
+        TOUCH=touch, HEAD_MAJOR=head_major, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

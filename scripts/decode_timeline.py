@@ -34,6 +34,7 @@ def run(batch: int, context: int, kwargs: dict, contiguous: bool = False) -> dic
     lines = torch.zeros(8, programs, 32, dtype=torch.int64, device="cuda")
 
     def call(cache, i, stamped=True):
+        cache = ba.head_major_view(cache) if kwargs.get("head_major") else cache
         split_kv_decode(q, k_new, v_new, cache, metadata, ba.HEAD_DIM**-0.5, out, splits,
                         timeline=lines[i] if stamped else None, **kwargs)  # fmt: skip
 
