@@ -75,6 +75,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, FAST_START: tl.constexpr, TOUCH: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
+    EARLY_L2: tl.constexpr = False, LINES: tl.constexpr = 1,
     timeline_ptr=None,
     TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
@@ -113,6 +114,15 @@ def _decode_split_kernel(
             start = split * pages_per_split * BLOCK_SIZE
         first_pages = start // BLOCK_SIZE + tl.arange(0, TILE_N) // BLOCK_SIZE
         page = tl.load(table_row + first_pages, mask=first_pages < table_cols, other=0)
+        if EARLY_L2:  # (experiment) the first tile's K/V lines (this head) asked of L2 before the wait
+            offs_t = start + tl.arange(0, TILE_N)[:, None]
+            pg = tl.load(table_row + offs_t // BLOCK_SIZE, mask=offs_t < seq_len, other=0)  # its own copy
+            krow = (pg * BLOCK_SIZE + offs_t % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            lines = krow + tl.arange(0, LINES)[None, :] * (HEAD_DIM // LINES)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_cache_ptr + lines],
+                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [v_cache_ptr + lines],
+                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
         if TOUCH:  # (experiment) one line of each of the first 16 pages' K and V (this head) asked of L2 here
             lane = tl.arange(0, 32)
             tp = start // BLOCK_SIZE + lane % 16
@@ -299,7 +309,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, fast_start: bool | None = None, touch: bool = False,
-                    head_major: bool = False,
+                    head_major: bool = False, early_l2: bool = False,
                     timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
@@ -335,7 +345,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, FAST_START=lean and (FAST_START if fast_start is None else
                                                                          fast_start),
-        TOUCH=touch, HEAD_MAJOR=head_major, num_warps=num_warps, num_stages=num_stages,
+        TOUCH=touch, HEAD_MAJOR=head_major, EARLY_L2=early_l2, LINES=max(1, head_dim * 2 // 128),
+        num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

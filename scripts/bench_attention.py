@@ -229,13 +229,14 @@ def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
     without it the masked loop, not the default), then f (with l: the fast start), then sN (N splits at any
     context) -> split_kv_decode's keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(f)?(t)?(h)?(?:s(\d+))?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(f)?(t)?(h)?(e)?(?:s(\d+))?", name)
     if not m:
         raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][f][sN], e.g. 64x2x3, 64x2x2ls2")
     kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l",
-              "fast_start": m[5] == "f", "touch": m[6] == "t", "head_major": m[7] == "h"}  # fmt: skip
-    if m[8]:  # its own split count, the one-split cut-off off
-        kwargs.update(num_splits=int(m[8]), unsplit_tokens=0)
+              "fast_start": m[5] == "f", "touch": m[6] == "t", "head_major": m[7] == "h",
+              "early_l2": m[8] == "e"}  # fmt: skip
+    if m[9]:  # its own split count, the one-split cut-off off
+        kwargs.update(num_splits=int(m[9]), unsplit_tokens=0)
     return kwargs
 
 
