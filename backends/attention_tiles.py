@@ -80,17 +80,14 @@ def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head
 @triton.jit
 def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
                       ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      MASKED: tl.constexpr, TOKEN_ROW: tl.constexpr = 0):  # fmt: skip
+                      MASKED: tl.constexpr):  # fmt: skip
     """`_attend_tile` with fewer instructions, for keys every row may see (a decode's, or a prefill block's below its
     first row): no causal limit, no mask on a full tile (MASKED: the last, partial one), 32-bit offsets from the
     head's own base pointers (the caller checks a layer's cache has fewer than 2**31 elements), head_dim a power of
     two. `page`: the tile's pages, 32-bit."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
-    if TOKEN_ROW > 0:  # (experiment) head-major pages: [page, kv head, slot, head_dim]
-        base = page * (BLOCK_SIZE * ROW) + (offs_n % BLOCK_SIZE) * TOKEN_ROW
-    else:
-        base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
+    base = (page * BLOCK_SIZE + offs_n % BLOCK_SIZE) * ROW
     if MASKED:
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
     else:

@@ -28,6 +28,14 @@ def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, sta
                              ROW, BLOCK_SIZE, TILE_N, MASKED)  # fmt: skip
 
 
+# The timeline probe (`split_kv_decode(timeline=...)`, scripts/decode_timeline.py): a row of TIMELINE_COLUMNS int64 a
+# program, (global timer ns, SM cycle counter) at each point — 0 its start, 1 its metadata arrived, 2 past the PDL
+# wait, 3 past the K/V write's barrier, 4 + i after key tile i of the lean loop (the first TIMELINE_TILES), then its
+# end — and the SM it ran on in the last column. Off (a constexpr), the kernel is the same.
+TIMELINE_TILES = tl.constexpr(10)
+TIMELINE_COLUMNS = tl.constexpr(32)
+
+
 @triton.jit
 def _stamp(dep):
     """(%globaltimer, %clock64) once `dep` (an int32 scalar) has arrived: the timeline's probe (TIMELINE)."""
@@ -41,8 +49,8 @@ def _stamp(dep):
 @triton.jit
 def _record(timeline_ptr, row, point, dep):
     t, c = _stamp(dep)
-    tl.store(timeline_ptr + row * 32 + 2 * point, t)
-    tl.store(timeline_ptr + row * 32 + 2 * point + 1, c)
+    tl.store(timeline_ptr + row * TIMELINE_COLUMNS + 2 * point, t)
+    tl.store(timeline_ptr + row * TIMELINE_COLUMNS + 2 * point + 1, c)
 
 
 @triton.jit
@@ -69,15 +77,11 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_s
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
-    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, table_cols, min_split_pages,
-    unsplit_pages,
+    stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, FAST_START: tl.constexpr, TOUCH: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
-    EARLY_L2: tl.constexpr = False, LINES: tl.constexpr = 1,
-    timeline_ptr=None,
-    TIMELINE: tl.constexpr = False,
+    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -93,77 +97,35 @@ def _decode_split_kernel(
         trow = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
         _record(timeline_ptr, trow, 0, req)
         smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(timeline_ptr + trow * 32 + 31, smid.to(tl.int64))
+        tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_COLUMNS - 1, smid.to(tl.int64))
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
-    if FAST_START:  # a decode-only batch: query_start_loc is 0, 1, 2, ... (token r is request r's)
-        token = req.to(tl.int64)
-    else:
-        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
-    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
-    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
-    table_row = block_table_ptr + req * stride_block_table
-    if FAST_START:  # the first tile's pages with the metadata (any past the table's row read as page 0)
-        if NUM_SPLITS == 1:
-            start = 0
-        else:
-            start = split * pages_per_split * BLOCK_SIZE
-        first_pages = start // BLOCK_SIZE + tl.arange(0, TILE_N) // BLOCK_SIZE
-        page = tl.load(table_row + first_pages, mask=first_pages < table_cols, other=0)
-        if EARLY_L2:  # (experiment) the first tile's K/V lines (this head) asked of L2 before the wait
-            offs_t = start + tl.arange(0, TILE_N)[:, None]
-            pg = tl.load(table_row + offs_t // BLOCK_SIZE, mask=offs_t < seq_len, other=0)  # its own copy
-            krow = (pg * BLOCK_SIZE + offs_t % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            lines = krow + tl.arange(0, LINES)[None, :] * (HEAD_DIM // LINES)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_cache_ptr + lines],
-                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [v_cache_ptr + lines],
-                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-        if TOUCH:  # (experiment) one line of each of the first 16 pages' K and V (this head) asked of L2 here
-            lane = tl.arange(0, 32)
-            tp = start // BLOCK_SIZE + lane % 16
-            ok = (tp < table_cols) & (tp < tl.cdiv(seq_len, BLOCK_SIZE))
-            ids = tl.load(table_row + tp, mask=ok, other=0).to(tl.int64)
-            off = tl.where(ok, ids * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM, 0)
-            ptrs = tl.where(lane < 16, k_cache_ptr + off, v_cache_ptr + off)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
+    if TIMELINE:
+        _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if TIMELINE:
-        _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
         _record(timeline_ptr, trow, 2, seq_len)
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
+    pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
+    splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
     if split < splits:
-        if not FAST_START:
-            start = split * pages_per_split * BLOCK_SIZE
+        start = split * pages_per_split * BLOCK_SIZE
         end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
         d_ok = offs_d < HEAD_DIM
         row_ok = offs_m < Q_PER_KV
         head = kv_head * Q_PER_KV + offs_m
-        if FAST_START:  # the new K/V's loads and q's all issued before any wait: their latencies overlap
-            w_ok = offs_d < tl.where((split == splits - 1) & (slot >= 0), HEAD_DIM, 0)
-            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=w_ok)
-            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=w_ok)
         # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if FAST_START:
-            if HEAD_MAJOR:
-                new_row = ((slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM)
-                           + kv_head * BLOCK_SIZE * HEAD_DIM + (slot % BLOCK_SIZE) * HEAD_DIM + offs_d)  # fmt: skip
-            else:
-                new_row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-            tl.store(k_cache_ptr + new_row, k_new, mask=w_ok)
-            tl.store(v_cache_ptr + new_row, v_new, mask=w_ok)
-            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
-        elif split == splits - 1:
+        if split == splits - 1:
             if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
@@ -177,29 +139,8 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
-        if FAST_START:  # the lean loop with each tile's pages loaded an iteration ahead
-            if HEAD_MAJOR:
-                k_head_ptr = k_cache_ptr + kv_head * BLOCK_SIZE * HEAD_DIM
-                v_head_ptr = v_cache_ptr + kv_head * BLOCK_SIZE * HEAD_DIM
-            else:
-                k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
-                v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
-            full_end = start + (end - start) // TILE_N * TILE_N
-            for start_n in range(start, full_end, TILE_N):
-                this_page = page
-                page = _tile_pages32(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n, end,
-                                                  offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                  False, HEAD_DIM if HEAD_MAJOR else 0)  # fmt: skip
-                if TIMELINE:
-                    i = (start_n - start) // TILE_N
-                    if i < 10:
-                        _record(timeline_ptr, trow, 4 + i, tl.max(l_i, 0).to(tl.int32, bitcast=True))
-            if full_end < end:
-                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, full_end, end,
-                                                  offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
-                                                  True, HEAD_DIM if HEAD_MAJOR else 0)  # fmt: skip
-        elif LEAN:  # full tiles without masks, then the partial one
+        table_row = block_table_ptr + req * stride_block_table
+        if LEAN:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -209,7 +150,7 @@ def _decode_split_kernel(
                                                     False)  # fmt: skip
                 if TIMELINE:
                     i = (start_n - start) // TILE_N
-                    if i < 10:
+                    if i < TIMELINE_TILES:
                         _record(timeline_ptr, trow, 4 + i, tl.max(l_i, 0).to(tl.int32, bitcast=True))
             if full_end < end:
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, full_end, end,
@@ -220,7 +161,7 @@ def _decode_split_kernel(
                                           no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
                                           BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
         if TIMELINE:
-            _record(timeline_ptr, trow, 14, tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True))
+            _record(timeline_ptr, trow, 4 + TIMELINE_TILES, tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True))
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             o_offs = token * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -292,8 +233,6 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# (experiment) the lean loop's start shortened: token r is request r's, the first tile's pages before the PDL wait
-FAST_START = os.environ.get("KILN_DECODE_FAST_START", "0") == "1"
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -308,19 +247,17 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, fast_start: bool | None = None, touch: bool = False,
-                    head_major: bool = False, early_l2: bool = False,
-                    timeline: torch.Tensor | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None, timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
     `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
-    `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead)."""
+    `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead). `timeline`: an int64 [programs,
+    TIMELINE_COLUMNS] buffer each program stamps its progress into (programs in (request, kv head, split) order; a
+    GPU's timers: not under the interpreter)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
-    if head_major:  # (experiment) [2, blocks, kv heads, block size, head_dim]
-        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
@@ -338,15 +275,11 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         out, part_acc, part_max, part_sum, arrivals, query, key, value, kv_cache[0], kv_cache[1],
         metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), metadata.block_table.shape[1], max(1, -(-min_split_tokens // block_size)),
-        unsplit_tokens // block_size,
+        metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
-        PREFETCH_PAGES=prefetch_pages, LEAN=lean, FAST_START=lean and (FAST_START if fast_start is None else
-                                                                         fast_start),
-        TOUCH=touch, HEAD_MAJOR=head_major, EARLY_L2=early_l2, LINES=max(1, head_dim * 2 // 128),
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

@@ -117,13 +117,6 @@ def decode_inputs(batch: int, context: int) -> tuple:
     return kv_cache, metadata, q, k_new, torch.randn_like(k_new), torch.empty_like(q)
 
 
-def head_major_view(cache: torch.Tensor) -> torch.Tensor:
-    """(experiment) The same memory as [2, blocks, kv heads, block size, head_dim] (its values are not the layout's:
-    for timing only)."""
-    two, blocks, block_size, kv_heads, head_dim = cache.shape
-    return cache.view(two, blocks, kv_heads, block_size, head_dim)
-
-
 def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
                  configs: dict[str, dict]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
@@ -143,8 +136,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     config_sweep, config_b2b = {}, {}
     for name, c in configs.items():
         decode = lambda cache, c=c: split_kv_decode(
-            q, k_new, v_new, head_major_view(cache) if c.get("head_major") else cache, metadata, HEAD_DIM**-0.5, out,
-            **{"num_splits": chosen, **c})  # noqa: E731  # fmt: skip
+            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, **{"num_splits": chosen, **c})  # noqa: E731  # fmt: skip
         try:
             config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
             config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
@@ -227,16 +219,14 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
-    without it the masked loop, not the default), then f (with l: the fast start), then sN (N splits at any
-    context) -> split_kv_decode's keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(f)?(t)?(h)?(e)?(?:s(\d+))?", name)
+    without it the masked loop, not the default), then sN (N splits at any context) -> split_kv_decode's
+    keywords."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?", name)
     if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][f][sN], e.g. 64x2x3, 64x2x2ls2")
-    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l",
-              "fast_start": m[5] == "f", "touch": m[6] == "t", "head_major": m[7] == "h",
-              "early_l2": m[8] == "e"}  # fmt: skip
-    if m[9]:  # its own split count, the one-split cut-off off
-        kwargs.update(num_splits=int(m[9]), unsplit_tokens=0)
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN], e.g. 64x2x3, 64x2x2ls2")
+    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
+    if m[5]:  # its own split count, the one-split cut-off off
+        kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
     return kwargs
 
 

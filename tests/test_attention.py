@@ -246,3 +246,30 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
     get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5, out)
     ref = reference_attention(q, history, query_lens, 128**-0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_decode_timeline_probe():
+    """The decode kernel's timeline probe (`scripts/decode_timeline.py`): the stamped kernel's output still matches the
+    reference, and each program stamps its points in order — start, metadata, PDL wait, K/V write, one stamp for each
+    full key tile (up to TIMELINE_TILES), end — on one SM whose cycle counter runs forward."""
+    query_lens, context_lens = [1] * 6, [3, 40, 100, 17, 300, 900]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16,
+                                                            "cuda")  # fmt: skip
+    ref = reference_attention(q, history, query_lens, 128**-0.5)
+    stamps = torch.zeros(len(query_lens) * 8, triton_decode.TIMELINE_COLUMNS.value, dtype=torch.int64, device="cuda")
+    out = torch.zeros_like(q)
+    split_kv_decode(q, k, v, kv_cache, metadata, 128**-0.5, out, 1, timeline=stamps)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    tiles, end = triton_decode.TIMELINE_TILES.value, 4 + triton_decode.TIMELINE_TILES.value
+    tile_n = decode_config(len(query_lens) * 8, len(query_lens))[0]
+    stamps = stamps.cpu()
+    for row, line in enumerate(stamps):
+        seq_len = context_lens[row // 8] + 1
+        full = min(tiles, seq_len // tile_n)
+        points = [0, 1, 2, 3, *range(4, 4 + full), end]
+        assert (line[0 : 2 * (end + 1) : 2] > 0).sum() == len(points), (row, line)
+        for column in (0, 1):  # the global timer, then the SM's cycle counter
+            values = line[[2 * p + column for p in points]]
+            assert (values[1:] >= values[:-1]).all(), (row, column, values)
+    assert stamps[:, -1].max() < torch.cuda.get_device_properties(0).multi_processor_count
