@@ -48,6 +48,7 @@ def _stamp(dep):
 
 @triton.jit
 def _record(timeline_ptr, row, point, dep):
+    """`_stamp(dep)` into program `row`'s line of the timeline, at `point`."""
     t, c = _stamp(dep)
     tl.store(timeline_ptr + row * TIMELINE_COLUMNS + 2 * point, t)
     tl.store(timeline_ptr + row * TIMELINE_COLUMNS + 2 * point + 1, c)

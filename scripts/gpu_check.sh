@@ -5,7 +5,9 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
-#   | timeline (TIMELINE_SHAPES=64x256,...: the decode programs' own time stamps, scripts/decode_timeline.py)
+#   | timeline (TIMELINE_SHAPES=64x256,...: the decode programs' own time stamps, scripts/decode_timeline.py;
+#     TIMELINE_CONFIGS=,32x2x3 launch configs as CONFIG_SWEEP's, the empty one the default; TIMELINE_CONTIGUOUS=1 also
+#     each request's pages in order)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
