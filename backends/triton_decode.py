@@ -82,7 +82,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -108,8 +108,7 @@ def _decode_split_kernel(
         _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if TIMELINE:
         _record(timeline_ptr, trow, 2, seq_len)
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
@@ -162,8 +161,6 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end,
                                           no_causal, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
                                           BLOCK_SIZE, TILE_N, PREFETCH_PAGES)  # fmt: skip
-        if USE_PDL and LATE_TRIGGER:  # (experiment) the next kernel launched once this one's keys are read
-            tl.extra.cuda.gdc_launch_dependents()
         if TIMELINE:
             _record(timeline_ptr, trow, 4 + TIMELINE_TILES, tl.sum(tl.sum(acc, 1), 0).to(tl.int32, bitcast=True))
         if splits == 1:
@@ -251,8 +248,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, timeline: torch.Tensor | None = None,
-                    late_trigger: bool = False) -> None:  # fmt: skip
+                    lean: bool | None = None, timeline: torch.Tensor | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -285,6 +281,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
-        timeline_ptr=timeline, TIMELINE=timeline is not None, LATE_TRIGGER=late_trigger,
+        timeline_ptr=timeline, TIMELINE=timeline is not None,
         **pdl.launch_kwargs(query),
     )  # fmt: skip

@@ -221,13 +221,12 @@ def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
     without it the masked loop, not the default), then sN (N splits at any context) -> split_kv_decode's
     keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(g)?(?:s(\d+))?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?", name)
     if not m:
         raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN], e.g. 64x2x3, 64x2x2ls2")
-    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l",
-              "late_trigger": m[5] == "g"}  # fmt: skip
-    if m[6]:  # its own split count, the one-split cut-off off
-        kwargs.update(num_splits=int(m[6]), unsplit_tokens=0)
+    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
+    if m[5]:  # its own split count, the one-split cut-off off
+        kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
     return kwargs
 
 
