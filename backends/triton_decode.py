@@ -55,6 +55,16 @@ def _record(timeline_ptr, row, point, dep):
 
 
 @triton.jit
+def _spin(cycles: tl.constexpr, dep):
+    """`dep` (an int32 scalar) once the SM has counted `cycles` clocks after it arrived: the delay probe
+    (KILN_DECODE_DELAY)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 t0, t1; .reg .pred p; mov.u64 t0, %clock64; add.u64 t0, t0, $2; "
+        "spin${:uid}: mov.u64 t1, %clock64; setp.lt.u64 p, t1, t0; @p bra spin${:uid}; mov.b32 $0, $1; }",
+        "=r,r,l", [dep, tl.full((), cycles, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
@@ -82,7 +92,8 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
+    DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -94,6 +105,8 @@ def _decode_split_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if DELAY_START > 0:
+        req = _spin(DELAY_START, req)
     if TIMELINE:
         trow = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
         _record(timeline_ptr, trow, 0, req)
@@ -149,6 +162,8 @@ def _decode_split_kernel(
                 m_i, l_i, acc = _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, start_n, end,
                                                     offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM, BLOCK_SIZE, TILE_N,
                                                     False)  # fmt: skip
+                if DELAY_TILE > 0:
+                    _spin(DELAY_TILE, start_n)
                 if TIMELINE:
                     i = (start_n - start) // TILE_N
                     if i < TIMELINE_TILES:
@@ -234,6 +249,9 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
+# A probe of what the kernel's time hangs on (A/B runs): each program spins START SM cycles before anything, and TILE
+# after each full key tile of the lean loop. KILN_DECODE_DELAY=START,TILE.
+DELAY_START, DELAY_TILE = (int(v) for v in os.environ.get("KILN_DECODE_DELAY", "0,0").split(","))
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -281,6 +299,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
-        timeline_ptr=timeline, TIMELINE=timeline is not None,
+        timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=DELAY_START, DELAY_TILE=DELAY_TILE,
         **pdl.launch_kwargs(query),
     )  # fmt: skip
