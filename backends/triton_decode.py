@@ -104,7 +104,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
     DELAY_TILE: tl.constexpr = 0, BULK_START: tl.constexpr = 0, BULK_PRE: tl.constexpr = 0,
-    BULK_MODE: tl.constexpr = 1, TOKEN_IS_REQ: tl.constexpr = False,
+    BULK_MODE: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -126,10 +126,7 @@ def _decode_split_kernel(
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
-    if TOKEN_IS_REQ:  # a decode-only batch's query_start_loc is 0, 1, 2, ...: one dependent load less
-        token = req.to(tl.int64)
-    else:
-        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if TIMELINE:
         _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
@@ -182,9 +179,8 @@ def _decode_split_kernel(
             new_ok = d_ok & (split == splits - 1) & (slot >= 0)
             k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=new_ok)
             v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=new_ok)
-            if BULK_START > 0:
-                _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
-                _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
+            _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
+            _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
             if split == splits - 1:
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 tl.store(k_cache_ptr + row, k_new, mask=new_ok)
@@ -309,7 +305,6 @@ DELAY_START, DELAY_TILE = (int(v) for v in os.environ.get("KILN_DECODE_DELAY", "
 # q's and the new K/V's loads (2).
 # KILN_DECODE_BULK=TILES,MODE,PRE.
 BULK_START, BULK_MODE, BULK_PRE = (int(v) for v in os.environ.get("KILN_DECODE_BULK", "0,1,0").split(","))
-TOKEN_IS_REQ = os.environ.get("KILN_DECODE_TOKEN_IS_REQ", "0") == "1"  # experiment (decode-only batches)
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -358,6 +353,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=DELAY_START, DELAY_TILE=DELAY_TILE,
-        BULK_START=BULK_START, BULK_MODE=BULK_MODE, BULK_PRE=BULK_PRE, TOKEN_IS_REQ=TOKEN_IS_REQ,
+        BULK_START=BULK_START, BULK_MODE=BULK_MODE, BULK_PRE=BULK_PRE,
         **pdl.launch_kwargs(query),
     )  # fmt: skip
