@@ -103,7 +103,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
-    DELAY_TILE: tl.constexpr = 0, BULK_START: tl.constexpr = 0, BULK_PRE: tl.constexpr = 0,
+    DELAY_TILE: tl.constexpr = 0, BULK_START: tl.constexpr = 0, BULK_PRE: tl.constexpr = False,
     BULK_MODE: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
@@ -148,14 +148,14 @@ def _decode_split_kernel(
             b_page = tl.load(block_table_ptr + req * stride_block_table + b_first // BLOCK_SIZE, mask=b_ok, other=0)
             b_row = (b_page.to(tl.int64) * BLOCK_SIZE + b_first % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
             b_bytes = BULK_START * TILE_N // NUM_KV_HEADS * NUM_KV_HEADS * HEAD_DIM * 2
-        if BULK_PRE == 1:
+        if BULK_PRE:
             _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
             _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if BULK_START > 0:
-        if BULK_PRE == 0:
+        if not BULK_PRE:
             _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
             _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
     if TIMELINE:
@@ -175,26 +175,14 @@ def _decode_split_kernel(
         # q first: its load then overlaps the K/V write's, where after the write's barrier it was one more wait
         q = tl.load(q_ptr + token * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if BULK_PRE == 2:  # the new K/V loaded with q, then the first tiles asked of L2: behind q's and k's loads
-            new_ok = d_ok & (split == splits - 1) & (slot >= 0)
-            k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=new_ok)
-            v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=new_ok)
-            _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
-            _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
-            if split == splits - 1:
+        if split == splits - 1:
+            if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                tl.store(k_cache_ptr + row, k_new, mask=new_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=new_ok)
-                tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
-        else:
-            if split == splits - 1:
-                if slot >= 0:  # NOTE: as in _kv_write_kernel, a negative slot writes nowhere
-                    row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
-                    k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                    v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                    tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                    tl.store(v_cache_ptr + row, v_new, mask=d_ok)
-                tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
+                k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
+                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
+                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+            tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         if TIMELINE:
             _record(timeline_ptr, trow, 3, seq_len)  # (in program order after the barrier)
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
@@ -301,8 +289,7 @@ DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
 # after each full key tile of the lean loop. KILN_DECODE_DELAY=START,TILE.
 DELAY_START, DELAY_TILE = (int(v) for v in os.environ.get("KILN_DECODE_DELAY", "0,0").split(","))
 # Experiment: the first BULK_START tiles' K/V asked of L2 at the start (cp.async.bulk.prefetch), each program its own
-# rows (mode 1) or a share of its request's whole pages (mode 2), after the PDL wait (PRE 0), before it (1) or after
-# q's and the new K/V's loads (2).
+# rows (mode 1) or a share of its request's whole pages (mode 2), after the PDL wait or before it (PRE).
 # KILN_DECODE_BULK=TILES,MODE,PRE.
 BULK_START, BULK_MODE, BULK_PRE = (int(v) for v in os.environ.get("KILN_DECODE_BULK", "0,1,0").split(","))
 
@@ -353,6 +340,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=DELAY_START, DELAY_TILE=DELAY_TILE,
-        BULK_START=BULK_START, BULK_MODE=BULK_MODE, BULK_PRE=BULK_PRE,
+        BULK_START=BULK_START, BULK_MODE=BULK_MODE, BULK_PRE=bool(BULK_PRE),
         **pdl.launch_kwargs(query),
     )  # fmt: skip
