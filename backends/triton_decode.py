@@ -65,16 +65,6 @@ def _spin(cycles: tl.constexpr, dep):
 
 
 @triton.jit
-def _l2_prefetch(ptrs, ok, nbytes):
-    """Asks L2 for the `nbytes` at each of `ptrs` where `ok` (cp.async.bulk.prefetch: the TMA unit's, nothing
-    waits on it)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), ok.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False,
-        pack=1)  # fmt: skip
-
-
-@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
@@ -103,8 +93,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
-    DELAY_TILE: tl.constexpr = 0, BULK_START: tl.constexpr = 0, BULK_PRE: tl.constexpr = False,
-    BULK_MODE: tl.constexpr = 1,
+    DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -130,34 +119,9 @@ def _decode_split_kernel(
     slot = tl.load(slot_mapping_ptr + token)
     if TIMELINE:
         _record(timeline_ptr, trow, 1, slot.to(tl.int32) + seq_len)
-    if BULK_START > 0:  # the first BULK_START tiles' K/V asked of L2 (their pages read before the PDL wait)
-        b_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-        b_per_split = tl.maximum(tl.cdiv(b_pages, NUM_SPLITS), min_split_pages)
-        b_per_split = tl.where(b_pages <= unsplit_pages, tl.maximum(b_pages, 1), b_per_split)
-        b_start = split * b_per_split * BLOCK_SIZE
-        b_end = tl.minimum(b_start + b_per_split * BLOCK_SIZE, seq_len)
-        if BULK_MODE == 1:  # each of its own rows (HEAD_DIM elements)
-            b_n = b_start + tl.arange(0, BULK_START * TILE_N)
-            b_ok = b_n < b_end
-            b_page = tl.load(block_table_ptr + req * stride_block_table + b_n // BLOCK_SIZE, mask=b_ok, other=0)
-            b_row = (b_page.to(tl.int64) * BLOCK_SIZE + b_n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            b_bytes = HEAD_DIM * 2
-        else:  # the request's whole pages, shared out among its kv heads' programs (one wave: they run together)
-            b_first = b_start + kv_head * (BULK_START * TILE_N // NUM_KV_HEADS)  # its share's first token
-            b_ok = b_first < b_end
-            b_page = tl.load(block_table_ptr + req * stride_block_table + b_first // BLOCK_SIZE, mask=b_ok, other=0)
-            b_row = (b_page.to(tl.int64) * BLOCK_SIZE + b_first % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
-            b_bytes = BULK_START * TILE_N // NUM_KV_HEADS * NUM_KV_HEADS * HEAD_DIM * 2
-        if BULK_PRE:
-            _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
-            _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if BULK_START > 0:
-        if not BULK_PRE:
-            _l2_prefetch(k_cache_ptr + b_row, b_ok, b_bytes)
-            _l2_prefetch(v_cache_ptr + b_row, b_ok, b_bytes)
     if TIMELINE:
         _record(timeline_ptr, trow, 2, seq_len)
     num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
@@ -288,10 +252,6 @@ DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
 # A probe of what the kernel's time hangs on (A/B runs): each program spins START SM cycles before anything, and TILE
 # after each full key tile of the lean loop. KILN_DECODE_DELAY=START,TILE.
 DELAY_START, DELAY_TILE = (int(v) for v in os.environ.get("KILN_DECODE_DELAY", "0,0").split(","))
-# Experiment: the first BULK_START tiles' K/V asked of L2 at the start (cp.async.bulk.prefetch), each program its own
-# rows (mode 1) or a share of its request's whole pages (mode 2), after the PDL wait or before it (PRE).
-# KILN_DECODE_BULK=TILES,MODE,PRE.
-BULK_START, BULK_MODE, BULK_PRE = (int(v) for v in os.environ.get("KILN_DECODE_BULK", "0,1,0").split(","))
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -340,6 +300,5 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=DELAY_START, DELAY_TILE=DELAY_TILE,
-        BULK_START=BULK_START, BULK_MODE=BULK_MODE, BULK_PRE=bool(BULK_PRE),
         **pdl.launch_kwargs(query),
     )  # fmt: skip

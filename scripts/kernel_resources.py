@@ -108,7 +108,7 @@ def decode_variants(model: str):
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
-                              PREFETCH_PAGES=prefetch, LEAN=lean, timeline_ptr=None, TIMELINE=False, DELAY_START=0, BULK_START=0,
+                              PREFETCH_PAGES=prefetch, LEAN=lean, timeline_ptr=None, TIMELINE=False, DELAY_START=0,
                               DELAY_TILE=0)  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, td._decode_split_kernel, constexprs, warps, stages
