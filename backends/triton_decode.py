@@ -105,13 +105,13 @@ def _decode_split_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if DELAY_START > 0:
-        req = _spin(DELAY_START, req)
     if TIMELINE:
         trow = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
         _record(timeline_ptr, trow, 0, req)
         smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_COLUMNS - 1, smid.to(tl.int64))
+    if DELAY_START > 0:
+        req = _spin(DELAY_START, req)
     # The step's metadata is read before the PDL wait (see kiln.backends.pdl): it was copied in before the step's
     # first kernel and no kernel writes it, so three dependent loads leave the chain that waits on q, k and v.
     seq_len = tl.load(seq_lens_ptr + req)
@@ -249,9 +249,13 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# A probe of what the kernel's time hangs on (A/B runs): each program spins START SM cycles before anything, and TILE
-# after each full key tile of the lean loop. KILN_DECODE_DELAY=START,TILE.
-DELAY_START, DELAY_TILE = (int(v) for v in os.environ.get("KILN_DECODE_DELAY", "0,0").split(","))
+# A probe of what the kernel's time hangs on (`split_kv_decode(delay=...)`; A/B runs of bench_attention.py and
+# decode_timeline.py): each program spins START SM cycles after its start stamp, before anything else, and TILE after
+# each full key tile of the lean loop. On the H200 (BENCHMARKS.md, seventeenth session), at batch 64 x 256 a
+# microsecond more at the start cost a replay 1.2 µs and half a microsecond more a tile 1.1 µs (0.3 and 0.8 back to
+# back); at 64 x 2k the same tile delay cost 2 µs of 125. Off (0, 0) the kernel is the same.
+# KILN_DECODE_DELAY=START,TILE.
+DELAY = tuple(int(v) for v in os.environ.get("KILN_DECODE_DELAY", "0,0").split(","))
 
 
 def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
@@ -266,7 +270,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
-                    lean: bool | None = None, timeline: torch.Tensor | None = None) -> None:  # fmt: skip
+                    lean: bool | None = None, timeline: torch.Tensor | None = None,
+                    delay: tuple[int, int] = DELAY) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
     `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
@@ -274,7 +279,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
     `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead). `timeline`: an int64 [programs,
     TIMELINE_COLUMNS] buffer each program stamps its progress into (programs in (request, kv head, split) order; a
-    GPU's timers: not under the interpreter)."""
+    GPU's timers: not under the interpreter). `delay`: SM cycles each program spins at its start and after each full
+    key tile (the probe: DELAY)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -299,6 +305,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
-        timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=DELAY_START, DELAY_TILE=DELAY_TILE,
+        timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=delay[0], DELAY_TILE=delay[1],
         **pdl.launch_kwargs(query),
     )  # fmt: skip

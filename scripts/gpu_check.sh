@@ -19,6 +19,8 @@
 # ATTENTION_PREFILL=1 adds the prefill points). Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
+# env:KILN_DECODE_DELAY=START,TILE (before attention or timeline): the decode kernel's delay probe, SM cycles spun at
+# each program's start and after each key tile (what its time hangs on; BENCHMARKS.md, seventeenth session).
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).

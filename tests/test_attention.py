@@ -252,7 +252,8 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
 def test_decode_timeline_probe():
     """The decode kernel's timeline probe (`scripts/decode_timeline.py`): the stamped kernel's output still matches the
     reference, and each program stamps its points in order — start, metadata, PDL wait, K/V write, one stamp for each
-    full key tile (up to TIMELINE_TILES), end — on one SM whose cycle counter runs forward."""
+    full key tile (up to TIMELINE_TILES), end — on one SM whose cycle counter runs forward; with the delay probe on,
+    the output the same and the spins between the stamps."""
     query_lens, context_lens = [1] * 6, [3, 40, 100, 17, 300, 900]
     q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16,
                                                             "cuda")  # fmt: skip
@@ -273,3 +274,16 @@ def test_decode_timeline_probe():
             values = line[[2 * p + column for p in points]]
             assert (values[1:] >= values[:-1]).all(), (row, column, values)
     assert stamps[:, -1].max() < torch.cuda.get_device_properties(0).multi_processor_count
+    # the delay probe: the same output, and each program's spins between its stamps (SM cycles)
+    start_spin, tile_spin = 20000, 5000
+    stamps.zero_()
+    stamps = stamps.cuda()
+    out.zero_()
+    split_kv_decode(q, k, v, kv_cache, metadata, 128**-0.5, out, 1, timeline=stamps, delay=(start_spin, tile_spin))
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    stamps = stamps.cpu()
+    assert (stamps[:, 3] - stamps[:, 1] >= start_spin).all()  # start -> metadata
+    for row, line in enumerate(stamps):
+        full = min(tiles, (context_lens[row // 8] + 1) // tile_n)
+        if full >= 2:  # tile 0 -> tile 1: a tile's work and its spin
+            assert line[2 * 5 + 1] - line[2 * 4 + 1] >= tile_spin, (row, line)
