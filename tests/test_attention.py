@@ -265,9 +265,9 @@ def test_decode_timeline_probe():
     tiles, end = triton_decode.TIMELINE_TILES.value, 4 + triton_decode.TIMELINE_TILES.value
     tile_n = decode_config(len(query_lens) * 8, len(query_lens))[0]
     stamps = stamps.cpu()
+    full_tiles = [min(tiles, (context + 1) // tile_n) for context in context_lens]  # a request's (its new token too)
     for row, line in enumerate(stamps):
-        seq_len = context_lens[row // 8] + 1
-        full = min(tiles, seq_len // tile_n)
+        full = full_tiles[row // 8]
         points = [0, 1, 2, 3, *range(4, 4 + full), end]
         assert (line[0 : 2 * (end + 1) : 2] > 0).sum() == len(points), (row, line)
         for column in (0, 1):  # the global timer, then the SM's cycle counter
@@ -276,14 +276,12 @@ def test_decode_timeline_probe():
     assert stamps[:, -1].max() < torch.cuda.get_device_properties(0).multi_processor_count
     # the delay probe: the same output, and each program's spins between its stamps (SM cycles)
     start_spin, tile_spin = 20000, 5000
-    stamps.zero_()
-    stamps = stamps.cuda()
+    stamps = torch.zeros_like(stamps, device="cuda")
     out.zero_()
     split_kv_decode(q, k, v, kv_cache, metadata, 128**-0.5, out, 1, timeline=stamps, delay=(start_spin, tile_spin))
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
     stamps = stamps.cpu()
     assert (stamps[:, 3] - stamps[:, 1] >= start_spin).all()  # start -> metadata
     for row, line in enumerate(stamps):
-        full = min(tiles, (context_lens[row // 8] + 1) // tile_n)
-        if full >= 2:  # tile 0 -> tile 1: a tile's work and its spin
+        if full_tiles[row // 8] >= 2:  # tile 0 -> tile 1: a tile's work and its spin
             assert line[2 * 5 + 1] - line[2 * 4 + 1] >= tile_spin, (row, line)
