@@ -93,52 +93,6 @@ def read_roofline(kv_bytes: int, dtype) -> tuple[float, float]:
     return times[best], back_to_back_ms(lambda x: read(x, *best), xs)
 
 
-@triton.jit
-def _rows_read_kernel(x_ptr, rows_ptr, out_ptr, ROWS: tl.constexpr, ITERS: tl.constexpr, ROW: tl.constexpr):
-    """XORs ITERS tiles of ROWS rows of x (ROW int32 words a row), each tile's row ids read from rows_ptr as the
-    attention kernels read their pages' ids: a read of those rows in that order, nothing else (one word out)."""
-    pid = tl.program_id(0)
-    acc = tl.zeros([ROWS, ROW], tl.int32)
-    for i in range(ITERS):
-        rows = tl.load(rows_ptr + (pid * ITERS + i) * ROWS + tl.arange(0, ROWS))
-        acc ^= tl.load(x_ptr + rows[:, None].to(tl.int64) * ROW + tl.arange(0, ROW)[None, :])
-    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
-
-
-def row_reads(caches: list, block_table: torch.Tensor, context: int, tile: int = 64) -> dict[str, tuple]:
-    """The K/V cache read row by row (one kv head's 256 bytes of one token a row), 64 rows a tile, by one program a
-    (request, kv head), each its K then V tile by tile as the decode kernel reads them ("paged": its pages as the
-    block table has them); the same bytes with each program's rows consecutive ("sequential") and at random
-    ("random"). µs a replay and back to back, fastest of 2 and 4 warps: whether the attention's order of reads costs
-    bandwidth."""
-    batch, num_blocks = block_table.shape[0], caches[0].shape[1]
-    tokens = torch.arange(context, device="cuda")
-    pages = block_table[:, tokens // BLOCK_SIZE].long()  # [B, ctx]
-    heads = torch.arange(NUM_KV_HEADS, device="cuda")
-    kv = torch.arange(2, device="cuda")
-    slot = pages * BLOCK_SIZE + tokens % BLOCK_SIZE  # [B, ctx]
-    rows = ((kv[None, None, :, None] * num_blocks * BLOCK_SIZE + slot[None, :, None, :]) * NUM_KV_HEADS
-            + heads[:, None, None, None])  # [H, B, 2, ctx]  # fmt: skip
-    rows = rows.view(NUM_KV_HEADS, batch, 2, context // tile, tile).transpose(2, 3).contiguous()  # K, V tile by tile
-    total = rows.numel()
-    orders = {"paged": rows.view(-1), "sequential": torch.arange(total, device="cuda"),
-              "random": torch.randperm(num_blocks * BLOCK_SIZE * NUM_KV_HEADS * 2, device="cuda")[:total]}  # fmt: skip
-    words = [c.view(torch.int32).view(-1, HEAD_DIM // 2) for c in caches]
-    programs, iters = NUM_KV_HEADS * batch, 2 * context // tile
-    out = torch.empty(programs, dtype=torch.int32, device="cuda")
-    result = {}
-    for name, order in orders.items():
-        order = order.to(torch.int32)
-
-        def read(x, warps, order=order):
-            _rows_read_kernel[(programs,)](x, order, out, ROWS=tile, ITERS=iters, ROW=HEAD_DIM // 2, num_warps=warps)
-
-        times = {w: graph_time_ms(lambda w=w: read(words[0], w)) for w in (2, 4)}
-        best = min(times, key=times.get)
-        result[name] = (times[best] * 1e3, back_to_back_ms(lambda x, w=best: read(x, w), words) * 1e3)
-    return result
-
-
 def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
     """How many copies of a K/V set of `kv_bytes` the back-to-back timing cycles over: up to 8 within 1 GiB."""
     return max(1, min(8, budget // kv_bytes))
@@ -164,7 +118,7 @@ def decode_inputs(batch: int, context: int) -> tuple:
 
 
 def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: dict[str, dict], with_row_reads: bool = False) -> dict:  # fmt: skip
+                 configs: dict[str, dict]) -> dict:  # fmt: skip
     dtype, device = torch.bfloat16, "cuda"
     kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
     ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
@@ -189,7 +143,6 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
         except Exception as e:  # e.g. a tile too big for shared memory
             print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
             config_sweep[name] = config_b2b[name] = float("nan")
-    rows = row_reads(caches, metadata.block_table, context) if with_row_reads else {}
     kv_cache = caches = None  # free them before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -207,7 +160,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
             "sdpa_b2b_util": util(sdpa_b2b_ms), "read_us": read_ms * 1e3, "read_util": util(read_ms),
             "read_b2b_us": read_b2b_ms * 1e3, "read_b2b_util": util(read_b2b_ms),
             "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
-            "config_us": config_sweep, "config_b2b_us": config_b2b, "row_reads_us": rows}  # fmt: skip
+            "config_us": config_sweep, "config_b2b_us": config_b2b}  # fmt: skip
 
 
 # (requests, new tokens a request, cached tokens a request) of the prefill points
@@ -289,8 +242,6 @@ def main() -> None:
                    "64x2x3p, 64x2x2l, 32x2x2ls2)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
-    p.add_argument("--row-reads", action="store_true",
-                   help="also time a read of the K/V row by row in the decode kernel's order, in order and at random")
     args = p.parse_args()
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
@@ -302,7 +253,7 @@ def main() -> None:
     for batch in (1, 16, 64, 256):
         for context in (256, 2048, 8192, 32768):
             if batch * context <= args.max_tokens and (not shapes or (batch, context) in shapes):
-                rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs, args.row_reads))
+                rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
                 torch.cuda.empty_cache()
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
@@ -316,13 +267,6 @@ def main() -> None:
               f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%} | {r['kiln_b2b_us']:>9.1f} {r['kiln_b2b_util']:>5.0%} "
               f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%} | {r['read_us']:>8.1f} {r['read_util']:>5.0%} "
               f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%}")  # fmt: skip
-    if args.row_reads:
-        print("\nthe K/V read row by row (256 bytes), 64 rows a tile, one program a (request, kv head), nothing "
-              "computed; us a replay | back to back: in the decode kernel's order (paged), each program's rows "
-              "consecutive, rows at random")  # fmt: skip
-        for r in rows:
-            cells = " | ".join(f"{name} {a:.1f} {b:.1f}" for name, (a, b) in r["row_reads_us"].items())
-            print(f"{r['batch']:>5} {r['context']:>7}  {cells}")
     if splits:
         print_sweep(rows, "split_sweep_us", {s: f"{s} splits" for s in splits}, "decode kernel alone, us")
     if min_tokens:
