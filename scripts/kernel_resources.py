@@ -49,6 +49,9 @@ FLOATS = {"qk_scale", "eps"}
 def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int = 3):
     """The kernel compiled for sm_90 with these constexprs; every other argument a bf16 pointer (`*_ptr`, but
     those in POINTERS), a float (FLOATS) or an int32."""
+    # NOTE: ASTSource applies no defaults: a defaulted argument left out would become a runtime one (and the build not
+    # the launched one), so each takes its default here (a probe's off switch, a None pointer)
+    constexprs = {p.name: p.default for p in kernel.params if p.has_default} | constexprs
     names = kernel.arg_names
 
     def arg_type(name: str) -> str:
@@ -108,8 +111,7 @@ def decode_variants(model: str):
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, SPLITS_P=num_splits, USE_PDL=True,
-                              PREFETCH_PAGES=prefetch, LEAN=lean, timeline_ptr=None, TIMELINE=False, DELAY_START=0,
-                              DELAY_TILE=0)  # fmt: skip
+                              PREFETCH_PAGES=prefetch, LEAN=lean)  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, td._decode_split_kernel, constexprs, warps, stages
 
