@@ -93,6 +93,46 @@ def read_roofline(kv_bytes: int, dtype) -> tuple[float, float]:
     return times[best], back_to_back_ms(lambda x: read(x, *best), xs)
 
 
+@triton.jit
+def _paged_read_kernel(k_ptr, v_ptr, block_table_ptr, out_ptr, stride_block_table, ROWS: tl.constexpr,
+                       COLS: tl.constexpr, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Program (request, run of ROWS tokens, COLS-wide slice of a token's row): looks up the run's pages in the
+    block table, then loads its K and V rows at once (nothing waits on anything but the pages) and sums them."""
+    req, run, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_r = run * ROWS + tl.arange(0, ROWS)
+    page = tl.load(block_table_ptr + req * stride_block_table + offs_r // BLOCK_SIZE)
+    offs = ((page * BLOCK_SIZE + offs_r % BLOCK_SIZE) * ROW + part * COLS)[:, None] + tl.arange(0, COLS)[None, :]
+    total = tl.load(k_ptr + offs).to(tl.float32) + tl.load(v_ptr + offs).to(tl.float32)
+    pid = (req * tl.num_programs(1) + run) * tl.num_programs(2) + part
+    tl.store(out_ptr + pid, tl.sum(tl.sum(total, 1), 0))
+
+
+# (tokens a program, elements of a token's row a program, warps) tried for the paged read: whole pages (all 8 heads'
+# rows, 2 KB a token) and one head's slice (256 bytes a token), as the decode kernel reads them, up to a request's
+# whole context a program; the fastest one is reported
+PAGED_READ_CONFIGS = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 8), (8, 1024, 4), (64, 128, 2), (128, 128, 4),
+                      (256, 128, 8)]  # fmt: skip
+
+
+def paged_read_floor(caches: list, block_table: torch.Tensor, context: int) -> tuple[float, float, dict]:
+    """The time of a read of every request's K and V through its block table, the kernel's bytes and nothing else
+    (fastest of PAGED_READ_CONFIGS), a replay and back to back (ms), and each config's replay (us): the floor of any
+    paged kernel, which must look up a page before it reads it."""
+    batch, row = block_table.shape[0], NUM_KV_HEADS * HEAD_DIM
+    out = torch.empty(batch * context * NUM_KV_HEADS, dtype=torch.float32, device="cuda")
+
+    def read(cache, rows, cols, warps):
+        _paged_read_kernel[(batch, context // rows, row // cols)](
+            cache[0], cache[1], block_table, out, block_table.stride(0), ROWS=rows, COLS=cols, ROW=row,
+            BLOCK_SIZE=BLOCK_SIZE, num_warps=warps)  # fmt: skip
+
+    configs = [c for c in PAGED_READ_CONFIGS if c[0] <= context]
+    times = {c: graph_time_ms(lambda c=c: read(caches[0], *c)) for c in configs}
+    best = min(times, key=times.get)
+    return times[best], back_to_back_ms(lambda cache: read(cache, *best), caches), {
+        "x".join(map(str, c)): t * 1e3 for c, t in times.items()}
+
+
 def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
     """How many copies of a K/V set of `kv_bytes` the back-to-back timing cycles over: up to 8 within 1 GiB."""
     return max(1, min(8, budget // kv_bytes))
@@ -143,6 +183,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
         except Exception as e:  # e.g. a tile too big for shared memory
             print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
             config_sweep[name] = config_b2b[name] = float("nan")
+    paged_ms, paged_b2b_ms, paged_configs = paged_read_floor(caches, metadata.block_table, context)
     kv_cache = caches = None  # free them before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -159,6 +200,8 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
             "kiln_b2b_us": b2b_ms * 1e3, "kiln_b2b_util": util(b2b_ms), "sdpa_b2b_us": sdpa_b2b_ms * 1e3,
             "sdpa_b2b_util": util(sdpa_b2b_ms), "read_us": read_ms * 1e3, "read_util": util(read_ms),
             "read_b2b_us": read_b2b_ms * 1e3, "read_b2b_util": util(read_b2b_ms),
+            "paged_us": paged_ms * 1e3, "paged_util": util(paged_ms), "paged_b2b_us": paged_b2b_ms * 1e3,
+            "paged_b2b_util": util(paged_b2b_ms), "paged_config_us": paged_configs,
             "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
             "config_us": config_sweep, "config_b2b_us": config_b2b}  # fmt: skip
 
@@ -258,15 +301,25 @@ def main() -> None:
     print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
     print("one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b); read: the "
-          "plainest read of the same bytes (the ceiling)")  # fmt: skip
+          "plainest read of the same bytes (the ceiling); paged: the same K/V read through the block table, nothing "
+          "else computed (the floor of a paged kernel)")  # fmt: skip
     print(f"{'batch':>5} {'context':>7} {'kiln us':>9} {'kiln util':>9} {'sdpa us':>9} {'sdpa util':>9} | "
           f"{'kiln b2b':>9} {'util':>5} {'sdpa b2b':>9} {'util':>5} | "
-          f"{'read us':>8} {'util':>5} {'read b2b':>8} {'util':>5}")  # fmt: skip
+          f"{'read us':>8} {'util':>5} {'read b2b':>8} {'util':>5} | {'paged us':>8} {'util':>5} {'paged b2b':>8} "
+          f"{'util':>5}")  # fmt: skip
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
               f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%} | {r['kiln_b2b_us']:>9.1f} {r['kiln_b2b_util']:>5.0%} "
               f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%} | {r['read_us']:>8.1f} {r['read_util']:>5.0%} "
-              f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%}")  # fmt: skip
+              f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%} | {r['paged_us']:>8.1f} {r['paged_util']:>5.0%} "
+              f"{r['paged_b2b_us']:>8.1f} {r['paged_b2b_util']:>5.0%}")  # fmt: skip
+    paged_names = sorted({c for r in rows for c in r["paged_config_us"]}, key=lambda c: PAGED_READ_CONFIGS.index(
+        tuple(int(v) for v in c.split("x"))))  # fmt: skip
+    print(f"\n{'batch':>5} {'context':>7} " + " ".join(f"{c:>11}" for c in paged_names)
+          + "   (paged read, tokens x row elements x warps a program, us, a replay)")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>7} " + " ".join(f"{r['paged_config_us'].get(c, float('nan')):>11.1f}"
+                                                              for c in paged_names))  # fmt: skip
     if splits:
         print_sweep(rows, "split_sweep_us", {s: f"{s} splits" for s in splits}, "decode kernel alone, us")
     if min_tokens:
