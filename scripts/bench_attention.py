@@ -95,12 +95,16 @@ def read_roofline(kv_bytes: int, dtype) -> tuple[float, float]:
 
 @triton.jit
 def _paged_read_kernel(k_ptr, v_ptr, block_table_ptr, out_ptr, stride_block_table, ROWS: tl.constexpr,
-                       COLS: tl.constexpr, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+                       COLS: tl.constexpr, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       WIDE: tl.constexpr):  # fmt: skip
     """Program (request, run of ROWS tokens, COLS-wide slice of a token's row): looks up the run's pages in the
-    block table, then loads its K and V rows at once (nothing waits on anything but the pages) and sums them."""
+    block table, then loads its K and V rows at once (nothing waits on anything but the pages) and sums them.
+    WIDE: 64-bit offsets (a cache of 2**31 elements or more), as the decode kernel's."""
     req, run, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_r = run * ROWS + tl.arange(0, ROWS)
     page = tl.load(block_table_ptr + req * stride_block_table + offs_r // BLOCK_SIZE)
+    if WIDE:
+        page = page.to(tl.int64)
     offs = ((page * BLOCK_SIZE + offs_r % BLOCK_SIZE) * ROW + part * COLS)[:, None] + tl.arange(0, COLS)[None, :]
     total = tl.load(k_ptr + offs).to(tl.float32) + tl.load(v_ptr + offs).to(tl.float32)
     pid = (req * tl.num_programs(1) + run) * tl.num_programs(2) + part
@@ -124,7 +128,7 @@ def paged_read_floor(caches: list, block_table: torch.Tensor, context: int) -> t
     def read(cache, rows, cols, warps):
         _paged_read_kernel[(batch, context // rows, row // cols)](
             cache[0], cache[1], block_table, out, block_table.stride(0), ROWS=rows, COLS=cols, ROW=row,
-            BLOCK_SIZE=BLOCK_SIZE, num_warps=warps)  # fmt: skip
+            BLOCK_SIZE=BLOCK_SIZE, WIDE=cache[0].numel() >= 2**31, num_warps=warps)  # fmt: skip
 
     configs = [c for c in PAGED_READ_CONFIGS if c[0] <= context]
     times = {c: graph_time_ms(lambda c=c: read(caches[0], *c)) for c in configs}
