@@ -31,9 +31,11 @@ def _attend_decode_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, table_row, sta
 # The timeline probe (`split_kv_decode(timeline=...)`, scripts/decode_timeline.py): a row of TIMELINE_COLUMNS int64 a
 # program, (global timer ns, SM cycle counter) at each point — 0 its start, 1 its metadata arrived, 2 past the PDL
 # wait, 3 past the K/V write's barrier, 4 + i after key tile i of the lean loop (the first TIMELINE_TILES), then its
-# end — and the SM it ran on in the last column. Off (a constexpr), the kernel is the same.
+# end (before the partials' stores) — then, the last split to arrive only, the global timer once it has merged the
+# splits (column TIMELINE_MERGED) — and the SM it ran on in the last column. Off (a constexpr), the kernel is the same.
 TIMELINE_TILES = tl.constexpr(10)
 TIMELINE_COLUMNS = tl.constexpr(32)
+TIMELINE_MERGED = tl.constexpr(30)
 
 
 @triton.jit
@@ -68,7 +70,8 @@ def _spin(cycles: tl.constexpr, dep):
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
     """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
-    2^(max_s - max) and the sum normalised. All three loads at once (none waits for another)."""
+    2^(max_s - max) and the sum normalised. All three loads at once (none waits for another). Returns the head's
+    softmax denominator (the timeline's stamp waits on it)."""
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
     ok = offs_s < num_splits
@@ -82,6 +85,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_s
     total = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    return total
 
 
 @triton.jit
@@ -196,8 +200,12 @@ def _decode_split_kernel(
                 for i in tl.static_range(Q_PER_KV):
                     h = kv_head * Q_PER_KV + i
                     first = (req * NUM_HEADS + h) * NUM_SPLITS
-                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                  token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P, SPLITS_P)  # fmt: skip
+                    total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                          token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P,
+                                          SPLITS_P)  # fmt: skip
+                if TIMELINE:
+                    t, _ = _stamp(total.to(tl.int32, bitcast=True))
+                    tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:

@@ -1,6 +1,7 @@
 """Where a decode kernel's time goes, program by program: each program of the decode kernel stamps the GPU's global
 timer (and its SM's cycle counter) at its start, once its metadata has arrived, past the PDL wait, past the K/V
-write's barrier, after each key tile and at its end (`split_kv_decode(timeline=...)`), under a CUDA graph as
+write's barrier, after each key tile, at its end and, the last split of each (request, kv head), once it has merged
+the splits (`split_kv_decode(timeline=...)`), under a CUDA graph as
 `bench_attention.py` times it: a replay of one call, and eight calls back to back over copies of the K/V. Per point,
 percentiles over the programs; then how fast the key tiles completed over time (their K/V bytes a µs: the rate the
 kernel consumed data at) and how many programs were still running.
@@ -64,6 +65,11 @@ def describe(t: torch.Tensor, label: str, tile_bytes: int) -> None:
         us = (col[col > 0] - origin).double() / 1e3
         qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
         print(f"    {name:>10} " + " ".join(f"{v:7.2f}" for v in qs))
+    merged = t[:, td.TIMELINE_MERGED.value]
+    if (merged > 0).any():  # the last split of each (request, kv head), once it has merged the partials
+        us = (merged[merged > 0] - origin).double() / 1e3
+        qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+        print(f"    {'merged':>10} " + " ".join(f"{v:7.2f}" for v in qs))
     span = (stamp[:, END] - stamp[:, 0]).double() / 1e3
     cycles = (t[:, 2 * END + 1] - t[:, 1]).double()
     print(f"    program span µs: median {span.median():.2f}, max {span.max():.2f}; SM clock from the spans: "

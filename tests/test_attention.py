@@ -253,7 +253,8 @@ def test_decode_timeline_probe():
     """The decode kernel's timeline probe (`scripts/decode_timeline.py`): the stamped kernel's output still matches the
     reference, and each program stamps its points in order — start, metadata, PDL wait, K/V write, one stamp for each
     full key tile (up to TIMELINE_TILES), end — on one SM whose cycle counter runs forward; with the delay probe on,
-    the output the same and the spins between the stamps."""
+    the output the same and the spins between the stamps; split four ways, the same output and one merge stamp a
+    split (request, kv head), after every split's end."""
     query_lens, context_lens = [1] * 6, [3, 40, 100, 17, 300, 900]
     q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16,
                                                             "cuda")  # fmt: skip
@@ -285,3 +286,16 @@ def test_decode_timeline_probe():
     for row, line in enumerate(stamps):
         if full_tiles[row // 8] >= 2:  # tile 0 -> tile 1: a tile's work and its spin
             assert line[2 * 5 + 1] - line[2 * 4 + 1] >= tile_spin, (row, line)
+    # four splits: the last split of each (request, kv head) with more than one stamps when it has merged them
+    splits = 4
+    stamps = torch.zeros(len(query_lens) * 8 * splits, stamps.shape[1], dtype=torch.int64, device="cuda")
+    out.zero_()
+    split_kv_decode(q, k, v, kv_cache, metadata, 128**-0.5, out, splits, timeline=stamps)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    lines = stamps.cpu().view(len(query_lens), 8, splits, -1)
+    merged = lines[..., triton_decode.TIMELINE_MERGED.value]
+    for r, context in enumerate(context_lens):
+        split = context + 1 > triton_decode.UNSPLIT_TOKENS  # (300 and 900: four splits of 64 tokens or more)
+        assert ((merged[r] > 0).sum(-1) == int(split)).all(), (r, merged[r])
+        ends = lines[r, :, :, 2 * end]
+        assert (merged[r].amax(-1) >= ends.amax(-1) if split else merged[r] == 0).all(), (r, merged[r], ends)
