@@ -67,25 +67,53 @@ def _spin(cycles: tl.constexpr, dep):
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
-    """One head's output from its first `num_splits` partials (at part, part + 1, ...): each rescaled by
-    2^(max_s - max) and the sum normalised. All three loads at once (none waits for another). Returns the head's
-    softmax denominator (the timeline's stamp waits on it)."""
+def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_splits, o_offs, stride_o_h,
+                  Q_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
+    first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
+    maxima and sums (small), then the accumulators CHUNK splits a step, each thread summing its own columns (heads x
+    head_dim) over the splits: no step waits on another's loads. Returns the largest sum (the timeline's stamp waits
+    on it)."""
+    QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
+    SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
+    offs_h = tl.arange(0, QP)
     offs_s = tl.arange(0, SPLITS_P)
+    ok = (offs_h < Q_PER_KV)[:, None] & (offs_s < num_splits)[None, :]
+    part = first + offs_h[:, None] * NUM_SPLITS + offs_s[None, :]  # [QP, SPLITS_P]
+    m = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a head no split has seen a key for
+    total = tl.sum(tl.where(m > float("-inf"), tl.math.exp2(m - m_max[:, None]), 0.0) * l_s, 1)
+    inv = 1.0 / tl.where(total == 0.0, 1.0, total)
+    # then [CHUNK, heads, head_dim] a step, each thread summing its own (head, dim) columns over the splits
     offs_d = tl.arange(0, HEAD_DIM_P)
-    ok = offs_s < num_splits
-    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
-    total = tl.sum(w * l_s, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    return total
+    h3 = offs_h[None, :, None]
+    m_max3 = m_max[None, :, None]
+    acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
+    for c in tl.static_range(0, NUM_SPLITS, CHUNK):
+        if c < num_splits:
+            offs_k = c + tl.arange(0, CHUNK)
+            ok_k = (offs_k[:, None, None] < num_splits) & (h3 < Q_PER_KV)  # [CHUNK, QP, 1]
+            part_k = first + h3 * NUM_SPLITS + offs_k[:, None, None]
+            m_k = tl.load(part_max_ptr + part_k, mask=ok_k, other=float("-inf"), cache_modifier=".cg")
+            a_k = tl.load(part_acc_ptr + part_k * HEAD_DIM_P + offs_d[None, None, :], mask=ok_k, other=0.0,
+                          cache_modifier=".cg")  # fmt: skip
+            w = tl.where(m_k > float("-inf"), tl.math.exp2(m_k - m_max3), 0.0)
+            acc += tl.sum(w * a_k, 0)
+    o_ptrs = out_ptr + o_offs + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(offs_h < Q_PER_KV)[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
+    return tl.max(total, 0)
+
+
+def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int) -> int:
+    """Splits a step of `_merge_splits`: its accumulators' loads about 64 registers a thread (a power of two, at
+    most the split count's)."""
+    per_split = triton.next_power_of_2(q_per_kv) * head_dim_p
+    chunk = max(1, 64 * 32 * num_warps // per_split)
+    return min(1 << (chunk.bit_length() - 1), triton.next_power_of_2(num_splits))
 
 
 @triton.jit
@@ -95,7 +123,7 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
     DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
@@ -197,12 +225,10 @@ def _decode_split_kernel(
             arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                for i in tl.static_range(Q_PER_KV):
-                    h = kv_head * Q_PER_KV + i
-                    first = (req * NUM_HEADS + h) * NUM_SPLITS
-                    total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                          token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P,
-                                          SPLITS_P)  # fmt: skip
+                first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
+                total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                      token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
+                                      NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
@@ -311,7 +337,8 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         metadata.block_table.stride(0), max(1, -(-min_split_tokens // block_size)), unsplit_tokens // block_size,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=delay[0], DELAY_TILE=delay[1],
         **pdl.launch_kwargs(query),

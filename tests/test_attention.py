@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+import triton
 from attention_reference import make_paged_batch, reference_attention
 
 from kiln.backends import AttentionMetadata, get_attention_backend, triton_decode
@@ -138,7 +141,8 @@ def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
     (3, 128, None, 0, False), (8, 128, None, 0, False), (3, 16, DECODE_CONFIG_MANY, 0, False),
     (1, 16, DECODE_CONFIG_MANY, 0, False), (8, 16, None, 112, False), (3, 16, DECODE_CONFIG_FEW, 0, False),
     (1, 16, DECODE_CONFIG_FEW, 112, False), (1, 16, None, 0, True), (3, 16, None, 0, True),
-    (8, 16, DECODE_CONFIG_MANY, 112, True)])  # fmt: skip
+    (8, 16, DECODE_CONFIG_MANY, 112, True), (32, 16, None, 0, False),
+    (32, 16, DECODE_CONFIG_FEW, 0, False)])  # fmt: skip
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
 def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, prefetch, num_heads, num_kv_heads,
                          head_dim):  # fmt: skip
@@ -147,7 +151,8 @@ def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, p
     ahead (`prefetch`); the last split to finish merges the rest; the new K/V reach the cache from the same kernel,
     before it reads them there: what their slots held before (NaN here) never reaches the output. Twice, because the
     arrival counts must be back at zero for the next kernel. Both launch configs (the large grids' has a smaller key
-    tile)."""
+    tile). At 32 splits the 300-token request uses 19, which the last merges in steps (`merge_chunk`: 16 a step with
+    two warps and 4 query heads a kv head of 64 dims, so a full step and a partial one)."""
     query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
@@ -197,6 +202,20 @@ def test_kv_write_skips_negative_slots():
     torch.testing.assert_close(flat[0, [17, 63]], key[[0, 2]])
     torch.testing.assert_close(flat[1, [17, 63]], key[[0, 2]] + 1)
     assert flat[:, [i for i in range(64) if i not in (17, 63)]].abs().sum() == 0
+
+
+def test_merge_chunk():
+    """The merge's step: its loads of fp32 accumulators about 64 registers a thread, a power of two, no more than
+    the splits."""
+    assert triton_decode.merge_chunk(4, 128, 64, 2) == 8  # [8, 4, 128] over 64 threads: 64 a thread
+    assert triton_decode.merge_chunk(4, 128, 64, 4) == 16  # [16, 4, 128] over 128 threads: 64
+    assert triton_decode.merge_chunk(4, 64, 32, 2) == 16
+    assert triton_decode.merge_chunk(1, 128, 3, 2) == 4  # one head: all (3, padded to 4) in one step
+    for q_per_kv, head_dim, splits, warps in itertools.product((1, 2, 4, 8), (64, 128), (2, 5, 64), (1, 2, 4)):
+        chunk = triton_decode.merge_chunk(q_per_kv, head_dim, splits, warps)
+        assert chunk & (chunk - 1) == 0 and chunk <= triton.next_power_of_2(splits)
+        per_thread = triton.next_power_of_2(q_per_kv) * chunk * head_dim / (32 * warps)
+        assert per_thread <= 64 and (per_thread > 32 or chunk in (1, triton.next_power_of_2(splits)))
 
 
 def test_decode_config_by_grid_size():
