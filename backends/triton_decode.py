@@ -117,6 +117,26 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
 
 
 @triton.jit
+def _merge_splits_by_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
+    """(A/B: the merge before dd2290e, one head at a time.)"""
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    ok = offs_s < num_splits
+    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
+                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    return total
+
+
+@triton.jit
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
@@ -125,7 +145,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
-    DELAY_TILE: tl.constexpr = 0,
+    DELAY_TILE: tl.constexpr = 0, MERGE_BY_HEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -226,9 +246,16 @@ def _decode_split_kernel(
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
                 first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
-                total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                      token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                      NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
+                if MERGE_BY_HEAD:
+                    for i in tl.static_range(Q_PER_KV):
+                        total = _merge_splits_by_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                                                      first + i * NUM_SPLITS, splits,
+                                                      token * stride_o_t + (kv_head * Q_PER_KV + i) * stride_o_h,
+                                                      HEAD_DIM, HEAD_DIM_P, triton.next_power_of_2(NUM_SPLITS))
+                else:
+                    total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                          token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
+                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
@@ -341,5 +368,6 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=delay[0], DELAY_TILE=delay[1],
+        MERGE_BY_HEAD=os.environ.get("KILN_DECODE_MERGE_BY_HEAD") == "1",
         **pdl.launch_kwargs(query),
     )  # fmt: skip

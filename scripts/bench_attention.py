@@ -266,14 +266,16 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
-    without it the masked loop, not the default), then sN (N splits at any context) -> split_kv_decode's
-    keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?", name)
+    without it the masked loop, not the default), then sN (N splits at any context), then mN (splits of N tokens or
+    more) -> split_kv_decode's keywords."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?(?:m(\d+))?", name)
     if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN], e.g. 64x2x3, 64x2x2ls2")
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN][mN], e.g. 64x2x3, 64x2x2ls2m128")
     kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
     if m[5]:  # its own split count, the one-split cut-off off
         kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
+    if m[6]:  # its own smallest split (tokens)
+        kwargs.update(min_split_tokens=int(m[6]))
     return kwargs
 
 
