@@ -117,26 +117,6 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
 
 
 @triton.jit
-def _merge_splits_by_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
-    """(A/B: the merge before dd2290e, one head at a time.)"""
-    offs_s = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    ok = offs_s < num_splits
-    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
-    total = tl.sum(w * l_s, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    return total
-
-
-@triton.jit
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
@@ -145,7 +125,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
     LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
-    DELAY_TILE: tl.constexpr = 0, MERGE_BY_HEAD: tl.constexpr = False,
+    DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -246,37 +226,35 @@ def _decode_split_kernel(
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
                 first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
-                if MERGE_BY_HEAD:
-                    for i in tl.static_range(Q_PER_KV):
-                        total = _merge_splits_by_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                                                      first + i * NUM_SPLITS, splits,
-                                                      token * stride_o_t + (kv_head * Q_PER_KV + i) * stride_o_h,
-                                                      HEAD_DIM, HEAD_DIM_P, triton.next_power_of_2(NUM_SPLITS))
-                else:
-                    total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                          token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
+                total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                      token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
+                                      NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
-    """The most splits that keep (requests x kv heads x splits) within four programs per SM: more than two
-    per SM unless one split already gives that. (Measured on the H200, `bench_attention.py --split-sweep`:
-    at batch 64, 512 programs with one split beat 1,024 with two at every context from 256 to 32k; at
-    batch 16, four splits were best from 2k up.) It depends only on the batch size, so a CUDA graph
-    captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at
-    most log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the
-    kernel's `min_split_pages`)."""
-    splits = max(1, min(max_splits, 4 * num_sms // (num_reqs * num_kv_heads)))
+    """The most splits that keep (requests x kv heads x splits) within one wave of the launch config: four programs
+    per SM, two for the few-request config (its 128-key tile with 4 warps fits two or three an SM, by registers and
+    shared memory, at the 8B's shapes); more than half of that unless one split already gives it. (Measured on the
+    H200, `bench_attention.py --split-sweep`: at batch 64, 512 programs with one split beat 1,024 with two at every
+    context from 256 to 32k; at batch 16, four splits were best from 2k up; at batch 1, 32 splits beat 64 — two
+    waves, twice the partials to merge — by 3.6-15.5 µs from 2k to 32k of context, BENCHMARKS.md, eighteenth
+    session.) It depends only on the batch size, so a CUDA graph captured for one batch size keeps it; it is a power
+    of two, so the kernel (specialised on it) has at most log2(max_splits) + 1 variants to compile. A request with a
+    short context uses fewer (the kernel's `min_split_pages`)."""
+    per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
+    splits = max(1, min(max_splits, per_sm * num_sms // (num_reqs * num_kv_heads)))
     return 1 << (splits.bit_length() - 1)
 
 
 # Each decode's (request, kv head) counts its splits' arrivals (`kiln.backends.arrivals`), in one buffer per device
 # big enough for any batch: 512 capture rows x 128 KV heads.
 MAX_ARRIVAL_SLOTS = 512 * 128
-# One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`.
+# One key tile of the default config; 128 was as fast or slower at every batch x context of `bench_attention.py`
+# (fifth session). A split is never shorter than the launch config's key tile either: at batch 1 (a 128-key tile) 64
+# tokens a split half-filled every tile (1 x 2k: 13.2 against 8.8 µs, eighteenth session).
 # KILN_DECODE_MIN_SPLIT_TOKENS sets it (A/B runs of whole decode steps); read once, at import.
 MIN_SPLIT_TOKENS = int(os.environ.get("KILN_DECODE_MIN_SPLIT_TOKENS", "64"))
 # Contexts up to this many tokens take one split whatever the batch: in a batch-1 decode step on the H200, one split
@@ -328,14 +306,15 @@ def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
 
 
 def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
-                    num_splits: int, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                    num_splits: int, min_split_tokens: int | None = None,
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, timeline: torch.Tensor | None = None,
                     delay: tuple[int, int] = DELAY) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
     the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
-    `num_splits` partials a request (as many as have `min_split_tokens` each; one up to `unsplit_tokens`),
+    `num_splits` partials a request (as many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the
+    config's key tile, whichever is more; one up to `unsplit_tokens`),
     merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
     `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
     `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead). `timeline`: an int64 [programs,
@@ -348,6 +327,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
     tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
+    min_split_tokens = max(MIN_SPLIT_TOKENS, tile_n) if min_split_tokens is None else min_split_tokens
     prefetch_pages = PREFETCH_PAGES if prefetch_pages is None else prefetch_pages
     lean = (DECODE_LEAN if lean is None else lean) and not prefetch_pages and head_dim == head_dim_p
     lean = lean and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
@@ -368,6 +348,5 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=delay[0], DELAY_TILE=delay[1],
-        MERGE_BY_HEAD=os.environ.get("KILN_DECODE_MERGE_BY_HEAD") == "1",
         **pdl.launch_kwargs(query),
     )  # fmt: skip

@@ -4,6 +4,7 @@ compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + com
 Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s.
 
     python scripts/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
+    python scripts/bench_latency.py --model llama-3.1-8b --modes graphs --batches 1 --prompt-lens 32,2048,8192
 
 `--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
 async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,
@@ -37,17 +38,17 @@ MODES = {
 }
 
 
-def step_bytes(llm: LLM, batch: int) -> float:
+def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
     weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     c = llm.engine.model_config
-    avg_context = PROMPT_LEN + DECODE_STEPS / 2
+    avg_context = prompt_len + DECODE_STEPS / 2
     kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.shard.size)  # under TP: what one GPU reads
     kv = 2 * c.num_layers * kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
     return weights + kv
 
 
-def decode_tokens_per_s(llm: LLM, batch: int) -> tuple[float, float]:
-    prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(batch)]
+def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> tuple[float, float]:
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(batch)]
 
     def timed(max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -67,7 +68,7 @@ def decode_tokens_per_s(llm: LLM, batch: int) -> tuple[float, float]:
     print(f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
           f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step", flush=True)
     step = (long - timed(1)) / DECODE_STEPS  # prefill cancels out
-    return batch / step, step_bytes(llm, batch) / step / PEAK_BYTES_PER_S
+    return batch / step, step_bytes(llm, batch, prompt_len) / step / PEAK_BYTES_PER_S
 
 
 def sync() -> None:
@@ -198,10 +199,15 @@ def main() -> None:
     p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
     p.add_argument("--json")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--prompt-lens", default=str(PROMPT_LEN),
+                   help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
+                   "this much context and more; the model length grows to fit the longest)")  # fmt: skip
     p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
     p.add_argument("--plot", help="PNG path for the breakdown plot")
     p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
     args = p.parse_args()
+    prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    args.max_model_len = max(args.max_model_len, max(prompt_lens) + 2 * DECODE_STEPS + 16)
     batches = [int(b) for b in args.batches.split(",")]
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     if args.from_json:
@@ -223,27 +229,29 @@ def main() -> None:
         return
     rows = []
     for mode in args.modes.split(","):
-        kwargs = dict(MODES[mode], max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.8)
+        kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                      gpu_memory_utilization=0.8)  # fmt: skip
         if mode == "graphs" and sizes:
             kwargs["cudagraph_capture_sizes"] = sizes
         llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
-        for batch in batches:
-            tps, util = decode_tokens_per_s(llm, batch)
-            rows.append({"engine": f"kiln {mode}", "batch": batch, "tokens_per_s": tps, "bw_util": util,
-                         "startup_s": llm.engine.startup_seconds})  # fmt: skip
+        for prompt_len in prompt_lens:
+            for batch in batches:
+                tps, util = decode_tokens_per_s(llm, batch, prompt_len)
+                rows.append({"engine": f"kiln {mode}", "batch": batch, "prompt": prompt_len, "tokens_per_s": tps,
+                             "bw_util": util, "startup_s": llm.engine.startup_seconds})  # fmt: skip
         llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
         del llm
     if args.hf:
         for batch in (int(b) for b in args.hf_batches.split(",")):
             tps = hf_tokens_per_s(args.model, batch)
-            rows.append({"engine": "hf static+compile", "batch": batch, "tokens_per_s": tps,
+            rows.append({"engine": "hf static+compile", "batch": batch, "prompt": PROMPT_LEN, "tokens_per_s": tps,
                          "bw_util": float("nan"), "startup_s": float("nan")})  # fmt: skip
-    print(f"\ndecode latency: {args.model}, bf16, dummy weights, prompt {PROMPT_LEN}, {DECODE_STEPS} steps, "
+    print(f"\ndecode latency: {args.model}, bf16, dummy weights, {DECODE_STEPS} steps after the prompt, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
           f"(BW util: what one GPU reads)")  # fmt: skip
-    print(f"{'engine':<20} {'batch':>5} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
+    print(f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
     for r in rows:
-        print(f"{r['engine']:<20} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
+        print(f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
               f"{r['startup_s']:>10.1f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

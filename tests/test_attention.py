@@ -226,14 +226,16 @@ def test_decode_config_by_grid_size():
 
 
 def test_decode_num_splits_fills_the_gpu():
-    assert decode_num_splits(1, 8, 132) == 64  # capped
+    assert decode_num_splits(1, 8, 132) == 32  # the few-request config: two programs an SM
+    assert decode_num_splits(1, 2, 132) == 64  # capped
     assert decode_num_splits(16, 8, 132) == 4
     assert decode_num_splits(64, 8, 132) == 1
     assert decode_num_splits(256, 8, 132) == 1
-    for num_reqs in range(1, 513):  # two to four programs per SM, and few kernel variants
+    for num_reqs in range(1, 513):  # one to two waves' worth of programs of the launch config, few kernel variants
         splits = decode_num_splits(num_reqs, 8, 132)
-        assert splits == 64 or 2 * 132 < num_reqs * 8 * splits <= 4 * 132 or splits == 1
-    assert {decode_num_splits(n, 8, 132) for n in range(1, 513)} == {1, 2, 4, 8, 16, 32, 64}
+        per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
+        assert splits == 64 or per_sm * 132 // 2 < num_reqs * 8 * splits <= per_sm * 132 or splits == 1
+    assert {decode_num_splits(n, 8, 132) for n in range(1, 513)} == {1, 2, 4, 8, 16, 32}
 
 
 def test_large_grid_config_runs_unsplit():
