@@ -117,6 +117,26 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
 
 
 @triton.jit
+def _merge_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):  # fmt: skip
+    """`_merge_splits` for one head of a one-split build, where it never runs (the kernel's note)."""
+    offs_s = tl.arange(0, 1)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    ok = offs_s < num_splits
+    m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
+                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    return total
+
+
+@triton.jit
 def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr,
     v_cache_ptr, slot_mapping_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, stride_q_t,
@@ -225,10 +245,22 @@ def _decode_split_kernel(
             arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
-                total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
-                                      token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                      NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
+                if NUM_SPLITS == 1:
+                    # NOTE: never runs (one split writes its output itself), but ptxas allocates registers for it:
+                    # the one-split builds (every batch from 64 up) keep the code they were measured with — the
+                    # merged-heads form below took the large-grid config from 128 to 164 registers (6 programs an
+                    # SM instead of 8; 256 x 256 3% slower), and fewer registers have made it slower back to back
+                    # (BENCHMARKS.md, sixteenth and eighteenth sessions)
+                    for i in tl.static_range(Q_PER_KV):
+                        h = kv_head * Q_PER_KV + i
+                        total = _merge_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                                            (req * NUM_HEADS + h) * NUM_SPLITS, splits,
+                                            token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P)  # fmt: skip
+                else:
+                    first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
+                    total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
+                                          token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
+                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
