@@ -271,11 +271,12 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
     per SM, two for the few-request config (its 128-key tile with 4 warps fits two or three an SM, by registers and
     shared memory, at the 8B's shapes); more than half of that unless one split already gives it. (Measured on the
     H200, `bench_attention.py --split-sweep`: at batch 64, 512 programs with one split beat 1,024 with two at every
-    context from 256 to 32k; at batch 16, four splits were best from 2k up; at batch 1, 32 splits beat 64 — two
-    waves, twice the partials to merge — by 3.6-15.5 µs from 2k to 32k of context, BENCHMARKS.md, eighteenth
-    session.) It depends only on the batch size, so a CUDA graph captured for one batch size keeps it; it is a power
-    of two, so the kernel (specialised on it) has at most log2(max_splits) + 1 variants to compile. A request with a
-    short context uses fewer (the kernel's `min_split_pages`)."""
+    context from 256 to 32k; at batch 16, four splits were best from 2k up; at batch 1, 32 splits beat 64 — which
+    ran in two waves, with twice the partials to merge — at 2k, 8k and 32k of context: 8.8, 17.4, 42.9 µs against
+    10.0, 26.4, 58.4, BENCHMARKS.md, eighteenth session.) It depends only on the batch size, so a CUDA graph
+    captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at most
+    log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the kernel's
+    `min_split_pages`)."""
     per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
     splits = max(1, min(max_splits, per_sm * num_sms // (num_reqs * num_kv_heads)))
     return 1 << (splits.bit_length() - 1)
@@ -301,8 +302,9 @@ UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # Up to FEW_REQUESTS requests, a 128-key tile with 4 warps: inside Qwen3-0.6B's batch-1 decode step on the H200 it
 # made the step 8% faster (1,561 against 1,445 tokens/s in one call; the 1B as fast: BENCHMARKS.md, eleventh
 # session), where the kernel alone timed in a loop had not preferred it: with one split for short contexts, a
-# program walks its keys in half as many dependent iterations. It costs long contexts (batch 1 x 32k: 61% of the
-# bandwidth against 73%), and spills a little (`scripts/kernel_resources.py`). Measured at batch 1 only (the device
+# program walks its keys in half as many dependent iterations. At 64 splits it cost long contexts (batch 1 x 32k: 61%
+# of the bandwidth against 73%); at 32, no split under its 128-key tile and the merged-heads merge it reaches 72%
+# there (eighteenth session). Measured at batch 1 only (the device
 # calls ran it up to 4 requests; 2 to 4 were not timed), so it holds for one request.
 DECODE_CONFIG = (64, 2, 3)
 DECODE_CONFIG_FEW = (128, 4, 2)
