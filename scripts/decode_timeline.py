@@ -65,9 +65,11 @@ def describe(t: torch.Tensor, label: str, tile_bytes: int) -> None:
         us = (col[col > 0] - origin).double() / 1e3
         qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
         print(f"    {name:>10} " + " ".join(f"{v:7.2f}" for v in qs))
+    # the last split of each (request, kv head), once it has merged the partials; the last to arrive can change from
+    # one replay to the next, and the buffer keeps an earlier replay's stamps (before this one's start): left out
     merged = t[:, td.TIMELINE_MERGED.value]
-    if (merged > 0).any():  # the last split of each (request, kv head), once it has merged the partials
-        us = (merged[merged > 0] - origin).double() / 1e3
+    if (merged >= origin).any():
+        us = (merged[merged >= origin] - origin).double() / 1e3
         qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
         print(f"    {'merged':>10} " + " ".join(f"{v:7.2f}" for v in qs))
     span = (stamp[:, END] - stamp[:, 0]).double() / 1e3
