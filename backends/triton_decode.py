@@ -73,8 +73,8 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
     maxima and sums (small), then the accumulators CHUNK splits a step, each thread summing its own columns (heads x
-    head_dim) over the splits: no step waits on another's loads. Returns the largest sum (the timeline's stamp waits
-    on it)."""
+    head_dim) over the splits, no step's loads hanging on another's results. Returns the largest sum (the timeline's
+    stamp waits on it)."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
     offs_h = tl.arange(0, QP)
@@ -304,8 +304,8 @@ UNSPLIT_TOKENS = int(os.environ.get("KILN_DECODE_UNSPLIT_TOKENS", "256"))
 # session), where the kernel alone timed in a loop had not preferred it: with one split for short contexts, a
 # program walks its keys in half as many dependent iterations. At 64 splits it cost long contexts (batch 1 x 32k: 61%
 # of the bandwidth against 73%); at 32, no split under its 128-key tile and the merged-heads merge it reaches 72%
-# there (eighteenth session). Measured at batch 1 only (the device
-# calls ran it up to 4 requests; 2 to 4 were not timed), so it holds for one request.
+# there (eighteenth session). Measured at batch 1 only (the device calls ran it up to 4 requests; 2 to 4 were not
+# timed), so it holds for one request.
 DECODE_CONFIG = (64, 2, 3)
 DECODE_CONFIG_FEW = (128, 4, 2)
 FEW_REQUESTS = 1
@@ -345,16 +345,15 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, timeline: torch.Tensor | None = None,
                     delay: tuple[int, int] = DELAY) -> None:  # fmt: skip
-    """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes
-    the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to
-    `num_splits` partials a request (as many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the
-    config's key tile, whichever is more; one up to `unsplit_tokens`),
-    merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by default
-    `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
+    """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes the new K/V
+    (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits` partials a request (as
+    many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key tile, whichever is more; one
+    up to `unsplit_tokens`), merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by
+    default `decode_config`'s; `prefetch_pages`: load each tile's pages an iteration ahead (default PREFETCH_PAGES);
     `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead). `timeline`: an int64 [programs,
-    TIMELINE_COLUMNS] buffer each program stamps its progress into (programs in (request, kv head, split) order; a
-    GPU's timers: not under the interpreter). `delay`: SM cycles each program spins at its start and after each full
-    key tile (the probe: DELAY)."""
+    TIMELINE_COLUMNS] buffer each program stamps its progress into (programs in (request, kv head, split) order; a GPU's
+    timers: not under the interpreter). `delay`: SM cycles each program spins at its start and after each full key tile
+    (the probe: DELAY)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
