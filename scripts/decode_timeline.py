@@ -1,10 +1,10 @@
 """Where a decode kernel's time goes, program by program: each program of the decode kernel stamps the GPU's global
 timer (and its SM's cycle counter) at its start, once its metadata has arrived, past the PDL wait, past the K/V
 write's barrier, after each key tile, at its end and, the last split of each (request, kv head), once it has merged
-the splits (`split_kv_decode(timeline=...)`), under a CUDA graph as
-`bench_attention.py` times it: a replay of one call, and eight calls back to back over copies of the K/V. Per point,
-percentiles over the programs; then how fast the key tiles completed over time (their K/V bytes a µs: the rate the
-kernel consumed data at) and how many programs were still running.
+the splits (`split_kv_decode(timeline=...)`), under a CUDA graph as `bench_attention.py` times it: a replay of one
+call, and eight calls back to back over copies of the K/V. Per point, percentiles over the programs; then how fast the
+key tiles completed over time (their K/V bytes a µs: the rate the kernel consumed data at) and how many programs were
+still running.
 
     python scripts/decode_timeline.py [--shapes 64x256,64x2048] [--configs ,32x2x3] [--contiguous] [--raw out.pt]
 """

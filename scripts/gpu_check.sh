@@ -11,8 +11,9 @@
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
-# LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths), KERNEL_TESTS=0 the kernel tests out of `tests` (their
-# limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most of it),
+# LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths),
+# KERNEL_TESTS=0 the kernel tests out of `tests` (their limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most
+# of it),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
 # stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
