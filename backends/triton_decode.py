@@ -72,9 +72,9 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
                   HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
-    maxima and sums (small), then the accumulators CHUNK splits a step, each thread summing its own columns (heads x
-    head_dim) over the splits, no step's loads hanging on another's results. Returns the largest sum (the timeline's
-    stamp waits on it)."""
+    maxima and sums (small), then the accumulators of every head CHUNK splits a step, no step's loads hanging on
+    another's results (how Triton lays the step out across threads is its own: under triton 3.6 the sum over the
+    chunk's splits takes warp shuffles). Returns the largest sum (the timeline's stamp waits on it)."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
     offs_h = tl.arange(0, QP)
@@ -87,7 +87,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a head no split has seen a key for
     total = tl.sum(tl.where(m > float("-inf"), tl.math.exp2(m - m_max[:, None]), 0.0) * l_s, 1)
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
-    # then [CHUNK, heads, head_dim] a step, each thread summing its own (head, dim) columns over the splits
+    # then [CHUNK, heads, head_dim] a step, summed over the chunk's splits
     offs_d = tl.arange(0, HEAD_DIM_P)
     h3 = offs_h[None, :, None]
     m_max3 = m_max[None, :, None]

@@ -52,6 +52,12 @@ def run(batch: int, context: int, kwargs: dict, contiguous: bool = False) -> dic
             "tile_bytes": 2 * tile_n * ba.HEAD_DIM * 2}  # fmt: skip
 
 
+def percentiles(us: torch.Tensor) -> str:
+    """min / p10 / median / p90 / max of `us`, formatted."""
+    qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+    return " ".join(f"{v:7.2f}" for v in qs)
+
+
 def describe(t: torch.Tensor, label: str, tile_bytes: int) -> None:
     """Percentiles over the programs of each point's time (µs from the first program's start), the key tiles'
     bytes completed a µs, the programs running, and the SMs' loads."""
@@ -62,16 +68,12 @@ def describe(t: torch.Tensor, label: str, tile_bytes: int) -> None:
         col = stamp[:, point]
         if (col == 0).all():
             continue
-        us = (col[col > 0] - origin).double() / 1e3
-        qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
-        print(f"    {name:>10} " + " ".join(f"{v:7.2f}" for v in qs))
+        print(f"    {name:>10} " + percentiles((col[col > 0] - origin).double() / 1e3))
     # the last split of each (request, kv head), once it has merged the partials; the last to arrive can change from
     # one replay to the next, and the buffer keeps an earlier replay's stamps (before this one's start): left out
     merged = t[:, td.TIMELINE_MERGED.value]
     if (merged >= origin).any():
-        us = (merged[merged >= origin] - origin).double() / 1e3
-        qs = torch.quantile(us, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
-        print(f"    {'merged':>10} " + " ".join(f"{v:7.2f}" for v in qs))
+        print(f"    {'merged':>10} " + percentiles((merged[merged >= origin] - origin).double() / 1e3))
     span = (stamp[:, END] - stamp[:, 0]).double() / 1e3
     cycles = (t[:, 2 * END + 1] - t[:, 1]).double()
     print(f"    program span µs: median {span.median():.2f}, max {span.max():.2f}; SM clock from the spans: "
