@@ -67,9 +67,24 @@ def _spin(cycles: tl.constexpr, dep):
 
 
 @triton.jit
+def _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """Splits c .. c + CHUNK of `_merge_splits`' accumulators, each rescaled by its 2^(max_s - max), summed:
+    [heads, head_dim]."""
+    offs_k = c + tl.arange(0, CHUNK)
+    ok_k = (offs_k[:, None, None] < num_splits) & (h3 < Q_PER_KV)  # [CHUNK, QP, 1]
+    part_k = first + h3 * NUM_SPLITS + offs_k[:, None, None]
+    m_k = tl.load(part_max_ptr + part_k, mask=ok_k, other=float("-inf"), cache_modifier=".cg")
+    a_k = tl.load(part_acc_ptr + part_k * HEAD_DIM_P + offs_d[None, None, :], mask=ok_k, other=0.0,
+                  cache_modifier=".cg")  # fmt: skip
+    w = tl.where(m_k > float("-inf"), tl.math.exp2(m_k - m_max3), 0.0)
+    return tl.sum(w * a_k, 0)
+
+
+@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_splits, o_offs, stride_o_h,
                   Q_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr, GUARD: tl.constexpr):  # fmt: skip
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
     maxima and sums (small), then the accumulators of every head CHUNK splits a step, no step's loads hanging on
@@ -93,15 +108,13 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     m_max3 = m_max[None, :, None]
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
-        if c < num_splits:
-            offs_k = c + tl.arange(0, CHUNK)
-            ok_k = (offs_k[:, None, None] < num_splits) & (h3 < Q_PER_KV)  # [CHUNK, QP, 1]
-            part_k = first + h3 * NUM_SPLITS + offs_k[:, None, None]
-            m_k = tl.load(part_max_ptr + part_k, mask=ok_k, other=float("-inf"), cache_modifier=".cg")
-            a_k = tl.load(part_acc_ptr + part_k * HEAD_DIM_P + offs_d[None, None, :], mask=ok_k, other=0.0,
-                          cache_modifier=".cg")  # fmt: skip
-            w = tl.where(m_k > float("-inf"), tl.math.exp2(m_k - m_max3), 0.0)
-            acc += tl.sum(w * a_k, 0)
+        if GUARD:  # a step past the splits used is skipped
+            if c < num_splits:
+                acc += _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV,
+                                   NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
+        else:  # every step runs, its loads masked past the splits used
+            acc += _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV,
+                               NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
     o_ptrs = out_ptr + o_offs + offs_h[:, None] * stride_o_h + offs_d[None, :]
     tl.store(o_ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
              mask=(offs_h < Q_PER_KV)[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
@@ -116,11 +129,21 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
     return min(1 << (chunk.bit_length() - 1), triton.next_power_of_2(num_splits))
 
 
+def merge_constexprs(merge: str, q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int) -> dict:
+    """The decode kernel's MERGE_CHUNK (0: one head after another) and MERGE_GUARD for one of MERGES."""
+    if merge not in MERGES:
+        raise ValueError(f"unknown decode merge {merge!r}: one of {', '.join(MERGES)}")
+    chunk = 0 if merge == "heads" else merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps)
+    return {"MERGE_CHUNK": chunk, "MERGE_GUARD": merge == "chunks"}
+
+
 @triton.jit
 def _merge_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):  # fmt: skip
-    """`_merge_splits` for one head of a one-split build, where it never runs (the kernel's note)."""
-    offs_s = tl.arange(0, 1)
+                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
+    """One head's output from its first `num_splits` partials (at part, part + 1, ...), all loaded at once: the
+    merge of the one-split builds, where it never runs (the kernel's note), and `merge="heads"`'s, one head after
+    another."""
+    offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
     ok = offs_s < num_splits
     m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
@@ -143,9 +166,9 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
-    DELAY_TILE: tl.constexpr = 0,
+    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_GUARD: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr, LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    DELAY_START: tl.constexpr = 0, DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -245,22 +268,25 @@ def _decode_split_kernel(
             arrivals = arrivals_ptr + req * NUM_KV_HEADS + kv_head
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == splits - 1:
                 tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                if NUM_SPLITS == 1:
-                    # NOTE: never runs (one split writes its output itself), but ptxas allocates registers for it:
-                    # the one-split builds (every batch from 64 up) keep the code they were measured with — the
-                    # merged-heads form below took the large-grid config from 128 to 164 registers (6 programs an
-                    # SM instead of 8; 256 x 256 3% slower), and fewer registers have made it slower back to back
-                    # (BENCHMARKS.md, sixteenth and eighteenth sessions)
+                if NUM_SPLITS == 1 or MERGE_CHUNK == 0:
+                    # NOTE: with one split this never runs (one split writes its output itself), but ptxas
+                    # allocates registers for it: the one-split builds (every batch from 64 up) keep the code they
+                    # were measured with — the merged-heads form below took the large-grid config from 128 to 164
+                    # registers (6 programs an SM instead of 8; 256 x 256 3% slower), and fewer registers have made
+                    # it slower back to back (BENCHMARKS.md, sixteenth and eighteenth sessions). MERGE_CHUNK 0: this
+                    # per-head merge at any split count (merge="heads", A/B runs)
+                    SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
                     for i in tl.static_range(Q_PER_KV):
                         h = kv_head * Q_PER_KV + i
                         total = _merge_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                                             (req * NUM_HEADS + h) * NUM_SPLITS, splits,
-                                            token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P)  # fmt: skip
+                                            token * stride_o_t + h * stride_o_h, HEAD_DIM, HEAD_DIM_P,
+                                            SPLITS_P)  # fmt: skip
                 else:
                     first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
                     total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
                                           token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
+                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK, MERGE_GUARD)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
@@ -322,6 +348,12 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
+# How the last split merges the partials (`_merge_splits`): "chunks", a kv head's query heads together, `merge_chunk`
+# splits a step; "unguarded", the same with every step run (its loads masked past the splits used) where "chunks"
+# skips a step past them behind a branch; "heads", one head after another, all its splits at once (`_merge_head`,
+# the merge before the eighteenth session). KILN_DECODE_MERGE (A/B runs).
+MERGES = ("chunks", "unguarded", "heads")
+DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "chunks")
 # A probe of what the kernel's time hangs on (`split_kv_decode(delay=...)`; A/B runs of bench_attention.py and
 # decode_timeline.py): each program spins START SM cycles after its start stamp, before anything else, and TILE after
 # each full key tile of the lean loop. On the H200 (BENCHMARKS.md, seventeenth session), at batch 64 x 256 a
@@ -344,7 +376,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
                     config: tuple[int, int, int] | None = None,
                     unsplit_tokens: int = UNSPLIT_TOKENS, prefetch_pages: bool | None = None,
                     lean: bool | None = None, timeline: torch.Tensor | None = None,
-                    delay: tuple[int, int] = DELAY) -> None:  # fmt: skip
+                    delay: tuple[int, int] = DELAY, merge: str | None = None) -> None:  # fmt: skip
     """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes the new K/V
     (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits` partials a request (as
     many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key tile, whichever is more; one
@@ -353,7 +385,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
     `lean`: the lean loop (default DECODE_LEAN; not with the pages ahead). `timeline`: an int64 [programs,
     TIMELINE_COLUMNS] buffer each program stamps its progress into (programs in (request, kv head, split) order; a GPU's
     timers: not under the interpreter). `delay`: SM cycles each program spins at its start and after each full key tile
-    (the probe: DELAY)."""
+    (the probe: DELAY). `merge`: one of MERGES (default DECODE_MERGE)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -378,7 +410,7 @@ def split_kv_decode(query, key, value, kv_cache, metadata: AttentionMetadata, sc
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv,
         GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
+        **merge_constexprs(merge or DECODE_MERGE, q_per_kv, head_dim_p, num_splits, num_warps),
         PREFETCH_PAGES=prefetch_pages, LEAN=lean, num_warps=num_warps, num_stages=num_stages,
         timeline_ptr=timeline, TIMELINE=timeline is not None, DELAY_START=delay[0], DELAY_TILE=delay[1],
         **pdl.launch_kwargs(query),

@@ -10,6 +10,8 @@ itself and to its cached context), its tiles' pages loaded in the iteration that
 counts the causal half.
 
     python scripts/bench_attention.py [--max-tokens 4194304] [--shapes 64x256,1x32768] [--prefill]
+
+--model PRESET times the decode points at another preset's attention shapes (its query heads, KV heads, head_dim).
 """
 
 from __future__ import annotations
@@ -24,12 +26,22 @@ import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.triton_attention import unified_attention
-from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import MERGES, decode_num_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kiln.engine.presets import PRESETS
 
 PEAK_BYTES_PER_S = 4.3e12
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B's; --model sets the first three
+
+
+def use_model_shapes(model: str) -> None:
+    """The attention shapes of preset `model` for the decode points (the module's NUM_HEADS, NUM_KV_HEADS,
+    HEAD_DIM)."""
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    p = PRESETS[model]
+    NUM_HEADS, NUM_KV_HEADS = p["num_attention_heads"], p["num_key_value_heads"]
+    HEAD_DIM = p.get("head_dim") or p["hidden_size"] // NUM_HEADS
 
 
 def graph_time_ms(fn, iters: int = 50) -> float:
@@ -130,7 +142,7 @@ def paged_read_floor(caches: list, block_table: torch.Tensor, context: int) -> t
             cache[0], cache[1], block_table, out, block_table.stride(0), ROWS=rows, COLS=cols, ROW=row,
             BLOCK_SIZE=BLOCK_SIZE, WIDE=cache[0].numel() >= 2**31, num_warps=warps)  # fmt: skip
 
-    configs = [c for c in PAGED_READ_CONFIGS if c[0] <= context]
+    configs = [c for c in PAGED_READ_CONFIGS if c[0] <= context and row % c[1] == 0]
     times = {c: graph_time_ms(lambda c=c: read(caches[0], *c)) for c in configs}
     best = min(times, key=times.get)
     return times[best], back_to_back_ms(lambda cache: read(cache, *best), caches), {
@@ -267,15 +279,19 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
     without it the masked loop, not the default), then sN (N splits at any context), then mN (splits of N tokens or
-    more) -> split_kv_decode's keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?(?:m(\d+))?", name)
+    more), then -MERGE (one of triton_decode.MERGES) -> split_kv_decode's keywords."""
+    merges = "|".join(MERGES)
+    m = re.fullmatch(rf"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?(?:m(\d+))?(?:-({merges}))?", name)
     if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN][mN], e.g. 64x2x3, 64x2x2ls2m128")
+        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN][mN][-MERGE], e.g. 64x2x3, "
+                         f"64x2x2ls2m128, 128x4x2ls64m128-heads")  # fmt: skip
     kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
     if m[5]:  # its own split count, the one-split cut-off off
         kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
     if m[6]:  # its own smallest split (tokens)
         kwargs.update(min_split_tokens=int(m[6]))
+    if m[7]:  # its own merge of the splits
+        kwargs.update(merge=m[7])
     return kwargs
 
 
@@ -291,7 +307,10 @@ def main() -> None:
                    "64x2x3p, 64x2x2l, 32x2x2ls2)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS),
+                   help="the decode points at this preset's attention shapes")  # fmt: skip
     args = p.parse_args()
+    use_model_shapes(args.model)
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
     configs = {c: parse_config(c) for c in args.config_sweep.split(",") if c}
@@ -304,7 +323,8 @@ def main() -> None:
             if batch * context <= args.max_tokens and (not shapes or (batch, context) in shapes):
                 rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
                 torch.cuda.empty_cache()
-    print(f"\ndecode attention, Llama-3.1-8B shapes, bf16, CUDA graph, {torch.cuda.get_device_name()}, "
+    print(f"\ndecode attention, {args.model} shapes ({NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim "
+          f"{HEAD_DIM}), bf16, CUDA graph, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
     print("one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b); read: the "
           "plainest read of the same bytes (the ceiling); paged: the same K/V read through the block table, nothing "

@@ -17,7 +17,8 @@
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
 # (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
 # stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
-# ATTENTION_PREFILL=1 adds the prefill points). Logs come back as $OUT/logs.tgz.
+# ATTENTION_PREFILL=1 adds the prefill points, ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes).
+# Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
 # env:KILN_DECODE_DELAY=START,TILE (before attention or timeline): the decode kernel's delay probe, SM cycles spun at
@@ -83,7 +84,7 @@ for step in $steps; do
     attention)
       base=$(fresh "$OUT/attention$tag")
       timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} \
-        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
+        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
       echo "-- attention${tag}" >> "$summary"
       grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
     ncu)

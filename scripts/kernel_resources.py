@@ -111,9 +111,9 @@ def decode_variants(model: str):
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
                               HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
                               NUM_SPLITS=num_splits, USE_PDL=True,
-                              MERGE_CHUNK=td.merge_chunk(q_per_kv, triton.next_power_of_2(s["head_dim"]), num_splits,
-                                                         warps),
-                              PREFETCH_PAGES=prefetch, LEAN=lean)  # fmt: skip
+                              PREFETCH_PAGES=prefetch, LEAN=lean,
+                              **td.merge_constexprs(td.DECODE_MERGE, q_per_kv, triton.next_power_of_2(s["head_dim"]),
+                                                    num_splits, warps))  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, td._decode_split_kernel, constexprs, warps, stages
 

@@ -194,6 +194,25 @@ def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_token
     assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
 
 
+@pytest.mark.parametrize("merge", triton_decode.MERGES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (8, 8)])
+def test_split_kv_decode_merges(merge, num_heads, num_kv_heads):
+    """Each way of merging the splits against the reference, at 32 splits of 16 tokens: 7 query heads a kv head (a
+    power of two padded) and one; the requests use 1, 3, 19 and all 32 splits, so the chunked merges skip (or mask)
+    steps past the splits used; an unknown merge is refused."""
+    query_lens, context_lens = [1, 1, 1, 1], [10, 40, 300, 600]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, 64, 16, torch.float32, DEVICE
+    )
+    ref = reference_attention(q, history, query_lens, 64**-0.5)
+    out = torch.full_like(q, float("nan"))
+    split_kv_decode(q, k, v, kv_cache, metadata, 64**-0.5, out, 32, 16, unsplit_tokens=0, merge=merge)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
+    with pytest.raises(ValueError, match="unknown decode merge"):
+        split_kv_decode(q, k, v, kv_cache, metadata, 64**-0.5, out, 32, 16, merge="tree")
+
+
 def test_kv_write_skips_negative_slots():
     kv_cache = torch.zeros(2, 4, 16, 2, 64, device=DEVICE)
     key = torch.randn(3, 2, 64, device=DEVICE)
