@@ -82,9 +82,28 @@ def _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, of
 
 
 @triton.jit
+def _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """`_merge_step` with the chunk's splits one after another in the code, each a [heads, head_dim] load that
+    hangs on none of the others: the split axis is no tensor axis, so every thread sums its own columns."""
+    QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
+    acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
+    for j in tl.static_range(CHUNK):
+        split = tl.full([QP], c + j, tl.int32)
+        ok = (offs_h < Q_PER_KV) & (split < num_splits)
+        part = first + offs_h * NUM_SPLITS + split
+        m_s = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None], other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        acc += tl.where(m_s > float("-inf"), tl.math.exp2(m_s - m_max), 0.0)[:, None] * a_s
+    return acc
+
+
+@triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_splits, o_offs, stride_o_h,
                   Q_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr, GUARD: tl.constexpr):  # fmt: skip
+                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr, GUARD: tl.constexpr,
+                  ROWS: tl.constexpr):  # fmt: skip
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
     maxima and sums (small), then the accumulators of every head CHUNK splits a step, no step's loads hanging on
@@ -108,7 +127,11 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     m_max3 = m_max[None, :, None]
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
-        if GUARD:  # a step past the splits used is skipped
+        if ROWS:
+            if c < num_splits:
+                acc += _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV,
+                                   NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
+        elif GUARD:  # a step past the splits used is skipped
             if c < num_splits:
                 acc += _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV,
                                    NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
@@ -134,7 +157,7 @@ def merge_constexprs(merge: str, q_per_kv: int, head_dim_p: int, num_splits: int
     if merge not in MERGES:
         raise ValueError(f"unknown decode merge {merge!r}: one of {', '.join(MERGES)}")
     chunk = 0 if merge == "heads" else merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps)
-    return {"MERGE_CHUNK": chunk, "MERGE_GUARD": merge == "chunks"}
+    return {"MERGE_CHUNK": chunk, "MERGE_GUARD": merge == "chunks", "MERGE_ROWS": merge == "rows"}
 
 
 @triton.jit
@@ -166,9 +189,9 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_GUARD: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr, LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
-    DELAY_START: tl.constexpr = 0, DELAY_TILE: tl.constexpr = 0,
+    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_GUARD: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr, LEAN: tl.constexpr, timeline_ptr=None,
+    TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0, DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -286,7 +309,8 @@ def _decode_split_kernel(
                     first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
                     total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
                                           token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK, MERGE_GUARD)  # fmt: skip
+                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK, MERGE_GUARD,
+                                          MERGE_ROWS)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
@@ -351,8 +375,9 @@ DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
 # How the last split merges the partials (`_merge_splits`): "chunks", a kv head's query heads together, `merge_chunk`
 # splits a step; "unguarded", the same with every step run (its loads masked past the splits used) where "chunks"
 # skips a step past them behind a branch; "heads", one head after another, all its splits at once (`_merge_head`,
-# the merge before the eighteenth session). KILN_DECODE_MERGE (A/B runs).
-MERGES = ("chunks", "unguarded", "heads")
+# the merge before the eighteenth session); "rows", `merge_chunk` splits a step as "chunks", one [heads, head_dim]
+# load a split (`_merge_rows`). KILN_DECODE_MERGE (A/B runs).
+MERGES = ("chunks", "unguarded", "heads", "rows")
 DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "chunks")
 # A probe of what the kernel's time hangs on (`split_kv_decode(delay=...)`; A/B runs of bench_attention.py and
 # decode_timeline.py): each program spins START SM cycles after its start stamp, before anything else, and TILE after
