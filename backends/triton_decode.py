@@ -378,7 +378,7 @@ DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
 # the merge before the eighteenth session); "rows", `merge_chunk` splits a step as "chunks", one [heads, head_dim]
 # load a split (`_merge_rows`). KILN_DECODE_MERGE (A/B runs).
 MERGES = ("chunks", "unguarded", "heads", "rows")
-DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "chunks")
+DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "rows")
 # A probe of what the kernel's time hangs on (`split_kv_decode(delay=...)`; A/B runs of bench_attention.py and
 # decode_timeline.py): each program spins START SM cycles after its start stamp, before anything else, and TILE after
 # each full key tile of the lean loop. On the H200 (BENCHMARKS.md, seventeenth session), at batch 64 x 256 a
