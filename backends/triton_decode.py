@@ -67,25 +67,13 @@ def _spin(cycles: tl.constexpr, dep):
 
 
 @triton.jit
-def _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """Splits c .. c + CHUNK of `_merge_splits`' accumulators, each rescaled by its 2^(max_s - max), summed:
-    [heads, head_dim]."""
-    offs_k = c + tl.arange(0, CHUNK)
-    ok_k = (offs_k[:, None, None] < num_splits) & (h3 < Q_PER_KV)  # [CHUNK, QP, 1]
-    part_k = first + h3 * NUM_SPLITS + offs_k[:, None, None]
-    m_k = tl.load(part_max_ptr + part_k, mask=ok_k, other=float("-inf"), cache_modifier=".cg")
-    a_k = tl.load(part_acc_ptr + part_k * HEAD_DIM_P + offs_d[None, None, :], mask=ok_k, other=0.0,
-                  cache_modifier=".cg")  # fmt: skip
-    w = tl.where(m_k > float("-inf"), tl.math.exp2(m_k - m_max3), 0.0)
-    return tl.sum(w * a_k, 0)
-
-
-@triton.jit
 def _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """`_merge_step` with the chunk's splits one after another in the code, each a [heads, head_dim] load that
-    hangs on none of the others: the split axis is no tensor axis, so every thread sums its own columns."""
+    """Splits c .. c + CHUNK of `_merge_splits`' accumulators, each rescaled by its 2^(max_s - max), summed: one
+    [heads, head_dim] load a split, one after another in the code, none hanging on another's result. The split axis
+    is no tensor axis, so each thread sums its own columns: as one [CHUNK, heads, head_dim] load summed over its
+    first axis, triton 3.6 laid the sum out across threads (warp shuffles and shared-memory round trips, 521 and 523
+    of them in Qwen2.5-7B's 64-split build) and the merge took 2-3x as long (BENCHMARKS.md, nineteenth session)."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for j in tl.static_range(CHUNK):
@@ -102,13 +90,11 @@ def _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max,
 @triton.jit
 def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_splits, o_offs, stride_o_h,
                   Q_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr, GUARD: tl.constexpr,
-                  ROWS: tl.constexpr):  # fmt: skip
+                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
-    maxima and sums (small), then the accumulators of every head CHUNK splits a step, no step's loads hanging on
-    another's results (how Triton lays the step out across threads is its own: under triton 3.6 the sum over the
-    chunk's splits takes warp shuffles). Returns the largest sum (the timeline's stamp waits on it)."""
+    maxima and sums (small), then the accumulators of every head CHUNK splits a step (`_merge_rows`), a step past
+    the splits used skipped. Returns the largest sum (the timeline's stamp waits on it)."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
     offs_h = tl.arange(0, QP)
@@ -121,22 +107,11 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a head no split has seen a key for
     total = tl.sum(tl.where(m > float("-inf"), tl.math.exp2(m - m_max[:, None]), 0.0) * l_s, 1)
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
-    # then [CHUNK, heads, head_dim] a step, summed over the chunk's splits
     offs_d = tl.arange(0, HEAD_DIM_P)
-    h3 = offs_h[None, :, None]
-    m_max3 = m_max[None, :, None]
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
-        if ROWS:
-            if c < num_splits:
-                acc += _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV,
-                                   NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
-        elif GUARD:  # a step past the splits used is skipped
-            if c < num_splits:
-                acc += _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV,
-                                   NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
-        else:  # every step runs, its loads masked past the splits used
-            acc += _merge_step(part_acc_ptr, part_max_ptr, first, num_splits, c, h3, m_max3, offs_d, Q_PER_KV,
+        if c < num_splits:
+            acc += _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV,
                                NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
     o_ptrs = out_ptr + o_offs + offs_h[:, None] * stride_o_h + offs_d[None, :]
     tl.store(o_ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
@@ -153,11 +128,10 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
 
 
 def merge_constexprs(merge: str, q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int) -> dict:
-    """The decode kernel's MERGE_CHUNK (0: one head after another) and MERGE_GUARD for one of MERGES."""
+    """The decode kernel's MERGE_CHUNK for one of MERGES (0: one head after another)."""
     if merge not in MERGES:
         raise ValueError(f"unknown decode merge {merge!r}: one of {', '.join(MERGES)}")
-    chunk = 0 if merge == "heads" else merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps)
-    return {"MERGE_CHUNK": chunk, "MERGE_GUARD": merge == "chunks", "MERGE_ROWS": merge == "rows"}
+    return {"MERGE_CHUNK": 0 if merge == "heads" else merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps)}
 
 
 @triton.jit
@@ -189,9 +163,9 @@ def _decode_split_kernel(
     stride_q_h, stride_key, stride_value, stride_o_t, stride_o_h, stride_block_table, min_split_pages, unsplit_pages,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_GUARD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr, LEAN: tl.constexpr, timeline_ptr=None,
-    TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0, DELAY_TILE: tl.constexpr = 0,
+    NUM_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+    LEAN: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False, DELAY_START: tl.constexpr = 0,
+    DELAY_TILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -309,8 +283,7 @@ def _decode_split_kernel(
                     first = (req * NUM_HEADS + kv_head * Q_PER_KV) * NUM_SPLITS
                     total = _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, splits,
                                           token * stride_o_t + kv_head * Q_PER_KV * stride_o_h, stride_o_h, Q_PER_KV,
-                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK, MERGE_GUARD,
-                                          MERGE_ROWS)  # fmt: skip
+                                          NUM_SPLITS, HEAD_DIM, HEAD_DIM_P, MERGE_CHUNK)  # fmt: skip
                 if TIMELINE:
                     t, _ = _stamp(total.to(tl.int32, bitcast=True))
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
@@ -372,12 +345,13 @@ PREFETCH_PAGES = os.environ.get("KILN_DECODE_PREFETCH_PAGES", "0") == "1"
 # context points, 64 x 2 x 3: e.g. 64 x 256 23.0 -> 22.3 µs, 16 x 256 11.3 -> 9.9; BENCHMARKS.md, fourteenth
 # session). KILN_DECODE_LEAN=0 turns it off (A/B runs).
 DECODE_LEAN = os.environ.get("KILN_DECODE_LEAN", "1") == "1"
-# How the last split merges the partials (`_merge_splits`): "chunks", a kv head's query heads together, `merge_chunk`
-# splits a step; "unguarded", the same with every step run (its loads masked past the splits used) where "chunks"
-# skips a step past them behind a branch; "heads", one head after another, all its splits at once (`_merge_head`,
-# the merge before the eighteenth session); "rows", `merge_chunk` splits a step as "chunks", one [heads, head_dim]
-# load a split (`_merge_rows`). KILN_DECODE_MERGE (A/B runs).
-MERGES = ("chunks", "unguarded", "heads", "rows")
+# How the last split merges the partials: "rows", a kv head's query heads together, `merge_chunk` splits a step, one
+# [heads, head_dim] load a split (`_merge_splits`); "heads", one head after another, all its splits at once
+# (`_merge_head`, the merge before the eighteenth session). On the H200 "rows" was the fastest of the two and of the
+# eighteenth session's one [CHUNK, heads, head_dim] load a step at every batch 1, 16 and 64 point timed at three
+# models' shapes (e.g. the kernel at Qwen2.5-7B's 1 x 8k 34.6 -> 14.3 µs; the whole batch-1 decode step at 8k 195 ->
+# 234 tokens/s, the 8B's 216 -> 223: BENCHMARKS.md, nineteenth session). KILN_DECODE_MERGE (A/B runs).
+MERGES = ("rows", "heads")
 DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "rows")
 # A probe of what the kernel's time hangs on (`split_kv_decode(delay=...)`; A/B runs of bench_attention.py and
 # decode_timeline.py): each program spins START SM cycles after its start stamp, before anything else, and TILE after

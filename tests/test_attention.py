@@ -198,8 +198,8 @@ def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_token
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (8, 8)])
 def test_split_kv_decode_merges(merge, num_heads, num_kv_heads):
     """Each way of merging the splits against the reference, at 32 splits of 16 tokens: 7 query heads a kv head (a
-    power of two padded) and one; the requests use 1, 3, 19 and all 32 splits, so the chunked merges skip (or mask)
-    steps past the splits used; an unknown merge is refused."""
+    power of two padded) and one; the requests use 1, 3, 19 and all 32 splits, so "rows" skips steps past the splits
+    used and masks the rest of a partial step; an unknown merge is refused."""
     query_lens, context_lens = [1, 1, 1, 1], [10, 40, 300, 600]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, num_heads, num_kv_heads, 64, 16, torch.float32, DEVICE
