@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
+from kiln.backends.decode_merge import MERGES
 from kiln.backends.triton_attention import unified_attention
-from kiln.backends.triton_decode import MERGES, decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from kiln.engine.presets import PRESETS
@@ -279,7 +280,7 @@ def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
 def parse_config(name: str) -> dict:
     """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
     without it the masked loop, not the default), then sN (N splits at any context), then mN (splits of N tokens or
-    more), then -MERGE (one of triton_decode.MERGES) -> split_kv_decode's keywords."""
+    more), then -MERGE (one of decode_merge.MERGES) -> split_kv_decode's keywords."""
     merges = "|".join(MERGES)
     m = re.fullmatch(rf"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?(?:m(\d+))?(?:-({merges}))?", name)
     if not m:

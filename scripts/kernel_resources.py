@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.backends import fused_kernels, gemv
+from kiln.backends import decode_merge, fused_kernels, gemv
 from kiln.backends import triton_attention as ta
 from kiln.backends import triton_decode as td
 from kiln.compile import pin_triton_setup
@@ -107,13 +107,13 @@ def decode_variants(model: str):
                 continue  # never launched: it is chosen from 2,048 programs on, where decode_num_splits gives one split
             pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
             lean = lean and not prefetch and pow2
+            head_dim_p = triton.next_power_of_2(s["head_dim"])
             constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
                               GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
-                              HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16, TILE_N=tile_n,
-                              NUM_SPLITS=num_splits, USE_PDL=True,
-                              PREFETCH_PAGES=prefetch, LEAN=lean,
-                              **td.merge_constexprs(td.DECODE_MERGE, q_per_kv, triton.next_power_of_2(s["head_dim"]),
-                                                    num_splits, warps))  # fmt: skip
+                              HEAD_DIM_P=head_dim_p, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SPLITS=num_splits,
+                              USE_PDL=True, PREFETCH_PAGES=prefetch, LEAN=lean,
+                              **decode_merge.merge_constexprs(decode_merge.DECODE_MERGE, q_per_kv, head_dim_p,
+                                                              num_splits, warps))  # fmt: skip
             name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
             yield name, td._decode_split_kernel, constexprs, warps, stages
 

@@ -9,7 +9,7 @@ import torch
 import triton
 from attention_reference import make_paged_batch, reference_attention
 
-from kiln.backends import AttentionMetadata, get_attention_backend, triton_decode
+from kiln.backends import AttentionMetadata, decode_merge, get_attention_backend, triton_decode
 from kiln.backends.arrivals import arrival_counts
 from kiln.backends.triton_attention import unified_attention, write_kv
 from kiln.backends.triton_decode import (
@@ -194,7 +194,7 @@ def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_token
     assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
 
 
-@pytest.mark.parametrize("merge", triton_decode.MERGES)
+@pytest.mark.parametrize("merge", decode_merge.MERGES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (8, 8)])
 def test_split_kv_decode_merges(merge, num_heads, num_kv_heads):
     """Each way of merging the splits against the reference, at 32 splits of 16 tokens: 7 query heads a kv head (a
@@ -226,12 +226,12 @@ def test_kv_write_skips_negative_slots():
 def test_merge_chunk():
     """The merge's step: its loads of fp32 accumulators about 64 registers a thread, a power of two, no more than
     the splits."""
-    assert triton_decode.merge_chunk(4, 128, 64, 2) == 8  # [8, 4, 128] over 64 threads: 64 a thread
-    assert triton_decode.merge_chunk(4, 128, 64, 4) == 16  # [16, 4, 128] over 128 threads: 64
-    assert triton_decode.merge_chunk(4, 64, 32, 2) == 16
-    assert triton_decode.merge_chunk(1, 128, 3, 2) == 4  # one head: all (3, padded to 4) in one step
+    assert decode_merge.merge_chunk(4, 128, 64, 2) == 8  # [8, 4, 128] over 64 threads: 64 a thread
+    assert decode_merge.merge_chunk(4, 128, 64, 4) == 16  # [16, 4, 128] over 128 threads: 64
+    assert decode_merge.merge_chunk(4, 64, 32, 2) == 16
+    assert decode_merge.merge_chunk(1, 128, 3, 2) == 4  # one head: all (3, padded to 4) in one step
     for q_per_kv, head_dim, splits, warps in itertools.product((1, 2, 4, 8), (64, 128), (2, 5, 64), (1, 2, 4)):
-        chunk = triton_decode.merge_chunk(q_per_kv, head_dim, splits, warps)
+        chunk = decode_merge.merge_chunk(q_per_kv, head_dim, splits, warps)
         assert chunk & (chunk - 1) == 0 and chunk <= triton.next_power_of_2(splits)
         per_thread = triton.next_power_of_2(q_per_kv) * chunk * head_dim / (32 * warps)
         assert per_thread <= 64 and (per_thread > 32 or chunk in (1, triton.next_power_of_2(splits)))
