@@ -60,7 +60,9 @@ tag=
 for step in $steps; do
   case $step in
     env:*)
-      export "${step#env:}"; tag="${tag}_${step#env:}"; tag=${tag//=/}
+      # the log names carry each setting, its first 32 characters without = and , (a long value, e.g. a config
+      # sweep, once made a name past the 255 a file may have); a name taken twice is numbered by `fresh`
+      export "${step#env:}"; short=${step#env:}; short=${short//[=,]/}; tag="${tag}_${short:0:32}"
       echo "-- from here on: ${step#env:}" >> "$summary" ;;
     resources)
       # registers, spills and shared memory of the hot kernels, compiled with the toolchain the engine uses here
