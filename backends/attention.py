@@ -45,9 +45,10 @@ class AttentionBackend(ABC):
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
     ) -> None: ...
 
-    def decode_variant(self, num_reqs: int, num_kv_heads: int) -> Hashable:
-        """What a decode-only batch of `num_reqs` requests runs as (kernel variant, launch config): batches of one
-        variant need one warm-up between them before any is captured or served. One variant unless overridden."""
+    def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Hashable:
+        """What a decode-only batch of `num_reqs` requests runs as (kernel variant, launch config) with this many
+        query and kv heads (on this GPU) of `head_dim`: batches of one variant need one warm-up between them before
+        any is captured or served. One variant unless overridden."""
         return None
 
 

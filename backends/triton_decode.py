@@ -200,7 +200,8 @@ def _decode_split_kernel(
                     tl.store(timeline_ptr + trow * TIMELINE_COLUMNS + TIMELINE_MERGED, t)
 
 
-def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
+def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64,
+                      merge_width: int = 0) -> int:  # fmt: skip
     """The most splits that keep (requests x kv heads x splits) within one wave of the launch config: four programs
     per SM, two for the few-request config (its 128-key tile with 4 warps fits two or three an SM, by registers and
     shared memory, at the 8B's shapes); more than half of that unless one split already gives it. (Measured on the
@@ -210,10 +211,29 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int, max_splits
     10.0, 26.4, 58.4, BENCHMARKS.md, eighteenth session.) It depends only on the batch size, so a CUDA graph
     captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at most
     log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the kernel's
-    `min_split_pages`)."""
+    `min_split_pages`). `merge_width` (`decode_merge_width`): the floats each split adds to the partials one
+    (request, kv head)'s merge reads; no more splits than keep those within MAX_MERGE_FLOATS."""
+    if merge_width and MAX_MERGE_FLOATS:
+        max_splits = min(max_splits, max(1, MAX_MERGE_FLOATS // merge_width))
     per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
     splits = max(1, min(max_splits, per_sm * num_sms // (num_reqs * num_kv_heads)))
     return 1 << (splits.bit_length() - 1)
+
+
+def decode_merge_width(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """The floats of partials a split adds to its (request, kv head)'s merge: its query heads' accumulators."""
+    return num_heads // num_kv_heads * triton.next_power_of_2(head_dim)
+
+
+# The most floats of partials the last split of a (request, kv head) merges (128 KB), which caps the split count
+# where a kv head has many query heads of 128 dims: Qwen2.5-7B (7 a kv head, 4 kv heads) at batch 1 would take 64
+# splits by the grid alone, its merging program then reading 229 KB in a row; at 32 its decode kernel alone on the
+# H200 took 11.7-11.8 µs at 8k of context against 14.3-14.4 (16.7-16.8 -> 12.4 back to back) and at 32k 30.6-31.0
+# against 29.3-29.8 (back to back 29.0-29.1 against 31.6-32.0), in two sessions (BENCHMARKS.md, nineteenth and
+# twentieth). Qwen2.5-0.5B (head_dim 64: 28,672 floats at 64 splits) keeps 64, which it needs at 32k (13.0 against
+# 17.4 µs), and the 8B and the 1B (4 query heads a kv head) are held at 32 by the grid first. 0 turns it off
+# (KILN_DECODE_MAX_MERGE_FLOATS, read once at import: A/B runs of whole decode steps).
+MAX_MERGE_FLOATS = int(os.environ.get("KILN_DECODE_MAX_MERGE_FLOATS", str(32 * 1024)))
 
 
 # Each decode's (request, kv head) counts its splits' arrivals (`kiln.backends.arrivals`), in one buffer per device

@@ -356,8 +356,10 @@ class ModelRunner:
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
         most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
-        kv_heads = self.kv_caches[0].shape[-2]
-        first_of_variant = {self.backend.decode_variant(n, kv_heads): n for n in range(most, 0, -1)}  # the smallest
+        kv_heads, head_dim = self.kv_caches[0].shape[-2:]
+        heads = kv_heads * (self.model.config.num_heads // self.model.config.num_kv_heads)  # on this GPU
+        variants = {n: self.backend.decode_variant(n, heads, kv_heads, head_dim) for n in range(1, most + 1)}
+        first_of_variant = {v: n for n, v in reversed(variants.items())}  # the smallest
         for num_reqs in sorted({*first_of_variant.values(), most if self.device.type == "cuda" else min(4, most)}):
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)

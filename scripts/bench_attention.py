@@ -27,12 +27,13 @@ import triton.language as tl
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.decode_merge import MERGES
 from kiln.backends.triton_attention import unified_attention
-from kiln.backends.triton_decode import decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import split_kv_decode
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from kiln.engine.presets import PRESETS
 
 PEAK_BYTES_PER_S = 4.3e12
+DECODE_BATCHES, DECODE_CONTEXTS = (1, 16, 64, 256), (256, 2048, 8192, 32768)  # the grid
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B's; --model sets the first three
 
 
@@ -182,7 +183,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
     b2b_ms = back_to_back_ms(lambda c: backend.forward(q, k_new, v_new, c, metadata, HEAD_DIM**-0.5, out), caches)
-    chosen = decode_num_splits(batch, NUM_KV_HEADS, backend.num_sms)
+    chosen = backend.decode_splits(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
     # The decode kernel alone (it writes the K/V too) at each split count: what the split heuristic should pick
     sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out,
                                                           s)) * 1e3 for s in splits}  # fmt: skip
@@ -314,13 +315,17 @@ def main() -> None:
     use_model_shapes(args.model)
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
+    grid = {(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS}
+    if shapes - grid:  # a point outside the grid would be passed over without a word
+        raise SystemExit(f"--shapes {args.shapes}: not in the grid (batch {DECODE_BATCHES} x context "
+                         f"{DECODE_CONTEXTS}): {sorted(shapes - grid)}")  # fmt: skip
     configs = {c: parse_config(c) for c in args.config_sweep.split(",") if c}
     splits = [int(x) for x in args.split_sweep.split(",") if x]
     min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
     backend = get_attention_backend("triton")
     rows = []
-    for batch in (1, 16, 64, 256):
-        for context in (256, 2048, 8192, 32768):
+    for batch in DECODE_BATCHES:
+        for context in DECODE_CONTEXTS:
             if batch * context <= args.max_tokens and (not shapes or (batch, context) in shapes):
                 rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
                 torch.cuda.empty_cache()

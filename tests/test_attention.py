@@ -17,7 +17,9 @@ from kiln.backends.triton_decode import (
     DECODE_CONFIG_FEW,
     DECODE_CONFIG_MANY,
     FEW_REQUESTS,
+    MAX_MERGE_FLOATS,
     decode_config,
+    decode_merge_width,
     decode_num_splits,
     split_kv_decode,
 )
@@ -255,6 +257,24 @@ def test_decode_num_splits_fills_the_gpu():
         per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
         assert splits == 64 or per_sm * 132 // 2 < num_reqs * 8 * splits <= per_sm * 132 or splits == 1
     assert {decode_num_splits(n, 8, 132) for n in range(1, 513)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_decode_num_splits_caps_the_merge():
+    """No more splits than keep the partials one (request, kv head)'s last split merges within MAX_MERGE_FLOATS;
+    below the cap the grid alone decides."""
+    assert decode_merge_width(28, 4, 128) == 7 * 128  # Qwen2.5-7B: 7 query heads a kv head
+    assert decode_merge_width(14, 2, 80) == 7 * 128  # head_dim padded to a power of two, as the partials are
+    for heads, kv_heads, head_dim in ((28, 4, 128), (14, 2, 64), (32, 8, 128), (32, 8, 64), (64, 8, 128), (8, 1, 256)):
+        width = decode_merge_width(heads, kv_heads, head_dim)
+        for num_reqs in range(1, 300):
+            grid = decode_num_splits(num_reqs, kv_heads, 132)
+            splits = decode_num_splits(num_reqs, kv_heads, 132, merge_width=width)
+            assert splits * width <= MAX_MERGE_FLOATS or splits == 1
+            assert splits == grid or (splits < grid and 2 * splits * width > MAX_MERGE_FLOATS)
+            assert splits & (splits - 1) == 0  # a power of two: few kernel variants
+    # Qwen2.5-7B at batch 1 now takes 32 splits where the grid gives 64; Qwen2.5-0.5B keeps 64
+    assert decode_num_splits(1, 4, 132) == 64 == decode_num_splits(1, 2, 132, merge_width=decode_merge_width(14, 2, 64))
+    assert decode_num_splits(1, 4, 132, merge_width=decode_merge_width(28, 4, 128)) == 32
 
 
 def test_large_grid_config_runs_unsplit():
