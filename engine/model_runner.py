@@ -348,19 +348,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Dummy steps (all K/V into the scratch block) before anything is served or captured: the one Dynamo trace,
-        and every kernel variant a step can need, so none is JIT-compiled while serving or inside a capture: prefills
-        of 16 and 64 tokens (the Triton attention kernel's two query-tile sizes), a decode of each variant the backend
-        runs 1 to the most requests as (one request is also the one-row matmul's case), and the argmax kernel."""
+        """Dummy steps (K/V into the scratch block) first, so no kernel is JIT-compiled while serving or capturing:
+        the one Dynamo trace, prefills of 16 and 64 tokens (the Triton attention's two query tiles), a decode of each
+        variant the backend runs 1 to the most requests as (one: the one-row matmul's too), the argmax kernel."""
         longest = max(2, min(self.max_model_len - 1, self.inputs.max_tokens))  # the trace needs >= 2 tokens
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
         most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
         kv_heads, head_dim = self.kv_caches[0].shape[-2:]
         heads = kv_heads * (self.model.config.num_heads // self.model.config.num_kv_heads)  # on this GPU
-        variants = {n: self.backend.decode_variant(n, heads, kv_heads, head_dim) for n in range(1, most + 1)}
-        first_of_variant = {v: n for n, v in reversed(variants.items())}  # the smallest
-        for num_reqs in sorted({*first_of_variant.values(), most if self.device.type == "cuda" else min(4, most)}):
+        smallest_of = {self.backend.decode_variant(n, heads, kv_heads, head_dim): n for n in range(most, 0, -1)}
+        for num_reqs in sorted({*smallest_of.values(), most if self.device.type == "cuda" else min(4, most)}):
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
             for dtype in {next(self.model.parameters()).dtype, torch.float32}:
