@@ -17,7 +17,7 @@ import triton.language as tl
 from kiln.backends.attention import AttentionBackend, register_backend
 from kiln.backends.attention_tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
 from kiln.backends.forward_context import AttentionMetadata
-from kiln.backends.triton_decode import decode_config, decode_merge_width, decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import decode_config, decode_splits, split_kv_decode
 
 
 @triton.jit
@@ -169,18 +169,13 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, tuple[int, int, int]]:  # fmt: skip
         """The split count (the kernel is specialised on it) and the launch config."""
-        splits = self.decode_splits(num_reqs, num_heads, num_kv_heads, head_dim)
+        splits = decode_splits(num_reqs, num_heads, num_kv_heads, head_dim, self.num_sms)
         return splits, decode_config(num_reqs * num_kv_heads * splits, num_reqs)
-
-    def decode_splits(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-        """The split count a decode-only batch runs with: by the grid, capped by the merge's partials."""
-        width = decode_merge_width(num_heads, num_kv_heads, head_dim)
-        return decode_num_splits(num_reqs, num_kv_heads, self.num_sms, merge_width=width)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
         if metadata.max_query_len == 1:
             num_reqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
-            num_splits = self.decode_splits(num_reqs, num_heads, kv_cache.shape[-2], head_dim)
+            num_splits = decode_splits(num_reqs, num_heads, kv_cache.shape[-2], head_dim, self.num_sms)
             split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits)
         else:
             write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])

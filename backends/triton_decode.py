@@ -225,6 +225,12 @@ def decode_merge_width(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     return num_heads // num_kv_heads * triton.next_power_of_2(head_dim)
 
 
+def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """The split count a decode-only batch runs with: by the grid, capped by the merge's partials."""
+    width = decode_merge_width(num_heads, num_kv_heads, head_dim)
+    return decode_num_splits(num_reqs, num_kv_heads, num_sms, merge_width=width)
+
+
 # The most floats of partials the last split of a (request, kv head) merges (128 KB), which caps the split count
 # where a kv head has many query heads of 128 dims: Qwen2.5-7B (7 a kv head, 4 kv heads) at batch 1 would take 64
 # splits by the grid alone, its merging program then reading 229 KB in a row; at 32 its decode kernel alone on the

@@ -27,7 +27,7 @@ import triton.language as tl
 from kiln.backends import AttentionMetadata, fused_kernels, get_attention_backend
 from kiln.backends.decode_merge import MERGES
 from kiln.backends.triton_attention import unified_attention
-from kiln.backends.triton_decode import split_kv_decode
+from kiln.backends.triton_decode import decode_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from kiln.engine.presets import PRESETS
@@ -183,7 +183,7 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
     b2b_ms = back_to_back_ms(lambda c: backend.forward(q, k_new, v_new, c, metadata, HEAD_DIM**-0.5, out), caches)
-    chosen = backend.decode_splits(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    chosen = decode_splits(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, backend.num_sms)
     # The decode kernel alone (it writes the K/V too) at each split count: what the split heuristic should pick
     sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out,
                                                           s)) * 1e3 for s in splits}  # fmt: skip

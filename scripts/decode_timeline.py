@@ -32,8 +32,7 @@ def run(batch: int, context: int, kwargs: dict, contiguous: bool = False) -> dic
         table.copy_(torch.arange(1, table.numel() + 1, dtype=table.dtype, device=table.device).view_as(table))
         metadata.slot_mapping.copy_(table[:, -1].long() * ba.BLOCK_SIZE + ba.BLOCK_SIZE - 1)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    width = td.decode_merge_width(ba.NUM_HEADS, ba.NUM_KV_HEADS, ba.HEAD_DIM)
-    splits = kwargs.pop("num_splits", td.decode_num_splits(batch, ba.NUM_KV_HEADS, num_sms, merge_width=width))
+    splits = kwargs.pop("num_splits", td.decode_splits(batch, ba.NUM_HEADS, ba.NUM_KV_HEADS, ba.HEAD_DIM, num_sms))
     programs = batch * ba.NUM_KV_HEADS * splits
     kv_bytes = 2 * batch * context * ba.NUM_KV_HEADS * ba.HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(ba.kv_copies(kv_bytes) - 1)]

@@ -12,7 +12,7 @@ import torch
 import triton
 from bench_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _read_kernel, decode_inputs
 
-from kiln.backends.triton_decode import decode_merge_width, decode_num_splits, split_kv_decode
+from kiln.backends.triton_decode import decode_splits, split_kv_decode
 from kiln.compile import pin_triton_setup
 
 READ_CONFIG = (4096, 4, 8)  # elements a block, blocks a program, warps: among the fastest on the H200
@@ -20,8 +20,7 @@ READ_CONFIG = (4096, 4, 8)  # elements a block, blocks a program, warps: among t
 
 def run_point(batch: int, context: int, num_sms: int) -> None:
     kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
-    width = decode_merge_width(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-    splits = decode_num_splits(batch, NUM_KV_HEADS, num_sms, merge_width=width)
+    splits = decode_splits(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_sms)
     for _ in range(2):
         split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out, splits)
     n = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
