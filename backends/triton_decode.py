@@ -236,8 +236,9 @@ def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: in
 # splits by the grid alone, its merging program then reading 229 KB in a row; at 32 its decode kernel alone on the
 # H200 took 11.7-11.8 µs at 8k of context against 14.3-14.4 (16.7-16.8 -> 12.4 back to back) and at 32k 30.6-31.0
 # against 29.3-29.8 (back to back 29.0-29.1 against 31.6-32.0), in two sessions (BENCHMARKS.md, nineteenth and
-# twentieth). Qwen2.5-0.5B (head_dim 64: 28,672 floats at 64 splits) keeps 64, which it needs at 32k (13.0 against
-# 17.4 µs), and the 8B and the 1B (4 query heads a kv head) are held at 32 by the grid first. 0 turns it off
+# twentieth); its decode step end to end within noise (251, 236, 215-217 tokens/s at 2k, 8k, 24k against 251, 235,
+# 220: twenty-first). Qwen2.5-0.5B (head_dim 64: 28,672 floats at 64 splits) keeps 64, which it needs at 32k (13.0
+# against 17.4 µs), and the 8B and the 1B (4 query heads a kv head) are held at 32 by the grid first. 0 turns it off
 # (KILN_DECODE_MAX_MERGE_FLOATS, read once at import: A/B runs of whole decode steps).
 MAX_MERGE_FLOATS = int(os.environ.get("KILN_DECODE_MAX_MERGE_FLOATS", str(32 * 1024)))
 
