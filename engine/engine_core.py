@@ -210,9 +210,13 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.grammar_admission.add(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], uncache: bool = False) -> None:
+        """`uncache`: also forget the hashes of their blocks (after an error or an interrupt, when a forward
+        pass may have stopped before it wrote their KV)."""
         for request_id in request_ids:
             self.grammar_admission.waiting.pop(request_id, None)
+            if uncache:
+                self.kv_cache_manager.uncache(request_id)
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -252,14 +256,15 @@ class EngineCore:
             except WorkerDiedError:
                 self.in_flight = None
                 raise  # no request is at fault and no step can run: the engine is down
-            except Exception:
-                if not isolate_failures:
+            except BaseException as exc:
+                # NOTE: the failed pass (an error, or Ctrl-C offline) may have written some of these blocks' KV
+                # and not others, and they were hashed when allocated: no prefix lookup may find them now.
+                for request in batch.requests:
+                    self.kv_cache_manager.uncache(request.request_id)
+                if not isolate_failures or not isinstance(exc, Exception):
                     self.in_flight = None
                     raise
                 logger.exception("a step of %d requests failed; retrying them one by one", len(batch.requests))
-                # NOTE: the failed pass may have written some of these blocks' KV and not others.
-                for request in batch.requests:
-                    self.kv_cache_manager.uncache(request.request_id)
                 if self.in_flight is not None:
                     outputs += self._collect(self.in_flight)
                 return outputs + [out for i in range(len(batch.requests)) for out in self._run_alone(batch.single(i))]

@@ -86,7 +86,8 @@ class LLM:
                 results.append(self._add(prompt, params, sequences))
             self._run(sequences, use_tqdm)
         except BaseException:
-            self.engine.abort_requests(list(sequences))
+            # an interrupted or failed step may have left their blocks' KV half written
+            self.engine.abort_requests(list(sequences), uncache=True)
             raise
         return results
 
@@ -108,7 +109,7 @@ class LLM:
             child_id = f"{request_id}-{index}"
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = dataclasses.replace(params, seed=params.seed + index)
+                child_params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)  # as the server's
             self.engine.add_request(child_id, token_ids, child_params)
             text = None
             if params.stop:

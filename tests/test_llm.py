@@ -120,6 +120,39 @@ def test_bad_requests_raise_and_leave_engine_clean(llm):
     assert free == llm.engine.num_kv_blocks - 1
 
 
+def test_n_with_the_largest_seed_wraps_like_the_server(llm):
+    """Child j of n draws with seed (seed + j) mod 2**64, the range a torch.Generator takes."""
+    params = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    both = llm.generate([[5, 6, 7]], SamplingParams(n=2, seed=2**64 - 1, **params), use_tqdm=False)[0].outputs
+    alone = [llm.generate([[5, 6, 7]], SamplingParams(seed=s, **params), use_tqdm=False)[0].outputs[0]
+             for s in (2**64 - 1, 0)]  # fmt: skip
+    assert [c.token_ids for c in both] == [c.token_ids for c in alone]
+
+
+def test_an_interrupted_step_leaves_no_prefix_behind(llm):
+    """Ctrl-C (or any error) inside a forward pass: the blocks it allocated were hashed before their KV was
+    written, so the next prompt sharing that prefix must not be served from them."""
+    prompt = list(range(10, 46))  # two full blocks and a bit
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.kv_cache_manager.reset_prefix_cache()
+    runner, forward = llm.engine.runner, llm.engine.runner.forward
+
+    def interrupted(*args, **kwargs):
+        runner.forward = forward
+        raise KeyboardInterrupt
+
+    runner.forward = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        runner.forward = forward
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1
+
+
 def test_max_tokens_none_fills_context(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32)
     out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
