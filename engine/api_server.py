@@ -94,7 +94,9 @@ async def auth_middleware(request: web.Request, handler):
         request[KEY] = keys.authenticate(given)
         valid = request[KEY] is not None
     else:
-        valid = not state.api_key or hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
+        expected = f"Bearer {state.api_key}".encode()
+        # a header's non-UTF-8 bytes come as lone surrogates (aiohttp decodes it with surrogateescape)
+        valid = not state.api_key or hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)
     if not valid:
         return error_response(invalid_key_error())
     return await handler(request)
@@ -138,7 +140,10 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 async def read_json(request: web.Request) -> Any:
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:  # ValueError: also an integer of more than 4300 digits
         raise APIError(400, f"the body is not valid JSON: {type(e).__name__}") from None
     # NOTE: JSON may escape a lone UTF-16 surrogate (`"\ud800"`); it decodes to a str that neither the

@@ -72,7 +72,8 @@ class KeyEntry:
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    # NOTE: aiohttp hands a header's non-UTF-8 bytes over as lone surrogates (surrogateescape): they hash to no key
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def load_key_file(path: str | Path) -> list[KeyEntry]:

@@ -66,6 +66,9 @@ CHAT_HI = [{"role": "user", "content": "hi"}]
 NASTY = [
     b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',  # invalid UTF-8
     b'{"prompt": "a\\ud800b", "max_tokens": 2}',  # a lone surrogate, escaped
+    b'{"prompt": "hi \xed\xa0\x80", "max_tokens": 2}',  # ... and encoded as UTF-8 would (not valid UTF-8)
+    b'{"messages": [{"role": "user", "content": "\xed\xb3\xbf"}], "max_tokens": 2}',
+    b'{"prompt": "hi", "max_tokens": 2, "stop": ["\xed\xa0\x80"]}',
     b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
     b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}',
     b"[" * 200_000,  # deep nesting
@@ -98,6 +101,12 @@ def test_nasty_bodies_never_5xx(fuzz_server, payload, chat):
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     status, out = fuzz_server.post("/v1/chat/completions" if chat else "/v1/completions", body)
     assert_clean_error(status, out, payload if isinstance(payload, bytes) else list(payload))
+
+
+def test_a_lone_surrogate_encoded_in_the_body_is_a_400_on_tokenize(fuzz_server):
+    for body in (b'{"prompt": "hi \xed\xa0\x80"}', b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'):
+        status, out = fuzz_server.post("/tokenize", body)
+        assert status == 400 and "UTF-8" in json.loads(out)["error"]["message"], out[:300]
 
 
 def test_fuzz_left_the_server_healthy(fuzz_server):

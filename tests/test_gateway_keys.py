@@ -247,6 +247,14 @@ def test_reload_keeps_state_by_name_and_a_bad_file_keeps_the_old_keys(tmp_path):
     assert keys.authenticate(f"Bearer {ERIN}") is not None and len(keys) == 2
 
 
+def test_a_header_of_non_utf8_bytes_is_no_key(tmp_path):
+    """aiohttp hands a header's non-UTF-8 bytes over as lone surrogates (surrogateescape): no key, no exception."""
+    keys = store(tmp_path, FakeClock(), {"name": "a", "sha256": sha(ALICE)})
+    for given in ("Bearer \udcff\udcfe", f"Bearer {ALICE}\udce9", "\udce9"):
+        assert keys.authenticate(given) is None
+    assert keys.authenticate(f"Bearer {ALICE}") is not None
+
+
 def test_a_key_revoked_while_its_request_is_being_prepared_is_not_admitted(tmp_path):
     keys = store(tmp_path, FakeClock(), {"name": "a", "sha256": sha(ALICE)}, {"name": "d", "sha256": sha(DAVE)})
     dave = keys.authenticate(f"Bearer {DAVE}")  # past the auth middleware, still tokenizing ...

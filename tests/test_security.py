@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -56,6 +57,19 @@ def test_every_route_but_health_and_metrics_needs_the_key(server, method, path):
             assert status == 401, (trick, key, status, raw[:200])
             assert json.loads(raw)["error"]["type"] == "authentication_error"
     assert server.request(method, path, body)[0] != 401  # the right key gets past the door
+
+
+@pytest.mark.parametrize("given", [b"Bearer \xff\xfe", b"Bearer " + API_KEY.encode() + b"\xe9", b"\xe9"])
+def test_a_key_of_non_utf8_bytes_is_refused(server, given):
+    """A header that is not UTF-8 is a wrong key (401), not a server error."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: " + given + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    status, body = int(raw.split(b" ", 2)[1]), raw.partition(b"\r\n\r\n")[2]
+    assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error", raw[:300]
 
 
 def test_health_and_metrics_are_open_and_nothing_else_is(server):
