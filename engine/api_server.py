@@ -27,7 +27,6 @@ from kiln.engine.responses import ServerShutdown
 from kiln.engine.serving import (
     ServerState,
     check_model,
-    encode,
     encode_chat,
     encode_prompt,
     run_request,
@@ -160,9 +159,10 @@ async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     body = await read_json(request)
     if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-        ids = await encode(state, body["prompt"])
+        ids = await encode_prompt(state, body["prompt"])
     elif isinstance(body, dict) and isinstance(body.get("messages"), list):
-        ids = await encode_chat(state, parse_chat({**body, "max_tokens": 1}).messages)
+        parsed = parse_chat({**body, "max_tokens": 1})
+        ids = await encode_chat(state, parsed.messages, parsed.tools)
     else:
         raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
@@ -201,7 +201,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_chat(body)
     check_model(state, body)
-    prompt = await encode_chat(state, parsed.messages)
+    prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key := request.get(KEY):
         key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
     return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)

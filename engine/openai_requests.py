@@ -6,6 +6,7 @@ named, in OpenAI's error shape; nothing here may raise anything else on bad inpu
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,12 @@ class ParsedRequest:
     include_usage: bool
     echo: bool
     logprobs: int | None  # top logprobs per token (chat: top_logprobs when logprobs is true)
+    tools: list[dict[str, Any]] | None = None  # chat: shown to the model through its template (tool_choice "none")
+    constraint_param: str | None = None  # the parameter params.structured_output came from
+
+
+# The parameters a structured-output constraint may come from; at most one a request.
+CONSTRAINT_PARAMS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar")
 
 
 def _check(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -119,11 +126,26 @@ def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
         value = _check(body, name, (str,))
         if value is not None:
             given.append((name, {field: value}))
+    guided_json = _check(body, "guided_json", (dict, str))
+    if isinstance(guided_json, str):
+        try:
+            guided_json = json.loads(guided_json)
+        except (ValueError, RecursionError):
+            guided_json = None
+        if not isinstance(guided_json, dict):
+            raise APIError(400, "'guided_json' must be a JSON schema: an object, or its JSON text", "guided_json")
+    if guided_json is not None:
+        given.append(("guided_json", {"json": guided_json}))
+    choices = _check(body, "guided_choice", (list,))
+    if choices is not None:
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise APIError(400, "'guided_choice' must be a non-empty list of non-empty strings", "guided_choice")
+        given.append(("guided_choice", {"grammar": "root ::= " + " | ".join(map(_ebnf_string, choices))}))
     if not given:
         return None
     if len(given) > 1:
-        raise APIError(400, "give at most one of response_format (json_object or json_schema), guided_regex and "
-                       "guided_grammar", given[1][0])  # fmt: skip
+        raise APIError(400, "give at most one of response_format (json_object or json_schema), guided_json, "
+                       "guided_choice, guided_regex and guided_grammar", given[1][0])  # fmt: skip
     name, fields = given[0]
     try:
         return StructuredOutputParams(**fields)
@@ -131,8 +153,16 @@ def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
         raise APIError(400, str(e), name) from None
 
 
+def _ebnf_string(text: str) -> str:
+    """`text` as a quoted EBNF literal, matching exactly itself (guided_choice)."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in text) + '"'
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _check(body, "stream", (bool,), False)
+    if body.get("stream_options") is not None and not stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
     options = _check(body, "stream_options", (dict,), {})
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
@@ -162,8 +192,16 @@ def parse_completion(body: Any) -> ParsedRequest:
     stream, include_usage = _stream_flags(body)
     params = _sampling_params(body, 16, logprobs)
     echo = _check(body, "echo", (bool,), False)
+    if echo and logprobs is not None:
+        raise APIError(400, "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
+                       "not compute", "echo")  # fmt: skip
+    if _check(body, "suffix", (str,)):
+        raise APIError(400, "'suffix' is not supported", "suffix")
+    best_of = _check(body, "best_of", (int,))
+    if best_of is not None and best_of != params.n:
+        raise APIError(400, "'best_of' is not supported (other than equal to 'n')", "best_of")
     _check(body, "user", (str,))
-    return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs)
+    return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs, None, _constraint_param(body))
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -172,17 +210,88 @@ def parse_chat(body: Any) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise APIError(400, "each message needs a string 'role' and a string 'content'", "messages")
+    messages = [_chat_message(m, i) for i, m in enumerate(messages)]
+    tools = _tools(body)
     want_logprobs = _check(body, "logprobs", (bool,), False)
     top = _check(body, "top_logprobs", (int,), 0)
+    if top and not want_logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     stream, include_usage = _stream_flags(body)
     params = _sampling_params(body, None, top if want_logprobs else None)
     _check(body, "user", (str,))
-    return ParsedRequest(None, messages, params, stream, include_usage, False, top if want_logprobs else None)
+    return ParsedRequest(None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools,
+                         _constraint_param(body))  # fmt: skip
+
+
+def _constraint_param(body: dict[str, Any]) -> str | None:
+    return next((name for name in CONSTRAINT_PARAMS if body.get(name) is not None), None)
+
+
+def _chat_message(m: Any, i: int) -> dict[str, Any]:
+    """A message as chat templates take it: its content a string (text parts joined by newlines), an assistant's
+    tool calls with their arguments as objects."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(400, f"{where} needs a string 'role'", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported",
+                           "messages")  # fmt: skip
+        content = "\n".join(p["text"] for p in content)
+    tool_calls = m.get("tool_calls")
+    if content is None and m["role"] == "assistant" and tool_calls:
+        content = ""
+    if not isinstance(content, str):
+        raise APIError(400, f"{where} needs 'content': a string or a list of text parts", "messages")
+    message = {"role": m["role"], "content": content}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise APIError(400, f"{where}: '{key}' must be a string", "messages")
+            message[key] = m[key]
+    if tool_calls is not None:
+        if m["role"] != "assistant" or not isinstance(tool_calls, list):
+            raise APIError(400, f"{where}: 'tool_calls' is a list, on an assistant message", "messages")
+        message["tool_calls"] = [_tool_call(call, where) for call in tool_calls]
+    return message
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)  # as templates render them: an object, not its JSON text
+        except (ValueError, RecursionError):
+            arguments = None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise APIError(400, f"{where}: a tool call is {{'function': {{'name': ..., 'arguments': a JSON object}}}}",
+                       "messages")  # fmt: skip
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """`tools`, which the chat template shows the model; no tool call is parsed from its output, so only
+    `tool_choice` "none" may come with them (as vLLM without a tool-call parser)."""
+    tools = _check(body, "tools", (list,))
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if not named or tool.get("type") != "function":
+            raise APIError(400, "each tool is {'type': 'function', 'function': {'name': ..., ...}}", "tools")
+    if choice != "none":
+        raise APIError(400, "this server does not parse tool calls from the output: give 'tool_choice': 'none' "
+                       "(the model is shown the tools) or leave 'tools' out", "tool_choice")  # fmt: skip
+    return tools
 
 
 def _is_token_id(t: Any) -> bool:

@@ -164,6 +164,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         n = parsed.params.n
         yield chunk([f'{{"index":{c.index},"text":{_json(_prompt_text(state, c, texts, n))},"logprobs":null,'
                      '"finish_reason":null}' for c in choices.values()])  # fmt: skip
+    text_offsets = dict.fromkeys(choices, 0)  # completions' logprobs: where the next token's text starts
     while any(c.finish_reason is None for c in choices.values()):
         deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
         for item in await next_items(queue):
@@ -181,7 +182,10 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 continue
             lp = "null"
             if new_lp:
-                lp = _json(_logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs))
+                body = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs, text_offsets[rid])
+                if not chat:  # text_offset counts from the completion's start, across chunks
+                    text_offsets[rid] = body["text_offset"][-1] + len(body["tokens"][-1])
+                lp = _json(body)
             if chat:
                 content = f'{{"content":{_json(delta)}}}' if delta else "{}"
                 bodies.append(f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},'
@@ -246,9 +250,10 @@ def _usage(choices: dict[str, Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int):
+def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int,
+                   text_offset: int = 0):  # fmt: skip
     """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
-    token and the top k (ranks 1..k)."""
+    token and the top k (ranks 1..k). `text_offset`: where the first token's text starts (completions)."""
     decode = state.tokenizer.decode
     sampled, tops = [], []
     for token, entry in zip(token_ids, entries):
@@ -262,7 +267,7 @@ def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[
             for text, lp, top in zip(texts, sampled, tops)
         ]}  # fmt: skip
     tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
-    offsets, pos = [], 0
+    offsets, pos = [], text_offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)

@@ -50,39 +50,42 @@ class ServerState:
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
 
 
-async def encode(state: ServerState, text: str) -> list[int]:
-    return await asyncio.get_running_loop().run_in_executor(state.pool, state.tokenizer.encode, text)
-
-
 async def encode_prompt(state: ServerState, text: str) -> list[int]:
-    """A prompt string's token ids. NOTE: tokenizing megabytes costs seconds of CPU and hundreds of MiB;
-    a string whose head alone overflows the context is refused after tokenizing just the head."""
+    """A prompt string's token ids, or a 400 when its head alone overflows the context (`encode_within`)."""
+    return await asyncio.get_running_loop().run_in_executor(state.pool, encode_within, state, text, "prompt", True)
+
+
+def encode_within(state: ServerState, text: str, param: str, special_tokens: bool) -> list[int]:
+    """`text`'s token ids (on a pool thread). NOTE: tokenizing megabytes costs seconds of CPU and hundreds of MiB,
+    and the pool's few threads serve every request: a text whose head alone overflows the context is refused after
+    tokenizing just the head."""
     head_chars = 32 * state.max_model_len
     if len(text) > head_chars:
-        head = await encode(state, text[:head_chars])
+        head = state.tokenizer.encode(text[:head_chars], add_special_tokens=special_tokens)
         if len(head) > state.max_model_len + 16:  # merges across the cut change a few tokens at most
-            raise APIError(400, f"the prompt has more than {state.max_model_len} tokens, this model's context",
-                           "prompt", code="context_length_exceeded")  # fmt: skip
-    return await encode(state, text)
+            raise APIError(400, f"the {param} has more than {state.max_model_len} tokens, this model's context",
+                           param, code="context_length_exceeded")  # fmt: skip
+    return state.tokenizer.encode(text, add_special_tokens=special_tokens)
 
 
-async def encode_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
         try:
-            text = state.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+            text = state.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                                        add_generation_prompt=True)  # fmt: skip
         except Exception as e:  # a template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        return state.tokenizer.encode(text, add_special_tokens=False)
+        return encode_within(state, text, "messages", False)
 
     return await asyncio.get_running_loop().run_in_executor(state.pool, render)
 
 
-async def check_structured_output(state: ServerState, constraint: StructuredOutputParams) -> None:
-    """A schema, regex or grammar that does not parse is a 400 before the engine sees it, streaming or not.
-    (Parsing builds no token masks, so it is quick; the engine's compile, with its time limit, is the backstop.)"""
-    param = {"regex": "guided_regex", "grammar": "guided_grammar"}.get(constraint.kind, "response_format")
+async def check_structured_output(state: ServerState, constraint: StructuredOutputParams, param: str) -> None:
+    """A schema, regex or grammar that does not parse is a 400 before the engine sees it, streaming or not
+    (`param`: the request's parameter it came from). (Parsing builds no token masks, so it is quick; the engine's
+    compile, with its time limit, is the backstop.)"""
     check = asyncio.get_running_loop().run_in_executor(state.pool, _grammar_problem, constraint)
     try:
         problem = await asyncio.wait_for(check, timeout=10.0)
@@ -139,7 +142,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
     except ValueError as e:
         raise APIError(400, str(e)) from None
     if params.structured_output is not None:
-        await check_structured_output(state, params.structured_output)
+        await check_structured_output(state, params.structured_output, parsed.constraint_param or "response_format")
 
     base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())

@@ -3,6 +3,7 @@ disconnects, a dying engine, and SIGTERM."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -147,18 +148,24 @@ def test_streamed_text_equals_non_streamed(server):
 def test_streamed_n_logprobs_echo_equal_non_streamed(server):
     """Every field a stream's chunks carry, against the non-streamed response of the same greedy request."""
     client = server.client()
-    kwargs = dict(model=server.model, prompt="Hello there", n=2, logprobs=2, echo=True, **GREEDY)
-    full = client.completions.create(**kwargs)
-    texts, tokens, reasons = {}, {}, {}
-    for chunk in client.completions.create(stream=True, **kwargs):
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + c.text
-            tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
-            reasons[c.index] = c.finish_reason or reasons.get(c.index)
-    assert sorted(texts) == [0, 1]
-    for c in full.choices:
-        assert texts[c.index] == c.text and tokens[c.index] == c.logprobs.tokens
-        assert reasons[c.index] == c.finish_reason == "length"
+    for extra in (dict(echo=True), dict(logprobs=2)):
+        kwargs = dict(model=server.model, prompt="Hello there", n=2, **extra, **GREEDY)
+        full = client.completions.create(**kwargs)
+        texts, tokens, offsets, reasons = {}, {}, {}, {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+                offsets[c.index] = offsets.get(c.index, []) + (c.logprobs.text_offset if c.logprobs else [])
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        assert sorted(texts) == [0, 1]
+        for c in full.choices:
+            assert texts[c.index] == c.text and reasons[c.index] == c.finish_reason == "length"
+            if c.logprobs is not None:
+                # each token's text starts where the ones before it end, counted across the stream's chunks
+                ends = list(itertools.accumulate(len(t) for t in c.logprobs.tokens))
+                assert c.logprobs.text_offset == [0] + ends[:-1] and "".join(c.logprobs.tokens) == c.text
+                assert tokens[c.index] == c.logprobs.tokens and offsets[c.index] == c.logprobs.text_offset
     chat = dict(model=server.model, messages=[{"role": "user", "content": "Tell me \"more\""}], n=2, **GREEDY)
     full_chat = client.chat.completions.create(**chat)
     content, roles = {}, {}
@@ -199,6 +206,12 @@ BAD = [
     ({"prompt": "hi", "model": "no-such-model"}, 404),
     ({"prompt": "hi", "stream": "yes"}, 400),
     ({"prompt": "hi", "temperature": float("nan")}, 400),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400),  # the prompt's logprobs are not computed
+    ({"prompt": "hi", "suffix": "end"}, 400),
+    ({"prompt": "hi", "best_of": 3}, 400),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400),  # only with stream
+    ({"prompt": "hi", "guided_choice": []}, 400),
+    ({"prompt": "hi", "guided_json": "{not a schema"}, 400),
 ]
 
 
@@ -226,6 +239,50 @@ def test_auth_size_and_chat_errors(server):
     assert json.loads(server.post("/detokenize", {"tokens": tokens})[1])["prompt"] == "hello world"
     # still serving
     assert server.client().completions.create(model=server.model, prompt="ok", max_tokens=2).choices
+
+
+CHAT_BAD = [
+    {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},  # without logprobs: true
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {"messages": [{"role": "user", "content": None}]},
+    {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},  # tool calls are an assistant's
+    {"messages": [{"role": "assistant", "content": None,
+                   "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},  # arguments not JSON
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": "required"},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": ["f"], "tool_choice": "none"},
+    {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},  # no tools
+]
+
+
+@pytest.mark.parametrize("payload", CHAT_BAD, ids=range(len(CHAT_BAD)))
+def test_bad_chat_input_gets_openai_error(server, payload):
+    code, raw = server.post("/v1/chat/completions", {**payload, "max_tokens": 2})
+    assert code == 400, raw
+    assert json.loads(raw)["error"]["message"]
+
+
+def test_chat_takes_text_parts_and_tool_turns(server):
+    """Content as a list of text parts is the same prompt as the parts joined by newlines; an assistant turn with
+    tool calls and no content, the tool's answer, and tools shown with tool_choice "none" are taken."""
+    client = server.client()
+    parts = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "more"}]
+    by_parts = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
+                                              **GREEDY)  # fmt: skip
+    joined = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Tell me\nmore"}],
+                                            **GREEDY)  # fmt: skip
+    assert by_parts.choices[0].message.content == joined.choices[0].message.content
+    assert by_parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "cold"}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    out = client.chat.completions.create(model=server.model, messages=messages, tools=tools, tool_choice="none",
+                                         **GREEDY)  # fmt: skip
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == GREEDY["max_tokens"]
 
 
 def test_disconnect_mid_stream_frees_blocks(server):

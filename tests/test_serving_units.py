@@ -1,14 +1,20 @@
 """The API server's per-request plumbing without processes: the inbox the engine's outputs land in, the
-merging of outputs that queued up behind a slow reader, and the JSON of the streamed chunks."""
+merging of outputs that queued up behind a slow reader, the JSON of the streamed chunks, and chat messages
+through the tokenizer's template."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import pytest
+from transformers import AutoTokenizer
+
 from kiln.engine import protocol
 from kiln.engine.async_client import EngineDeadError, Inbox
+from kiln.engine.openai_requests import APIError, parse_chat
 from kiln.engine.responses import next_items
+from kiln.engine.serving import ServerState, encode_chat
 
 
 def test_inbox_hands_over_everything_waiting_in_order():
@@ -96,3 +102,42 @@ def test_stream_chunks_are_valid_json_with_any_text():
         assert body[-1]["choices"][0]["finish_reason"] == "length" and body[-1]["usage"] is None
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
             "prompt_tokens": 2, "completion_tokens": len(pieces), "total_tokens": 2 + len(pieces)}
+
+
+def _state(tokenizer, max_model_len: int = 128) -> ServerState:
+    return ServerState(client=None, tokenizer=tokenizer, served_model_name="m", api_key=None,
+                       max_model_len=max_model_len, metrics=None)  # fmt: skip
+
+
+def test_chat_parts_tool_calls_and_tools_reach_the_template(tiny_llama_dir):
+    """Text parts joined by newlines, an assistant's tool calls with their arguments as an object (as templates
+    index them), the tool's answer and the request's tools, rendered by the tokenizer's own template."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}<{{ m.role }}>"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{% endfor %}{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    parsed = parse_chat({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "cold"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}], "tool_choice": "none",
+    })  # fmt: skip
+    ids = asyncio.run(encode_chat(_state(tokenizer), parsed.messages, parsed.tools))
+    assert tokenizer.decode(ids) == "[tool weather]<user>a\nb<assistant>weather(Oslo)<tool>cold"
+
+
+def test_a_chat_longer_than_the_context_is_refused_after_its_head(tiny_llama_dir):
+    """A rendered chat past 32 characters a token of context is refused once its head overflows, before the
+    whole text is tokenized (the tokenizer's pool threads serve every request)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    calls = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    parsed = parse_chat({"messages": [{"role": "user", "content": "word " * 20_000}]})
+    with pytest.raises(APIError) as e:
+        asyncio.run(encode_chat(_state(tokenizer), parsed.messages))
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert calls == [32 * 128]  # the head only

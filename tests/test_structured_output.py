@@ -225,12 +225,30 @@ def test_server_constrains_chat_and_completions(server):
     ast.parse(grammar.choices[0].text, mode="eval")
 
 
+def test_server_takes_vllms_guided_json_and_guided_choice(server):
+    client = server.client()
+    for schema in (PERSON, json.dumps(PERSON)):  # an object, or its JSON text
+        out = client.completions.create(model=server.model, prompt="Who?", max_tokens=300, seed=7,
+                                        extra_body={"guided_json": schema})  # fmt: skip
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+    choices = ["yes", 'no "way"', "back\\slash", "two\nlines", "café"]
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Pick"}], n=16,
+                                          seed=8, max_tokens=20, extra_body={"guided_choice": choices})  # fmt: skip
+    picked = {c.message.content for c in chat.choices}
+    assert picked <= set(choices) and len(picked) > 1, picked
+
+
 BAD_CONSTRAINTS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "response_format",
      'invalid JSON schema: Unsupported type "bogus"'),
     ({"response_format": {"type": "xml"}}, "response_format", "'response_format.type' must be one of"),
     ({"guided_regex": "[0-9"}, "guided_regex", "invalid regex: Regex parsing error"),
     ({"guided_grammar": "root ::= item"}, "guided_grammar", 'Rule "item" is not defined'),
+    ({"guided_json": {"type": "bogus"}}, "guided_json", 'invalid JSON schema: Unsupported type "bogus"'),
+    ({"guided_json": "[1, 2]"}, "guided_json", "'guided_json' must be a JSON schema"),
+    ({"guided_choice": ["a", 3]}, "guided_choice", "'guided_choice' must be a non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "give at most one of"),
 ]  # fmt: skip
 
 
