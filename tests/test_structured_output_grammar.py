@@ -117,7 +117,7 @@ def test_openai_bodies_parse_to_a_constraint(extra, expected):
     ({"guided_regex": ""}, "guided_regex", "must be a non-empty string"),
     ({"guided_grammar": ["a"]}, "guided_grammar", "'guided_grammar' must be a string"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
-     "at most one of response_format (json_object or json_schema), guided_regex and guided_grammar"),
+     "at most one of response_format (json_object or json_schema), guided_json, guided_choice, guided_regex"),
 ])  # fmt: skip
 def test_bad_openai_bodies_get_400_naming_the_parameter(extra, param, match):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
