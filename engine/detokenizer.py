@@ -84,23 +84,40 @@ class TextStream:
 
     Text that could still turn out to be the start of a stop string is held back (the last
     `len(longest stop) - 1` characters), so a stop string is never sent, even split across tokens.
+    As vLLM: a stop string must end in the text of a token past the first `min_tokens`, and the text of a
+    stop token (EOS or one of stop_token_ids) that ends the completion is left out unless `include_stop`.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str],
-                 skip_special_tokens: bool, include_stop: bool) -> None:  # fmt: skip
+                 skip_special_tokens: bool, include_stop: bool, min_tokens: int = 0) -> None:  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = list(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0  # characters of detokenizer.text already returned
+        self.num_tokens = 0
+        self.stop_from = 0  # a stop string must end past this character (the first min_tokens tokens' text)
 
-    def update(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str | None]:
-        """Returns (text to send now, the stop string that ended the completion or None)."""
-        delta = self.detokenizer.add_tokens(token_ids)
+    def update(self, token_ids: Sequence[int], finished: bool, stop_token: bool = False) -> tuple[str, str | None]:
+        """Returns (text to send now, the stop string that ended the completion or None). `stop_token`: the
+        completion ended on a stop token, the last of `token_ids`."""
+        before, self.num_tokens = self.num_tokens, self.num_tokens + len(token_ids)
+        if stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
+        within = max(0, min(len(token_ids), self.min_tokens - before))  # of the first min_tokens
+        if within:
+            self.detokenizer.add_tokens(token_ids[:within])
+            self.stop_from = len(self.detokenizer.text)
+        if len(token_ids) > within:
+            self.detokenizer.add_tokens(token_ids[within:])
         if finished:
-            delta += self.detokenizer.flush()
+            self.detokenizer.flush()
         text = self.detokenizer.text
-        hit = find_stop_string(text, len(text) - max(self.sent - self.holdback, 0), self.stop) if self.stop else None
+        hit = None
+        if self.stop and self.num_tokens > self.min_tokens:
+            searched = max(self.sent - self.holdback, self.stop_from, 0)
+            hit = find_stop_string(text, len(text) - searched, self.stop)
         if hit is not None:
             stop, index = hit
             end = index + len(stop) if self.include_stop else index

@@ -27,6 +27,7 @@ class _Sequence:
     output: CompletionOutput
     params: SamplingParams
     text: TextStream | None  # only when stop strings need the text as it grows
+    prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
@@ -114,10 +115,10 @@ class LLM:
             text = None
             if params.stop:
                 text = TextStream(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                  params.include_stop_str_in_output)  # fmt: skip
+                                  params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
             output = CompletionOutput(index, "", [])
             result.outputs.append(output)
-            sequences[child_id] = (result, _Sequence(output, params, text))
+            sequences[child_id] = (result, _Sequence(output, params, text, prompt_token_ids=token_ids))
         return result
 
     def _run(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], use_tqdm: bool) -> None:
@@ -154,15 +155,22 @@ class LLM:
             new = sum(lp[t].logprob for lp, t in zip(out.new_logprobs, out.new_token_ids))
             output.cumulative_logprob = (output.cumulative_logprob or 0.0) + new
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        # the engine stops a request with "stop" only on a stop token (EOS, stop_token_ids, a grammar's end)
+        stop_token = finish_reason == "stop"
         if seq.text is not None:
-            _, stop = seq.text.update(out.new_token_ids, finished=finish_reason is not None)
+            _, stop = seq.text.update(out.new_token_ids, finished=finish_reason is not None, stop_token=stop_token)
             output.text = seq.text.text
             if stop is not None:
                 if finish_reason is None:
                     self.engine.abort_requests([out.request_id])
                 finish_reason, stop_reason = "stop", stop
         elif finish_reason is not None:
-            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            # decoded once, as the server's stream is: after the prompt's last tokens, the stop token left out
+            params = seq.params
+            text = TextStream(self.tokenizer, seq.prompt_token_ids, (), params.skip_special_tokens,
+                              params.include_stop_str_in_output)  # fmt: skip
+            text.update(output.token_ids, finished=True, stop_token=stop_token)
+            output.text = text.text
         if finish_reason is None:
             return False
         if seq.logprobs:

@@ -31,6 +31,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[list[list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     start_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -76,12 +77,14 @@ def apply_output(state: ServerState, choice: Choice, out: protocol.RequestOutput
     if out.new_logprobs:
         choice.logprobs.extend(out.new_logprobs)
     finished = out.finish_reason is not None
-    delta, stop = choice.text.update(out.new_token_ids, finished)
+    # the engine stops a request with "stop" only on a stop token (EOS, stop_token_ids, a grammar's end)
+    delta, stop = choice.text.update(out.new_token_ids, finished, stop_token=out.finish_reason == "stop")
     if stop is not None:
-        choice.finish_reason = "stop"
+        choice.finish_reason, choice.stop_reason = "stop", stop
         state.client.abort([choice.request_id])
     elif finished:
         choice.finish_reason = out.finish_reason if out.finish_reason != "abort" else "stop"
+        choice.stop_reason = out.stop_reason
     return delta
 
 
@@ -155,7 +158,9 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         return f"{head}{','.join(choice_bodies)}]{tail}}}"
 
     def reason(choice: Choice) -> str:
-        return "null" if choice.finish_reason is None else _json(choice.finish_reason)
+        if choice.finish_reason is None:
+            return "null"
+        return f'{_json(choice.finish_reason)},"stop_reason":{_json(choice.stop_reason)}'
 
     if chat:
         yield chunk([f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
@@ -250,6 +255,11 @@ def _usage(choices: dict[str, Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+# What a log-probability of -inf (a token a grammar or logit_bias rules out) is sent as: JSON has no infinity,
+# and OpenAI's clients take this floor (as vLLM sends it).
+MIN_LOGPROB = -9999.0
+
+
 def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int,
                    text_offset: int = 0):  # fmt: skip
     """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
@@ -257,8 +267,12 @@ def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[
     decode = state.tokenizer.decode
     sampled, tops = [], []
     for token, entry in zip(token_ids, entries):
-        sampled.append(next(lp for t, lp, _ in entry if int(t) == token))
-        tops.append([(decode([int(t)]), lp) for t, lp, _ in sorted(entry, key=lambda e: e[2])[:k]])
+        sampled.append(max(next(lp for t, lp, _ in entry if int(t) == token), MIN_LOGPROB))
+        # completions (OpenAI's legacy shape): the top k and the sampled token; chat: the top k
+        top = sorted(entry, key=lambda e: e[2])[:k]
+        if not chat and all(int(t) != token for t, _, _ in top):
+            top += [e for e in entry if int(e[0]) == token][:1]
+        tops.append([(decode([int(t)]), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
     texts = [decode([t]) for t in token_ids]
     if chat:
         return {"content": [
@@ -282,10 +296,11 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
             lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
         if chat:
             bodies.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                           "logprobs": lp, "finish_reason": c.finish_reason})  # fmt: skip
+                           "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
         else:
             text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + c.text.text
-            bodies.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            bodies.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                           "stop_reason": c.stop_reason})  # fmt: skip
     return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.served_model_name, "choices": bodies, "usage": _usage(choices)}  # fmt: skip
 

@@ -154,7 +154,7 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
             index = i * params.n + j
             rid = f"{base}-{index}"
             text = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
-                              params.include_stop_str_in_output)  # fmt: skip
+                              params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
             choices[rid] = Choice(index, rid, ids, text, key=key)
     if key is not None:
         key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request

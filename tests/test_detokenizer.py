@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kiln.engine.detokenizer import IncrementalDetokenizer, TextStream, find_stop_string
 from kiln.engine.tokenizer import builtin_tokenizer
 
 TEXTS = [
@@ -59,3 +59,41 @@ def test_tokens_that_add_nothing_do_not_grow_the_window():
     pieces.append(detok.flush())
     assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True) == tokenizer.decode(text_ids)
     assert widest <= 12  # a split character and what came between its parts, never all the skipped ones
+
+
+def _stream_pieces(tokenizer, text: str):
+    """A prompt's ids and the output ids of `text`, split where no character straddles."""
+    prompt = tokenizer.encode("Say:")
+    return prompt, tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 6, 7, 40])
+def test_a_stop_string_counts_only_past_min_tokens(min_tokens):
+    """As vLLM: a stop string must end in the text of a token past the first min_tokens; the text is then cut
+    where the first such occurrence starts (against a plain decode of the same ids)."""
+    tokenizer = builtin_tokenizer(512)
+    prompt, ids = _stream_pieces(tokenizer, "one STOP two STOP three four five six seven eight nine")
+    stream = TextStream(tokenizer, prompt, ["STOP"], True, False, min_tokens)
+    sent, stop = "", None
+    for i, t in enumerate(ids):
+        delta, stop = stream.update([t], finished=i == len(ids) - 1)
+        sent += delta
+        if stop is not None:
+            break
+    # the reference: the first "STOP" that ends within the text of tokens min_tokens+1, ...
+    full = tokenizer.decode(ids)
+    floor = len(tokenizer.decode(ids[:min_tokens])) if min_tokens else 0
+    starts = [i for i in range(len(full)) if full.startswith("STOP", i) and i + 4 > floor]
+    if starts:
+        assert stop == "STOP" and sent == full[: starts[0]]
+    else:
+        assert stop is None and sent == full
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_tokens_text_is_left_out(include):
+    tokenizer = builtin_tokenizer(512)
+    prompt, ids = _stream_pieces(tokenizer, "alpha beta gamma")
+    stream = TextStream(tokenizer, prompt, [], True, include)
+    sent = stream.update(ids[:2], finished=False)[0] + stream.update(ids[2:], finished=True, stop_token=True)[0]
+    assert sent == stream.text == tokenizer.decode(ids if include else ids[:-1])

@@ -153,6 +153,26 @@ def test_an_interrupted_step_leaves_no_prefix_behind(llm):
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1
 
 
+def test_a_stop_tokens_text_is_left_out_and_min_tokens_holds_stop_strings(llm):
+    """As vLLM: the text of the stop token that ended a completion is not in it (its id is, in token_ids), and a
+    stop string counts only in the text of tokens past min_tokens."""
+    prompt = [10, 20, 30, 40]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    base = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[3]
+    i = base.token_ids.index(stop_id)  # its first appearance
+    for include in (False, True):
+        out = llm.generate([prompt], SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=include,
+                                                    **greedy), use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert out.token_ids == base.token_ids[: i + 1] and out.stop_reason == stop_id
+        assert out.text == llm.tokenizer.decode(base.token_ids[: i + 1 if include else i], skip_special_tokens=True)
+    stop = base.text[2:5]
+    early = llm.generate([prompt], SamplingParams(stop=[stop], **greedy), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and early.text == base.text[: base.text.index(stop)]
+    held = llm.generate([prompt], SamplingParams(stop=[stop], min_tokens=12, **greedy), use_tqdm=False)[0].outputs[0]
+    assert held.finish_reason == "length" and held.text == base.text  # no token past min_tokens: no stop
+
+
 def test_max_tokens_none_fills_context(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32)
     out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)

@@ -187,7 +187,27 @@ def test_stop_strings_cut_exactly(server):
     cut = client.completions.create(model=server.model, prompt="The quick", stop=[stop], **GREEDY).choices[0]
     assert cut.text == expected and cut.finish_reason == "stop"
     streamed = client.completions.create(model=server.model, prompt="The quick", stop=stop, stream=True, **GREEDY)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == expected
+    assert cut.model_extra["stop_reason"] == chunks[-1].model_extra["stop_reason"] == stop  # vLLM's field
+
+
+def test_stop_token_ids_leave_their_text_out_and_report_the_id(server):
+    client = server.client()
+    ids = json.loads(server.post("/v1/completions", {"prompt": "The quick", "max_tokens": 10, "temperature": 0,
+                                                     "ignore_eos": True, "logprobs": 0})[1])  # fmt: skip
+    tokens = ids["choices"][0]["logprobs"]["tokens"]
+    # logprobs 0: each token's entry holds the sampled token alone (OpenAI's completions shape)
+    assert [list(top) for top in ids["choices"][0]["logprobs"]["top_logprobs"]] == [[t] for t in tokens]
+    stop_id = json.loads(server.post("/tokenize", {"prompt": tokens[4]})[1])["tokens"]
+    assert len(stop_id) == 1, "a token's text tokenizes back to itself"
+    first = tokens.index(tokens[4])
+    for stream in (False, True):
+        out = client.completions.create(model=server.model, prompt="The quick", max_tokens=10, temperature=0,
+                                        stream=stream, extra_body={"ignore_eos": True, "stop_token_ids": stop_id})
+        choices = [c.choices[0] for c in out if c.choices] if stream else [out.choices[0]]
+        assert "".join(c.text for c in choices) == "".join(tokens[:first])
+        assert choices[-1].finish_reason == "stop" and choices[-1].model_extra["stop_reason"] == stop_id[0]
 
 
 BAD = [

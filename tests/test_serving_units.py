@@ -71,7 +71,7 @@ def test_stream_chunks_are_valid_json_with_any_text():
     pieces = ['say "hi"\\n', "back\\slash\nnew line\t", "\x00\x1f ctrl", "naïve — 漢字 🙂", ""]
 
     class Text:  # stands in for the detokenizing TextStream: token i decodes to pieces[i]
-        def update(self, token_ids, finished):
+        def update(self, token_ids, finished, stop_token=False):
             return "".join(pieces[t] for t in token_ids), None
 
     state = SimpleNamespace(served_model_name='m "quoted"', metrics=SimpleNamespace(inter_token=lambda *a: None),
@@ -100,6 +100,7 @@ def test_stream_chunks_are_valid_json_with_any_text():
             text = "".join(ch["text"] for c in body for ch in c["choices"])
         assert text == "".join(pieces)
         assert body[-1]["choices"][0]["finish_reason"] == "length" and body[-1]["usage"] is None
+        assert body[-1]["choices"][0]["stop_reason"] is None
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
             "prompt_tokens": 2, "completion_tokens": len(pieces), "total_tokens": 2 + len(pieces)}
 

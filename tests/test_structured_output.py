@@ -239,6 +239,33 @@ def test_server_takes_vllms_guided_json_and_guided_choice(server):
     assert picked <= set(choices) and len(picked) > 1, picked
 
 
+def strict_json(raw: bytes):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+def test_logprobs_of_tokens_a_grammar_rules_out_are_valid_json(server):
+    """A token the mask rules out has log-probability -inf, which JSON cannot hold: sent as -9999.0 (as OpenAI
+    and vLLM do), streamed or not, chat and completions."""
+    for path, body in (("/v1/completions", {"prompt": "Pick", "logprobs": 5}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Pick"}], "logprobs": True,
+                                                 "top_logprobs": 5})):  # fmt: skip
+        body = {**body, "max_tokens": 5, "guided_choice": ["yes", "no"], "seed": 1}
+        code, raw = server.post(path, body)
+        assert code == 200, raw
+        lp = strict_json(raw)["choices"][0]["logprobs"]
+        values = (lp["token_logprobs"] + [v for top in lp["top_logprobs"] for v in top.values()] if "tokens" in lp
+                  else [t["logprob"] for t in lp["content"]] + [v["logprob"] for t in lp["content"]
+                                                               for v in t["top_logprobs"]])  # fmt: skip
+        assert -9999.0 in values and all(v >= -9999.0 for v in values)
+        code, raw = server.post(path, {**body, "stream": True})
+        lines = raw.decode().splitlines()
+        events = [line[6:] for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+        assert code == 200 and [strict_json(e.encode()) for e in events]
+
+
 BAD_CONSTRAINTS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "response_format",
      'invalid JSON schema: Unsupported type "bogus"'),
