@@ -132,8 +132,11 @@ def _memo_key(model: str, model_dir: Path | None) -> str:
     if model_dir is None:
         h.update(json.dumps(PRESETS[model], sort_keys=True).encode())
     else:
-        for path in (model_dir / "config.json", model_dir / "generation_config.json"):
+        for path in (model_dir / "config.json", model_dir / "generation_config.json",
+                     model_dir / "tokenizer_config.json"):  # fmt: skip
             h.update(path.read_bytes() if path.exists() else b"(none)")
+        tokenizer = model_dir / "tokenizer.json"  # (only its size: it can be tens of MB, read for the EOS id alone)
+        h.update(str(tokenizer.stat().st_size if tokenizer.exists() else -1).encode())
     h.update(importlib.metadata.version("transformers").encode())
     for module_file in (__file__, config_module.__file__):
         h.update(Path(module_file).read_bytes())
@@ -152,10 +155,36 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 
 def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
-    """generation_config.json's EOS ids win (Llama 3 lists several there); else config.json's."""
+    """generation_config.json's EOS ids (Llama 3 lists several there), else config.json's, and the tokenizer's EOS
+    token, as vLLM stops on it too: a fine-tune may change that one (to an end-of-turn token) and not the configs."""
+    eos = None
     generation_config = path / "generation_config.json"
     if generation_config.exists():
         eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        if eos is not None:
-            return _as_tuple(eos)
-    return _as_tuple(getattr(hf_config, "eos_token_id", None))
+    ids = _as_tuple(eos if eos is not None else getattr(hf_config, "eos_token_id", None))
+    tokenizer_eos = _tokenizer_eos_id(path)
+    return ids if tokenizer_eos is None or tokenizer_eos in ids else (*ids, tokenizer_eos)
+
+
+def _tokenizer_eos_id(path: Path) -> int | None:
+    """The id of tokenizer_config.json's `eos_token`: from its added tokens, else tokenizer.json's; None if none."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(token, dict) and token.get("content") == eos:
+            return int(token_id)
+    try:
+        tokenizer = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for token in tokenizer.get("added_tokens") or []:
+        if isinstance(token, dict) and token.get("content") == eos:
+            return int(token["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return int(vocab[eos]) if isinstance(vocab, dict) and eos in vocab else None

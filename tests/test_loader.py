@@ -43,7 +43,22 @@ def test_sharded_checkpoint_loads_same_weights(tiny_llama_dir, tmp_path):
 def test_eos_ids_from_generation_config(tiny_llama_dir, tmp_path):
     d = copy_dir(tiny_llama_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
-    assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9)
+    # then the tokenizer's EOS token (<|endoftext|>, id 0 in the built-in tokenizer), as vLLM stops on it too
+    assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9, 0)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "Ġthe"}))  # not an added token
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    the = AutoTokenizer.from_pretrained(d).convert_tokens_to_ids("Ġthe")
+    assert resolve_model(str(d)).model_config.eos_token_ids == (7, 9, the)  # (a changed file: resolved again)
+
+
+def test_generation_stops_on_the_tokenizers_eos(tiny_llama_dir):
+    """A model whose configs name one EOS (511) and whose tokenizer another (<|endoftext|>, 0) stops on both."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, logit_bias={0: 100.0}),
+                       use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert out.token_ids == [0] and out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_dir, tmp_path, caplog):
