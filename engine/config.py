@@ -23,7 +23,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     load_format: str = "auto"  # auto: dummy for presets, safetensors for directories
     seed: int = 0
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192 on CPU
+    max_model_len: int | None = None  # default: the model's ModelConfig.max_context (its positions, its window)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16

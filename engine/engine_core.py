@@ -99,11 +99,14 @@ class EngineCore:
             self.load_format = "dummy" if self.source.is_preset else "safetensors"
         if self.source.is_preset and self.load_format != "dummy":
             raise ValueError(f"preset {config.model!r} has no checkpoint: use load_format='dummy'")
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
-            )
+        max_model_len = config.max_model_len or model_config.max_context
+        if max_model_len > model_config.max_context:
+            window = model_config.sliding_window
+            if window is not None and max_model_len > window:
+                raise ValueError(f"max_model_len {max_model_len} exceeds this model's sliding window of {window} "
+                                 "tokens: Kiln does not implement sliding-window attention, and past the window its "
+                                 "outputs would differ from the model's")  # fmt: skip
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context} positions")
         torch.manual_seed(config.seed)
         # Tensor parallel: this process holds rank `tp_rank`'s shard. Rank 0 starts the other ranks once the
         # shapes are known to split, so they load their weights alongside it.

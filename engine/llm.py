@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -14,6 +15,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.detokenizer import TextStream
 from kiln.engine.engine_core import EngineCore, EngineCoreOutput
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.engine.presets import PRESETS
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
 
@@ -39,11 +41,17 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
+        # A directory's tokenizer first: one that is missing fails before the model is loaded and compiled (a path
+        # that is no directory is left to the engine, whose error says what the model path is)
+        given = self.config.tokenizer or (None if self.config.model in PRESETS else self.config.model)
+        early = given is not None and Path(given).expanduser().is_dir()
+        self.tokenizer = load_tokenizer(Path(given).expanduser()) if early else None
         self.engine = EngineCore(self.config)
         source = self.engine.source
         tokenizer_path = self.config.tokenizer or (None if source.is_preset else source.model_dir)
         try:
-            self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+            if self.tokenizer is None:
+                self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
         except BaseException:
             self.engine.close()  # its tensor-parallel workers would live as long as the traceback
             raise

@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(
         architectures=["MistralForCausalLM"], vocab_size=32768, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     ),
     "qwen2.5-0.5b": dict(

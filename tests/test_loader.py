@@ -165,3 +165,52 @@ def test_preset_runs_with_dummy_weights():
     assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.qk_norm) == (28, 1024, 8, True)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _edited(src, dst, **fields):
+    d = copy_dir(src, dst)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **fields}))
+    return d
+
+
+def test_a_sliding_window_caps_the_context(tiny_mistral_dir, tiny_llama_dir, tmp_path):
+    """Kiln attends to the whole context, which is a sliding window's attention only up to the window: a model
+    with one runs at most that long, and asking for more is refused, never silently wrong."""
+    mistral = _edited(tiny_mistral_dir, tmp_path / "mistral", sliding_window=16)
+    assert resolve_model(str(mistral)).model_config.max_context == 16
+    with pytest.raises(ValueError, match="sliding window of 16 tokens"):
+        LLM(str(mistral), enforce_eager=True, max_model_len=32)
+    llm = LLM(str(mistral), enforce_eager=True)
+    assert llm.engine.max_model_len == 16
+    llm.close()
+    # Qwen2 slides only where transformers marks the layers so: from layer max_window_layers on
+    for layers, cap in ((2, 512), (0, 16)):  # (2 of 2 layers: none slides)
+        qwen = _edited(tiny_llama_dir, tmp_path / f"qwen{layers}", architectures=["Qwen2ForCausalLM"],
+                       model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=layers)
+        assert resolve_model(str(qwen)).model_config.max_context == cap, layers
+
+
+def test_what_the_mlp_cannot_do_is_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+        resolve_model(str(_edited(tiny_llama_dir, tmp_path / "relu", hidden_act="relu")))
+    with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
+        resolve_model(str(_edited(tiny_llama_dir, tmp_path / "bias", mlp_bias=True)))
+
+
+def test_a_linear_ropes_factor_stretches_the_context(tiny_llama_dir, tmp_path):
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    d = _edited(tiny_llama_dir, tmp_path / "linear", max_position_embeddings=32, rope_parameters=rope,
+                rope_scaling=rope)  # fmt: skip
+    assert resolve_model(str(d)).model_config.max_context == 128
+
+
+def test_a_missing_tokenizer_fails_before_the_model_loads(tiny_llama_dir, tmp_path, monkeypatch):
+    d = copy_dir(tiny_llama_dir, tmp_path / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).unlink()
+    import kiln.engine.llm as llm_module  # noqa: PLC0415
+
+    monkeypatch.setattr(llm_module, "EngineCore", lambda config: pytest.fail("the engine started"))
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer_config.json"):
+        LLM(str(d), enforce_eager=True)

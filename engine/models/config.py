@@ -27,6 +27,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...] = field(default=())
+    sliding_window: int | None = None  # some layers attend to this many tokens back only (not implemented: see below)
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -44,6 +45,15 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        activation = getattr(hf_config, "hidden_act", "silu")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {activation!r} is not supported: Kiln's MLP is SiLU-and-mul")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported: Kiln's MLP projections have no bias")
+        # Mistral: every layer slides when sliding_window is set; Qwen2/3: the layers transformers marks so
+        layer_types = getattr(hf_config, "layer_types", None)
+        slides = "sliding_attention" in layer_types if layer_types else arch == "MistralForCausalLM"
+        window = getattr(hf_config, "sliding_window", None) if slides else None
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -62,7 +72,18 @@ class ModelConfig:
             o_bias=attention_bias if arch in ("LlamaForCausalLM", "MistralForCausalLM") else False,
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=tuple(eos_token_ids),
+            sliding_window=int(window) if window else None,
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest context Kiln computes right: the positions (times a linear RoPE's factor, which stretches
+        them, as vLLM counts), and no more than a sliding window — Kiln attends to the whole context, which is the
+        same as the window's attention only up to the window's length."""
+        positions = self.max_position_embeddings
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
+            positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
+        return min(positions, self.sliding_window or positions)
 
     def num_parameters(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
