@@ -161,7 +161,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if isinstance(body, dict) and isinstance(body.get("prompt"), str):
         ids = await encode_prompt(state, body["prompt"])
     elif isinstance(body, dict) and isinstance(body.get("messages"), list):
-        parsed = parse_chat({**body, "max_tokens": 1})
+        parsed = parse_chat({**body, "max_tokens": 1}, state.sampling_defaults)
         ids = await encode_chat(state, parsed.messages, parsed.tools)
     else:
         raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
@@ -187,7 +187,7 @@ async def detokenize(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     body = await read_json(request)
-    parsed = parse_completion(body)
+    parsed = parse_completion(body, state.sampling_defaults)
     check_model(state, body)
     if key := request.get(KEY):
         key.apply_max_tokens(parsed, body)
@@ -199,7 +199,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     body = await read_json(request)
-    parsed = parse_chat(body)
+    parsed = parse_chat(body, state.sampling_defaults)
     check_model(state, body)
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key := request.get(KEY):
@@ -218,7 +218,7 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     SIGHUP reloads `api_keys_file`. A stream left unread for `stream_idle_timeout` seconds is aborted."""
     import signal  # noqa: PLC0415
 
-    from kiln.engine.model_source import resolve_model  # noqa: PLC0415
+    from kiln.engine.model_source import generation_defaults, resolve_model  # noqa: PLC0415
     from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
 
     name = served_model_name or config.model
@@ -234,9 +234,13 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
     client = AsyncEngineClient(config, engine_timeout)
     ready = await client.start()
+    defaults = generation_defaults(source.model_dir) if config.generation_config == "auto" else {}
+    if defaults:
+        logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s",
+                    defaults)  # fmt: skip
     state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, server_metrics,
                         max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests,
-                        write_timeout=stream_idle_timeout)  # fmt: skip
+                        write_timeout=stream_idle_timeout, sampling_defaults=defaults)  # fmt: skip
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

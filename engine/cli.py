@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="wait for each step's tokens before scheduling the next")  # fmt: skip
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="split each layer across N GPUs (ranks 1..N-1 run in worker processes)")  # fmt: skip
+    parser.add_argument("--generation-config", default=d.generation_config, choices=("auto", "vllm"),
+                        help="auto: the model's generation_config.json sets the default temperature, top_p, top_k, "
+                             "min_p and repetition_penalty; vllm: the built-in defaults")  # fmt: skip
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument("--cudagraph-capture-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                         default=None, help="comma-separated token counts (default: 1,2,4,8,...)")  # fmt: skip

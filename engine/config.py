@@ -38,6 +38,7 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: a vLLM-like list up to 2 * max_num_seqs
     async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
+    generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -62,6 +63,8 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(s, int) or s < 1 for s in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"unknown generation_config {self.generation_config!r}; choose auto or vllm")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kiln.engine.config import EngineConfig
 from kiln.engine.detokenizer import TextStream
 from kiln.engine.engine_core import EngineCore, EngineCoreOutput
+from kiln.engine.model_source import generation_defaults
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.engine.presets import PRESETS
 from kiln.engine.sampling_params import SamplingParams
@@ -56,6 +57,13 @@ class LLM:
             self.engine.close()  # its tensor-parallel workers would live as long as the traceback
             raise
         self._ids = itertools.count()
+        auto = self.config.generation_config == "auto"
+        self.sampling_defaults = generation_defaults(source.model_dir) if auto else {}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no sampling params: the model's generation_config.json
+        fields (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' defaults, as vLLM."""
+        return SamplingParams(**self.sampling_defaults)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""
@@ -82,7 +90,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -25,6 +25,7 @@ from kiln.compile.cache import atomic_write_bytes
 from kiln.engine.models import config as config_module
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.presets import PRESETS
+from kiln.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -164,6 +165,31 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     ids = _as_tuple(eos if eos is not None else getattr(hf_config, "eos_token_id", None))
     tokenizer_eos = _tokenizer_eos_id(path)
     return ids if tokenizer_eos is None or tokenizer_eos in ids else (*ids, tokenizer_eos)
+
+
+# The sampling fields of generation_config.json that become request defaults (vLLM's --generation-config auto),
+# each with transformers' own default: a file that only restates it sets nothing, as vLLM reads its diff.
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: Path | None) -> dict[str, float | int]:
+    """The sampling defaults a model's generation_config.json sets ({} for a preset or without the file): what a
+    request or `LLM.generate` without sampling params samples with, unless it says otherwise."""
+    path = None if model_dir is None else model_dir / "generation_config.json"
+    if path is None or not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    defaults = {name: config[name] for name, default in _GENERATION_DEFAULTS.items()
+                if isinstance(config.get(name), int | float) and not isinstance(config[name], bool)
+                and config[name] != default}  # fmt: skip
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
 
 
 def _tokenizer_eos_id(path: Path) -> int | None:

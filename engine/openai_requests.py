@@ -60,7 +60,9 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logprobs: int | None,
+                     defaults: dict[str, Any]) -> SamplingParams:  # fmt: skip
+    """`defaults`: the model's generation_config.json sampling fields, for those the body leaves out."""
     num = (int, float)
     stop = body.get("stop")
     is_strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
@@ -77,13 +79,13 @@ def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logpr
     stop_token_ids = _check(body, "stop_token_ids", (list,))
     kwargs = dict(
         n=_check(body, "n", (int,), 1),
-        temperature=_check(body, "temperature", num, 1.0),
-        top_p=_check(body, "top_p", num, 1.0),
-        top_k=_check(body, "top_k", (int,), 0),
-        min_p=_check(body, "min_p", num, 0.0),
+        temperature=_check(body, "temperature", num, defaults.get("temperature", 1.0)),
+        top_p=_check(body, "top_p", num, defaults.get("top_p", 1.0)),
+        top_k=_check(body, "top_k", (int,), defaults.get("top_k", 0)),
+        min_p=_check(body, "min_p", num, defaults.get("min_p", 0.0)),
         presence_penalty=_check(body, "presence_penalty", num, 0.0),
         frequency_penalty=_check(body, "frequency_penalty", num, 0.0),
-        repetition_penalty=_check(body, "repetition_penalty", num, 1.0),
+        repetition_penalty=_check(body, "repetition_penalty", num, defaults.get("repetition_penalty", 1.0)),
         logit_bias=logit_bias,
         seed=_check(body, "seed", (int,)),
         max_tokens=_check(body, "max_tokens", (int,), max_tokens_default),
@@ -170,7 +172,7 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def parse_completion(body: Any) -> ParsedRequest:
+def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     prompt = body.get("prompt")
@@ -190,7 +192,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise APIError(400, "the prompt is empty", "prompt")
     logprobs = _check(body, "logprobs", (int,))
     stream, include_usage = _stream_flags(body)
-    params = _sampling_params(body, 16, logprobs)
+    params = _sampling_params(body, 16, logprobs, defaults or {})
     echo = _check(body, "echo", (bool,), False)
     if echo and logprobs is not None:
         raise APIError(400, "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
@@ -204,7 +206,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs, None, _constraint_param(body))
 
 
-def parse_chat(body: Any) -> ParsedRequest:
+def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     messages = body.get("messages")
@@ -219,7 +221,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     stream, include_usage = _stream_flags(body)
-    params = _sampling_params(body, None, top if want_logprobs else None)
+    params = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
     _check(body, "user", (str,))
     return ParsedRequest(None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools,
                          _constraint_param(body))  # fmt: skip

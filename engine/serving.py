@@ -45,6 +45,7 @@ class ServerState:
     in_flight: int = 0  # HTTP requests being served
     engine_requests: int = 0  # requests (choices) they have in the engine
     write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------

@@ -214,3 +214,25 @@ def test_a_missing_tokenizer_fails_before_the_model_loads(tiny_llama_dir, tmp_pa
     monkeypatch.setattr(llm_module, "EngineCore", lambda config: pytest.fail("the engine started"))
     with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer_config.json"):
         LLM(str(d), enforce_eager=True)
+
+
+def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path):
+    """As vLLM's --generation-config auto: the file's temperature, top_p, top_k, min_p and repetition_penalty
+    (where they differ from transformers' own defaults) are what a request without them samples with."""
+    from kiln.engine.model_source import generation_defaults  # noqa: PLC0415
+
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.0, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.0}))  # fmt: skip
+    assert generation_defaults(d) == {"temperature": 0.0, "top_p": 0.95}  # top_k 50: transformers' default
+    llm = LLM(str(d), enforce_eager=True, max_model_len=64)
+    assert llm.get_default_sampling_params().temperature == 0.0
+    prompts = [[5, 6, 7], [8, 9]]
+    default = llm.generate(prompts, use_tqdm=False)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in default] == [o.outputs[0].token_ids for o in greedy]
+    llm.close()
+    assert LLM(str(d), enforce_eager=True, max_model_len=64, generation_config="vllm").sampling_defaults == {}
+    (d / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        generation_defaults(d)

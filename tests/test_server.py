@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -363,6 +364,23 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_dir):
     assert result["out"].usage.completion_tokens == 450
     assert s.proc.wait(30) == 0
     assert subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True).stdout == b""
+
+
+def test_generation_config_sets_the_request_defaults(tiny_llama_dir, tmp_path):
+    """The model's generation_config.json temperature 0: a request that names none is greedy (its n choices
+    alike, and as an explicit temperature 0); with --generation-config vllm it samples at 1."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 511, "temperature": 0.0}))
+    body = {"prompt": "The quick", "max_tokens": 8, "n": 3, "ignore_eos": True}
+    for flag in ("auto", "vllm"):
+        s = Server(d, "--generation-config", flag)
+        try:
+            texts = {c["text"] for c in json.loads(s.post("/v1/completions", body)[1])["choices"]}
+            greedy = json.loads(s.post("/v1/completions", {**body, "n": 1, "temperature": 0})[1])["choices"][0]
+        finally:
+            s.stop()
+        assert texts == {greedy["text"]} if flag == "auto" else len(texts) > 1, (flag, texts)
 
 
 def test_largest_seed_with_n_choices(server):
