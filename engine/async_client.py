@@ -92,7 +92,11 @@ class AsyncEngineClient:
             recv.cancel()
             self.process.kill()
             raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode})")
-        self.ready = protocol.decode(recv.result())
+        message = protocol.decode(recv.result())
+        if isinstance(message, protocol.StartupFailed):
+            await asyncio.wait_for(died, timeout=30)
+            raise ValueError(message.message)
+        self.ready = message
         self.stats = self.ready.stats
         self.alive = True
         self.last_heard = asyncio.get_running_loop().time()

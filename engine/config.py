@@ -73,7 +73,7 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {self.device!r} requested but CUDA is not available")
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         return device
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -39,9 +40,17 @@ def run_engine_core(config: dict[str, Any], input_address: str, output_address: 
     context = zmq.Context()
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
-    core = EngineCore(EngineConfig(**config))
+    output_thread = threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True)
+    output_thread.start()
+    try:
+        core = EngineCore(EngineConfig(**config))
+    except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as e:
+        # a bad model or setting: the server says it in a line and exits, as `kiln generate` does
+        outputs.put(protocol.StartupFailed(f"{e}"))
+        outputs.put(None)
+        output_thread.join()
+        sys.exit(2)
     threading.Thread(target=_input_thread, args=(context, input_address, inputs), daemon=True).start()
-    threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True).start()
     outputs.put(protocol.Ready(core.max_model_len, core.model_config.vocab_size, core.num_kv_blocks,
                                _jsonable(core.startup_stats), _stats(core)))  # fmt: skip
     try:

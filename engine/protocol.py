@@ -39,6 +39,11 @@ class Ready:
 
 
 @dataclass
+class StartupFailed:
+    message: str  # a bad model or setting, said in a line (the engine core then exits)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -61,8 +66,8 @@ class EngineOutputs:
     stats: dict[str, float] = field(default_factory=dict)  # running, waiting, kv usage, prefix hit rate, ...
 
 
-_TYPES = {cls.__name__: cls for cls in (AddRequest, AbortRequests, Shutdown, Ready, RequestOutput, RequestFailed,
-                                        EngineOutputs)}  # fmt: skip
+_TYPES = {cls.__name__: cls for cls in (AddRequest, AbortRequests, Shutdown, Ready, StartupFailed, RequestOutput,
+                                        RequestFailed, EngineOutputs)}  # fmt: skip
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()}
 # Lists of messages inside a message travel as lists of field values (no names): an engine step's outputs
 # are hundreds of them, and `dataclasses.asdict` (a deep copy) would cost milliseconds per step. A sender may

@@ -383,6 +383,17 @@ def test_generation_config_sets_the_request_defaults(tiny_llama_dir, tmp_path):
         assert texts == {greedy["text"]} if flag == "auto" else len(texts) > 1, (flag, texts)
 
 
+def test_a_setting_the_engine_refuses_ends_serve_with_one_line(tiny_llama_dir):
+    """As `kiln generate`: a bad model or setting found while the engine core starts is one error line and exit
+    code 2, not two tracebacks."""
+    cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", str(tiny_llama_dir), "--enforce-eager",
+           "--max-model-len", "100000", "--port", str(free_port())]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "kiln: error: max_model_len 100000 exceeds the model's 512 positions" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_largest_seed_with_n_choices(server):
     """The n choices draw seeds seed, seed+1, ...: at the top of the range they wrap, not overflow."""
     code, raw = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "n": 2, "seed": 2**64 - 1})
