@@ -140,7 +140,7 @@ async def read_json(request: web.Request) -> Any:
     raw = await request.read()
     try:
         # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)
     except UnicodeDecodeError:
         raise APIError(400, "the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:  # ValueError: also an integer of more than 4300 digits
@@ -232,9 +232,10 @@ async def serve(config, host: str, port: int, api_key: str | None, served_model_
     source = resolve_model(config.model)
     tokenizer_path = config.tokenizer or (None if source.is_preset else source.model_dir)
     tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+    # (before the engine starts: a bad file is an error line, not an engine left running)
+    defaults = generation_defaults(source.model_dir) if config.generation_config == "auto" else {}
     client = AsyncEngineClient(config, engine_timeout)
     ready = await client.start()
-    defaults = generation_defaults(source.model_dir) if config.generation_config == "auto" else {}
     if defaults:
         logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s",
                     defaults)  # fmt: skip

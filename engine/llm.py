@@ -47,18 +47,20 @@ class LLM:
         given = self.config.tokenizer or (None if self.config.model in PRESETS else self.config.model)
         early = given is not None and Path(given).expanduser().is_dir()
         self.tokenizer = load_tokenizer(Path(given).expanduser()) if early else None
+        if self.config.generation_config == "auto" and early and self.config.tokenizer is None:
+            generation_defaults(Path(given).expanduser())  # a bad file fails here, before the model loads
         self.engine = EngineCore(self.config)
         source = self.engine.source
         tokenizer_path = self.config.tokenizer or (None if source.is_preset else source.model_dir)
         try:
             if self.tokenizer is None:
                 self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+            auto = self.config.generation_config == "auto"
+            self.sampling_defaults = generation_defaults(source.model_dir) if auto else {}
         except BaseException:
             self.engine.close()  # its tensor-parallel workers would live as long as the traceback
             raise
         self._ids = itertools.count()
-        auto = self.config.generation_config == "auto"
-        self.sampling_defaults = generation_defaults(source.model_dir) if auto else {}
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no sampling params: the model's generation_config.json

@@ -158,7 +158,12 @@ def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
 def _ebnf_string(text: str) -> str:
     """`text` as a quoted EBNF literal, matching exactly itself (guided_choice)."""
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-    return '"' + "".join(escapes.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in text) + '"'
+    def escape(c: str) -> str:
+        if c in escapes or c.isprintable():
+            return escapes.get(c, c)
+        return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
+
+    return '"' + "".join(map(escape, text)) + '"'
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -216,7 +221,7 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     tools = _tools(body)
     want_logprobs = _check(body, "logprobs", (bool,), False)
     top = _check(body, "top_logprobs", (int,), 0)
-    if top and not want_logprobs:
+    if body.get("top_logprobs") is not None and not want_logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
@@ -228,7 +233,12 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
 
 
 def _constraint_param(body: dict[str, Any]) -> str | None:
-    return next((name for name in CONSTRAINT_PARAMS if body.get(name) is not None), None)
+    def constrains(name: str) -> bool:
+        value = body.get(name)
+        return value is not None and not (name == "response_format" and isinstance(value, dict)
+                                          and value.get("type") == "text")  # fmt: skip
+
+    return next(filter(constrains, CONSTRAINT_PARAMS), None)
 
 
 def _chat_message(m: Any, i: int) -> dict[str, Any]:
@@ -248,7 +258,7 @@ def _chat_message(m: Any, i: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise APIError(400, f"{where} needs 'content': a string or a list of text parts", "messages")
-    message = {"role": m["role"], "content": content}
+    message = {**m, "role": m["role"], "content": content}  # other keys (e.g. reasoning_content) as given
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             if not isinstance(m[key], str):

@@ -109,6 +109,11 @@ def test_a_lone_surrogate_encoded_in_the_body_is_a_400_on_tokenize(fuzz_server):
         assert status == 400 and "UTF-8" in json.loads(out)["error"]["message"], out[:300]
 
 
+def test_a_byte_order_mark_before_the_json_is_taken(fuzz_server):
+    status, out = fuzz_server.post("/v1/completions", b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 2}')
+    assert status == 200, out[:300]
+
+
 def test_fuzz_left_the_server_healthy(fuzz_server):
     assert fuzz_server.get("/health")[0] == 200
     assert fuzz_server.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200

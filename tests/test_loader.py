@@ -216,7 +216,7 @@ def test_a_missing_tokenizer_fails_before_the_model_loads(tiny_llama_dir, tmp_pa
         LLM(str(d), enforce_eager=True)
 
 
-def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path):
+def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path, monkeypatch):
     """As vLLM's --generation-config auto: the file's temperature, top_p, top_k, min_p and repetition_penalty
     (where they differ from transformers' own defaults) are what a request without them samples with."""
     from kiln.engine.model_source import generation_defaults  # noqa: PLC0415
@@ -236,3 +236,9 @@ def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
     with pytest.raises(ValueError, match="generation_config.json: temperature"):
         generation_defaults(d)
+    import kiln.engine.llm as llm_module  # noqa: PLC0415
+
+    with monkeypatch.context() as m:  # refused before the model is loaded
+        m.setattr(llm_module, "EngineCore", lambda config: pytest.fail("the engine started"))
+        with pytest.raises(ValueError, match="generation_config.json: temperature"):
+            LLM(str(d), enforce_eager=True)

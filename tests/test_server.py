@@ -264,6 +264,7 @@ def test_auth_size_and_chat_errors(server):
 
 CHAT_BAD = [
     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},  # without logprobs: true
+    {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0},  # (any value, as vLLM)
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
     {"messages": [{"role": "user", "content": None}]},
@@ -383,7 +384,7 @@ def test_generation_config_sets_the_request_defaults(tiny_llama_dir, tmp_path):
         assert texts == {greedy["text"]} if flag == "auto" else len(texts) > 1, (flag, texts)
 
 
-def test_a_setting_the_engine_refuses_ends_serve_with_one_line(tiny_llama_dir):
+def test_a_setting_the_engine_refuses_ends_serve_with_one_line(tiny_llama_dir, tmp_path):
     """As `kiln generate`: a bad model or setting found while the engine core starts is one error line and exit
     code 2, not two tracebacks."""
     cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", str(tiny_llama_dir), "--enforce-eager",
@@ -392,6 +393,13 @@ def test_a_setting_the_engine_refuses_ends_serve_with_one_line(tiny_llama_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "kiln: error: max_model_len 100000 exceeds the model's 512 positions" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # a generation_config.json whose defaults are out of range: refused before the engine starts
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, bad)
+    (bad / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    cmd[cmd.index(str(tiny_llama_dir))], cmd[cmd.index("100000")] = str(bad), "64"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "kiln: error:" in proc.stderr and "temperature" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_largest_seed_with_n_choices(server):

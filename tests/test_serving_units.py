@@ -116,18 +116,19 @@ def test_chat_parts_tool_calls_and_tools_reach_the_template(tiny_llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.chat_template = (
         "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}<{{ m.role }}>"
-        "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{{ m.reasoning_content or '' }}{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
         "{% endfor %}{% endfor %}"
     )
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
     parsed = parse_chat({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hmm "},
                      {"role": "tool", "tool_call_id": "c1", "content": "cold"}],
         "tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}], "tool_choice": "none",
     })  # fmt: skip
     ids = asyncio.run(encode_chat(_state(tokenizer), parsed.messages, parsed.tools))
-    assert tokenizer.decode(ids) == "[tool weather]<user>a\nb<assistant>weather(Oslo)<tool>cold"
+    assert tokenizer.decode(ids) == "[tool weather]<user>a\nb<assistant>hmm weather(Oslo)<tool>cold"
 
 
 def test_a_chat_longer_than_the_context_is_refused_after_its_head(tiny_llama_dir):

@@ -10,6 +10,7 @@ import shutil
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from kiln.engine import LLM
 from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
@@ -184,11 +185,16 @@ def test_abort_while_compiling(llm):
     assert not engine.grammar_admission.waiting and not engine.has_unfinished_requests()
 
 
-def test_a_token_the_grammar_rejects_fails_its_request_alone(tiny_llama_dir):
+def test_a_token_the_grammar_rejects_fails_its_request_alone(tiny_llama_dir, tmp_path):
     """min_tokens holds back EOS, the one token the finished grammar allows: every logit is -inf, and the
     token drawn (greedy: id 0) is one the grammar rejects. The request fails with the reason; the engine
-    goes on."""
-    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128)
+    goes on. (The model's tokenizer names its config's EOS, 511, so that id 0 is no stop token.)"""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    eos = AutoTokenizer.from_pretrained(model).convert_ids_to_tokens(511)
+    (model / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": eos}))
+    llm = LLM(str(model), enforce_eager=True, max_model_len=128)
+    assert llm.engine.model_config.eos_token_ids == (511,)
     conflict = SamplingParams(temperature=0, min_tokens=4, max_tokens=8, structured_output={"regex": "a"})
     with pytest.raises(ValueError, match="the grammar does not allow the sampled token 0"):
         llm.generate([[1, 2]], conflict, use_tqdm=False)
@@ -232,7 +238,7 @@ def test_server_takes_vllms_guided_json_and_guided_choice(server):
                                         extra_body={"guided_json": schema})  # fmt: skip
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].text), PERSON)
-    choices = ["yes", 'no "way"', "back\\slash", "two\nlines", "café"]
+    choices = ["yes", 'no "way"', "back\\slash", "two\nlines", "café", "tag\U000e0001"]
     chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Pick"}], n=16,
                                           seed=8, max_tokens=20, extra_body={"guided_choice": choices})  # fmt: skip
     picked = {c.message.content for c in chat.choices}
@@ -276,6 +282,7 @@ BAD_CONSTRAINTS = [
     ({"guided_json": "[1, 2]"}, "guided_json", "'guided_json' must be a JSON schema"),
     ({"guided_choice": ["a", 3]}, "guided_choice", "'guided_choice' must be a non-empty list"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "give at most one of"),
+    ({"response_format": {"type": "text"}, "guided_regex": "[0-9"}, "guided_regex", "invalid regex"),
 ]  # fmt: skip
 
 
