@@ -214,8 +214,7 @@ class EngineCore:
         self.grammar_admission.add(request)
 
     def abort_requests(self, request_ids: list[str], uncache: bool = False) -> None:
-        """`uncache`: also forget the hashes of their blocks (after an error or an interrupt, when a forward
-        pass may have stopped before it wrote their KV)."""
+        """`uncache`: also forget their blocks' hashes (a failed or interrupted pass may not have written them)."""
         for request_id in request_ids:
             self.grammar_admission.waiting.pop(request_id, None)
             if uncache:
