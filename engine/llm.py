@@ -42,24 +42,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
-        # A directory's tokenizer first: one that is missing fails before the model is loaded and compiled (a path
-        # that is no directory is left to the engine, whose error says what the model path is)
-        given = self.config.tokenizer or (None if self.config.model in PRESETS else self.config.model)
-        early = given is not None and Path(given).expanduser().is_dir()
-        self.tokenizer = load_tokenizer(Path(given).expanduser()) if early else None
-        if self.config.generation_config == "auto" and early and self.config.tokenizer is None:
-            generation_defaults(Path(given).expanduser())  # a bad file fails here, before the model loads
+        # The tokenizer and generation_config.json before the model: a missing or bad one fails before the load and
+        # compile (a model path that is no directory is left to the engine, whose error says what it is)
+        model_dir = None if self.config.model in PRESETS else Path(self.config.model).expanduser()
+        model_dir = model_dir if model_dir is not None and model_dir.is_dir() else None
+        tokenizer_dir = Path(self.config.tokenizer).expanduser() if self.config.tokenizer else model_dir
+        self.tokenizer = builtin_tokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+        auto = self.config.generation_config == "auto"
+        self.sampling_defaults = generation_defaults(model_dir) if auto else {}
         self.engine = EngineCore(self.config)
-        source = self.engine.source
-        tokenizer_path = self.config.tokenizer or (None if source.is_preset else source.model_dir)
-        try:
-            if self.tokenizer is None:
-                self.tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
-            auto = self.config.generation_config == "auto"
-            self.sampling_defaults = generation_defaults(source.model_dir) if auto else {}
-        except BaseException:
-            self.engine.close()  # its tensor-parallel workers would live as long as the traceback
-            raise
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -175,7 +175,7 @@ def test_failed_start_up_stops_its_workers(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **{**ENGINE, "num_kv_blocks": 4})
     held.append(failure)
     _assert_no_workers()
-    with pytest.raises(FileNotFoundError, match="no tokenizer") as failure:  # rank 0 alone; its workers wait
+    with pytest.raises(FileNotFoundError, match="no tokenizer") as failure:  # before the engine: no worker starts
         LLM(str(tiny_llama_dir), tokenizer=str(tmp_path), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
     held.append(failure)
     _assert_no_workers()
