@@ -207,13 +207,10 @@ def _tokenizer_eos_id(path: Path) -> int | None:
             return int(token_id)
     try:
         tokenizer = json.loads((path / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return None
-    try:
         for token in tokenizer.get("added_tokens") or []:
             if isinstance(token, dict) and token.get("content") == eos:
                 return int(token["id"])
         vocab = (tokenizer.get("model") or {}).get("vocab")
         return int(vocab[eos]) if isinstance(vocab, dict) and eos in vocab else None
-    except (AttributeError, KeyError, TypeError, ValueError):  # a file of another shape: the tokenizer's own concern
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):  # none, or of another shape: no id from it
         return None

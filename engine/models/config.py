@@ -27,7 +27,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...] = field(default=())
-    sliding_window: int | None = None  # some layers attend to this many tokens back only (not implemented: see below)
+    sliding_window: int | None = None  # some layers attend this many tokens back only (not implemented: max_context)
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
