@@ -191,6 +191,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_model(state, body)
     if key := request.get(KEY):
         key.apply_max_tokens(parsed, body)
+        key.check_seat()  # (before tokenizing)
     prompts = [await encode_prompt(state, p) if isinstance(p, str) else p for p in parsed.prompts]
     texts = [p if isinstance(p, str) else None for p in parsed.prompts]
     return await run_request(request, state, parsed, prompts, texts, chat=False, key=key)
@@ -201,8 +202,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_chat(body, state.sampling_defaults)
     check_model(state, body)
-    prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key := request.get(KEY):
+        key.check_seat()  # (before tokenizing)
+    prompt = await encode_chat(state, parsed.messages, parsed.tools)
+    if key:
         key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
     return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)
 

@@ -269,8 +269,10 @@ class KeyState:
                 self.reject("max_tokens")
                 raise APIError(400, f"{e} (this API key's max_tokens cap is {cap})", "min_tokens") from None
 
-    def admit(self, num_prompt_tokens: int) -> None:
-        """Admit one request with this many prompt tokens, or raise (401, 400 or 429) and take nothing."""
+    def check_seat(self, num_prompt_tokens: int | None = None) -> None:
+        """Raise (401, 400 or 429) unless a request with this many prompt tokens may go now; takes nothing. The
+        API calls it before tokenizing (None: all but the token bucket, so a key at its limits costs the shared
+        tokenizer pool nothing), and `admit` again with the prompt's tokens."""
         if self.revoked:
             raise invalid_key_error()
         limits = self.limits
@@ -282,7 +284,7 @@ class KeyState:
         waits: dict[str, float] = {}
         if self.requests_bucket is not None:
             waits["requests_per_minute"] = self.requests_bucket.wait_for(1)
-        if self.tokens_bucket is not None:
+        if self.tokens_bucket is not None and num_prompt_tokens is not None:
             waits["tokens_per_minute"] = self.tokens_bucket.wait_for(num_prompt_tokens)
             if math.isinf(waits["tokens_per_minute"]):
                 self.reject("tokens_per_minute")
@@ -297,6 +299,10 @@ class KeyState:
             kind = "requests" if reason == "requests_per_minute" else "tokens"
             raise RateLimited(f"rate limit reached for this API key: {reason} = {limit}; try again in {seconds} s",
                               kind, seconds)  # fmt: skip
+
+    def admit(self, num_prompt_tokens: int) -> None:
+        """Admit one request with this many prompt tokens, or raise (401, 400 or 429) and take nothing."""
+        self.check_seat(num_prompt_tokens)
         if self.requests_bucket is not None:
             self.requests_bucket.take(1)
         self.in_flight += 1

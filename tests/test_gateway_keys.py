@@ -285,3 +285,28 @@ def test_metrics_list_only_the_current_keys(tmp_path):
     dave.charge(3)  # its open stream goes on after the reload
     dave.release()
     assert key_names() == {"a"}  # however many keys come and go, /metrics holds the current ones
+
+
+def test_the_seat_is_checked_before_the_prompt_and_takes_nothing(tmp_path):
+    """check_seat (before tokenizing) turns away a key at its concurrency or request-rate limit, as admit would,
+    and leaves its buckets and seats as they were; admit then takes."""
+    clock = FakeClock()
+    keys = store(tmp_path, clock, {"name": "a", "sha256": sha(ALICE), "requests_per_minute": 2,
+                                   "max_concurrent_requests": 1})  # fmt: skip
+    alice = keys.authenticate(f"Bearer {ALICE}")
+    alice.check_seat()
+    assert alice.in_flight == 0 and alice.requests_bucket.level == 2
+    alice.admit(3)
+    with pytest.raises(RateLimited) as seat:
+        alice.check_seat()  # one request in flight: the one seat is taken
+    assert seat.value.status == 429 and seat.value.type == "concurrent_requests"
+    alice.release()
+    alice.admit(3)
+    alice.release()
+    with pytest.raises(RateLimited) as rate:
+        alice.check_seat()  # two requests this minute
+    assert rate.value.type == "requests" and rate.value.headers["Retry-After"] == "30"
+    assert alice.usage.requests == 2 and alice.usage.rejected == {"max_concurrent_requests": 1,
+                                                                  "requests_per_minute": 1}  # fmt: skip
+    clock.advance(30)
+    alice.check_seat()
