@@ -37,10 +37,6 @@ class ParsedRequest:
     constraint_param: str | None = None  # the parameter params.structured_output came from
 
 
-# The parameters a structured-output constraint may come from; at most one a request.
-CONSTRAINT_PARAMS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar")
-
-
 def _check(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -61,8 +57,9 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
 
 
 def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logprobs: int | None,
-                     defaults: dict[str, Any]) -> SamplingParams:  # fmt: skip
-    """`defaults`: the model's generation_config.json sampling fields, for those the body leaves out."""
+                     defaults: dict[str, Any]) -> tuple[SamplingParams, str | None]:  # fmt: skip
+    """The request's SamplingParams, and the parameter its structured-output constraint came from. `defaults`: the
+    model's generation_config.json sampling fields, for those the body leaves out."""
     num = (int, float)
     stop = body.get("stop")
     is_strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
@@ -96,18 +93,19 @@ def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logpr
         logprobs=logprobs,
         skip_special_tokens=_check(body, "skip_special_tokens", (bool,), True),
         include_stop_str_in_output=_check(body, "include_stop_str_in_output", (bool,), False),
-        structured_output=_structured_output(body),
     )
+    kwargs["structured_output"], constraint_param = _structured_output(body)  # (checked after the fields above)
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs), constraint_param
     except (ValueError, TypeError) as e:
         message = str(e)
         param = message.split()[0].strip("'`:") if message else None
         raise APIError(400, message, param if param in kwargs else None) from None
 
 
-def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
-    """OpenAI's `response_format` (json_object, json_schema), or Kiln's `guided_regex` / `guided_grammar`."""
+def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | None, str | None]:
+    """OpenAI's `response_format` (json_object, json_schema), or vLLM's `guided_json`, `guided_choice`,
+    `guided_regex`, `guided_grammar`; with the parameter it came from."""
     given: list[tuple[str, dict[str, Any]]] = []  # (parameter, StructuredOutputParams fields)
     response_format = _check(body, "response_format", (dict,))
     if response_format is not None:
@@ -144,13 +142,13 @@ def _structured_output(body: dict[str, Any]) -> StructuredOutputParams | None:
             raise APIError(400, "'guided_choice' must be a non-empty list of non-empty strings", "guided_choice")
         given.append(("guided_choice", {"grammar": "root ::= " + " | ".join(map(_ebnf_string, choices))}))
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         raise APIError(400, "give at most one of response_format (json_object or json_schema), guided_json, "
                        "guided_choice, guided_regex and guided_grammar", given[1][0])  # fmt: skip
     name, fields = given[0]
     try:
-        return StructuredOutputParams(**fields)
+        return StructuredOutputParams(**fields), name
     except ValueError as e:
         raise APIError(400, str(e), name) from None
 
@@ -197,7 +195,7 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
         raise APIError(400, "the prompt is empty", "prompt")
     logprobs = _check(body, "logprobs", (int,))
     stream, include_usage = _stream_flags(body)
-    params = _sampling_params(body, 16, logprobs, defaults or {})
+    params, constraint_param = _sampling_params(body, 16, logprobs, defaults or {})
     echo = _check(body, "echo", (bool,), False)
     if echo and logprobs is not None:
         raise APIError(400, "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
@@ -208,7 +206,7 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
     if best_of is not None and best_of != params.n:
         raise APIError(400, "'best_of' is not supported (other than equal to 'n')", "best_of")
     _check(body, "user", (str,))
-    return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs, None, _constraint_param(body))
+    return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs, None, constraint_param)
 
 
 def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedRequest:
@@ -226,19 +224,10 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     stream, include_usage = _stream_flags(body)
-    params = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
+    params, constraint_param = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
     _check(body, "user", (str,))
     return ParsedRequest(None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools,
-                         _constraint_param(body))  # fmt: skip
-
-
-def _constraint_param(body: dict[str, Any]) -> str | None:
-    def constrains(name: str) -> bool:
-        value = body.get(name)
-        return value is not None and not (name == "response_format" and isinstance(value, dict)
-                                          and value.get("type") == "text")  # fmt: skip
-
-    return next(filter(constrains, CONSTRAINT_PARAMS), None)
+                         constraint_param)  # fmt: skip
 
 
 def _chat_message(m: Any, i: int) -> dict[str, Any]:
@@ -258,12 +247,10 @@ def _chat_message(m: Any, i: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise APIError(400, f"{where} needs 'content': a string or a list of text parts", "messages")
-    message = {**m, "role": m["role"], "content": content}  # other keys (e.g. reasoning_content) as given
+    message = {**m, "content": content}  # other keys (e.g. reasoning_content) as given
     for key in ("name", "tool_call_id"):
-        if m.get(key) is not None:
-            if not isinstance(m[key], str):
-                raise APIError(400, f"{where}: '{key}' must be a string", "messages")
-            message[key] = m[key]
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise APIError(400, f"{where}: '{key}' must be a string", "messages")
     if tool_calls is not None:
         if m["role"] != "assistant" or not isinstance(tool_calls, list):
             raise APIError(400, f"{where}: 'tool_calls' is a list, on an assistant message", "messages")
