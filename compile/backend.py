@@ -18,7 +18,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.node import _get_qualified_name
 
-from kiln.backends import pdl
+from kiln.backends.kernels import pdl
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import GraphPool, PiecewiseCudaGraphs
@@ -109,7 +109,7 @@ class KilnBackend:
 @contextlib.contextmanager
 def inductor_settings(use_pdl: bool):
     """Kiln's Inductor settings while a piece compiles: its heuristics (`inductor_choices.py`) and, with `use_pdl`
-    (`kiln.backends.pdl`), programmatic dependent launch for the generated kernels where this torch's Inductor
+    (`kiln.backends.kernels.pdl`), programmatic dependent launch for the generated kernels where this torch's Inductor
     has the switch (`triton.enable_pdl`)."""
     from torch._inductor import config as inductor_config  # noqa: PLC0415
     from torch._inductor.virtualized import V  # noqa: PLC0415

@@ -5,8 +5,8 @@
         forward.json      the traced split graph as data (`saved_graph.py`): a warm start runs it, no Dynamo
         split_graph.py    the split graph and its pieces, as readable code (for debugging)
         pieces/<hash>.bin Inductor artifacts, one per distinct compute piece
-        kv_sizing.json    the KV sizing's measured peak, with its inputs (`kiln.engine.profiling`)
-    ~/.cache/kiln/compile/models/<hash>.json   what transformers made of a model's config (`kiln.engine.model_source`)
+        kv_sizing.json    the KV sizing's measured peak, with its inputs (`kiln.engine.core.kv_sizing`)
+    ~/.cache/kiln/compile/models/<hash>.json   what transformers made of a model's config (`kiln.engine.models.source`)
 
 Writes go to a temporary name in the same folder and are renamed into place, so a reader sees a
 whole artifact or none; two processes warming one cache both compile and the later rename wins.
@@ -15,7 +15,6 @@ whole artifact or none; two processes warming one cache both compile and the lat
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -27,8 +26,8 @@ from typing import Any
 
 import torch
 
-import kiln.backends.attention as unified_attention_module
-import kiln.backends.collectives as collectives_module
+import kiln.backends.attention.op as unified_attention_module
+import kiln.backends.kernels.collectives as collectives_module
 from kiln.compile.counters import watch_triton_compiles
 
 logger = logging.getLogger("kiln")
@@ -82,13 +81,13 @@ def device_target(device: torch.device) -> str:
     return f"cpu:{platform.machine()}"
 
 
-def source_hash(model: torch.nn.Module) -> str:
+def source_hash(model: torch.nn.Module, input_sources: tuple[Path, ...] = ()) -> str:
     """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes'
-    modules, the attention and collective ops, this package, and the runner's (how it lays out the traced
-    inputs: the saved graph was traced with their strides and offsets)."""
+    modules, the attention and collective ops, this package, and `input_sources`, the caller's files that lay out
+    the traced inputs (the saved graph was traced with their strides and offsets)."""
     files = {Path(inspect.getfile(type(m))) for m in model.modules()}
     files |= set(Path(__file__).parent.glob("*.py"))
-    files |= {Path(importlib.util.find_spec(f"kiln.engine.{name}").origin) for name in ("model_runner", "runner_io")}
+    files |= {Path(f) for f in input_sources}
     files.add(Path(inspect.getfile(unified_attention_module)))
     files.add(Path(inspect.getfile(collectives_module)))
     digest = hashlib.sha256()
@@ -99,13 +98,14 @@ def source_hash(model: torch.nn.Module) -> str:
 
 
 def cache_key_inputs(version: str, model: torch.nn.Module, model_config: dict[str, Any], dtype: torch.dtype,
-                     device: torch.device, settings: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                     device: torch.device, settings: dict[str, Any],
+                     input_sources: tuple[Path, ...] = ()) -> dict[str, Any]:  # fmt: skip
     import triton  # noqa: PLC0415
 
     return {
         "kiln": version, "torch": torch.__version__, "triton": triton.__version__,
         "device": device_target(device), "model": model_config, "dtype": str(dtype), "settings": settings,
-        "source": source_hash(model),
+        "source": source_hash(model, input_sources),
     }  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends.forward_context import current_cudagraph_size
+from kiln.backends.attention.forward_context import current_cudagraph_size
 
 
 class GraphPool:

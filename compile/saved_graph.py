@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.backends.attention import attend
+from kiln.backends.attention.op import attend
 
 VERSION = 1
-FUNCTIONS = {"_operator.getitem": operator.getitem, "kiln.backends.attention.attend": attend}
+FUNCTIONS = {"_operator.getitem": operator.getitem, "kiln.backends.attention.op.attend": attend}
 NAMES = {fn: name for name, fn in FUNCTIONS.items()}
 INPUTS = ("input_ids", "positions")  # the traced function's arguments; `model` is its closure
 

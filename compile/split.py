@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.split_module import split_module
 
-from kiln.backends.attention import attend  # (the module registers the op)
+from kiln.backends.attention.op import attend  # (the module registers the op)
 
 ATTENTION_OPS = (torch.ops.kiln.unified_attention, torch.ops.kiln.unified_attention.default)
 

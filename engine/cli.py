@@ -9,11 +9,11 @@ import os
 import sys
 import time
 
-from kiln.backends import available_backends
+from kiln.backends.attention import available_backends
 from kiln.compile import CUDAGRAPH_MODES
 from kiln.compile.cache import DISABLE_ENV
 from kiln.engine.config import LOAD_FORMATS, EngineConfig
-from kiln.engine.presets import DEFAULT_MODEL, PRESETS
+from kiln.engine.models.presets import DEFAULT_MODEL, PRESETS
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -89,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_precompile(args: argparse.Namespace) -> int:
     """Fill the compile cache for this model and these flags, then exit: a deployment's warm-up job."""
-    from kiln.engine.engine_core import EngineCore  # noqa: PLC0415
+    from kiln.engine.core.engine_core import EngineCore  # noqa: PLC0415
 
     config = engine_config_from_args(args)
     if config.enforce_eager:
@@ -107,7 +107,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
-    from kiln.engine.api_server import serve  # noqa: PLC0415
+    from kiln.engine.serving.api_server import serve  # noqa: PLC0415
 
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("KILN_API_KEY") or None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.compile import CUDAGRAPH_MODES
-from kiln.engine.presets import DEFAULT_MODEL
+from kiln.engine.models.presets import DEFAULT_MODEL
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip

@@ -12,13 +12,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kiln.engine.config import EngineConfig
-from kiln.engine.detokenizer import TextStream
-from kiln.engine.engine_core import EngineCore, EngineCoreOutput
-from kiln.engine.model_source import generation_defaults
+from kiln.engine.core.engine_core import EngineCore, EngineCoreOutput
+from kiln.engine.models.presets import PRESETS
+from kiln.engine.models.source import generation_defaults
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kiln.engine.presets import PRESETS
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.tokenizer import builtin_tokenizer, load_tokenizer
+from kiln.engine.text.detokenizer import TextStream
+from kiln.engine.text.tokenizer import builtin_tokenizer, load_tokenizer
 
 Prompt = str | list[int]
 
@@ -110,7 +110,7 @@ class LLM:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if params.structured_output is not None:
             # A schema that does not parse fails here, at once; the engine's compile is the backstop.
-            from kiln.engine.structured_output import check_grammar  # noqa: PLC0415  (xgrammar on first use)
+            from kiln.engine.structured_output.grammar import check_grammar  # noqa: PLC0415  (xgrammar on first use)
 
             check_grammar(params.structured_output)
         request_id = str(next(self._ids))

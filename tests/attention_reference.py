@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from kiln.backends import AttentionMetadata
+from kiln.backends.attention import AttentionMetadata
 
 
 def make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):

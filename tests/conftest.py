@@ -55,7 +55,7 @@ def tiny_hf_config(kind: str):
 def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from kiln.engine.tokenizer import builtin_tokenizer
+    from kiln.engine.text.tokenizer import builtin_tokenizer
 
     torch.manual_seed(seed)
     config = tiny_hf_config(kind)

@@ -9,10 +9,9 @@ import torch
 import triton
 from attention_reference import make_paged_batch, reference_attention
 
-from kiln.backends import AttentionMetadata, decode_merge, get_attention_backend, triton_decode
-from kiln.backends.arrivals import arrival_counts
-from kiln.backends.triton_attention import unified_attention, write_kv
-from kiln.backends.triton_decode import (
+from kiln.backends.attention import AttentionMetadata, decode_merge, get_attention_backend, triton_decode
+from kiln.backends.attention.triton_backend import unified_attention, write_kv
+from kiln.backends.attention.triton_decode import (
     DECODE_CONFIG,
     DECODE_CONFIG_FEW,
     DECODE_CONFIG_MANY,
@@ -23,6 +22,7 @@ from kiln.backends.triton_decode import (
     decode_num_splits,
     split_kv_decode,
 )
+from kiln.backends.kernels.arrivals import arrival_counts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
@@ -310,7 +310,7 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
 
 @pytest.mark.gpu
 def test_decode_timeline_probe():
-    """The decode kernel's timeline probe (`scripts/decode_timeline.py`): the stamped kernel's output still matches the
+    """The decode kernel's timeline probe (`scripts/dev/decode_timeline.py`): the stamped kernel's output still matches the
     reference, and each program stamps its points in order — start, metadata, PDL wait, K/V write, one stamp for each
     full key tile (up to TIMELINE_TILES), end — on one SM whose cycle counter runs forward; with the delay probe on,
     the output the same and the spins between the stamps; split four ways, the same output and one merge stamp a

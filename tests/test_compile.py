@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kiln.backends.attention import attend
+from kiln.backends.attention.op import attend
 from kiln.compile.backend import CompiledPiece
 from kiln.engine import LLM, SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.detokenizer import IncrementalDetokenizer, TextStream, find_stop_string
-from kiln.engine.tokenizer import builtin_tokenizer
+from kiln.engine.text.detokenizer import IncrementalDetokenizer, TextStream, find_stop_string
+from kiln.engine.text.tokenizer import builtin_tokenizer
 
 TEXTS = [
     "Hello world, the quick brown fox.",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.backends import fused_kernels, gemv
+from kiln.backends.kernels import fused as fused_kernels
+from kiln.backends.kernels import gemv
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, _rotate, rms_norm, silu_and_mul, use_fused_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -291,7 +292,7 @@ def test_fused_one_row_kernels_on_gpu_at_model_shapes(model, monkeypatch):
     """bf16 at the presets' gate_up and qkv shapes, default configs, against float64 (the norm inside the matmul
     at every K, not only where the model puts it)."""
     monkeypatch.setattr(gemv, "NORM_MAX_K", 1 << 30)
-    from kiln.engine.presets import PRESETS
+    from kiln.engine.models.presets import PRESETS
 
     p = PRESETS[model]
     hidden, head_dim = p["hidden_size"], p.get("head_dim", p["hidden_size"] // p["num_attention_heads"])
@@ -322,7 +323,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without(monkeypatch):
     CUDA graph, each reading the one before's output: launched with programmatic dependent launch, a load placed
     before its wait would read a stale value. Bit-for-bit the same chain without PDL (the same kernels, launched
     plainly)."""
-    from kiln.backends import pdl
+    from kiln.backends.kernels import pdl
 
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -373,7 +374,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without(monkeypatch):
 def test_decode_kernels_do_not_spill_registers_on_the_h200():
     """The decode path's kernels (decode attention, the one-row matmuls with their epilogues, Qwen3's q/k norm +
     rotary) compiled for sm_90 by Triton on this machine: none may spill registers to local memory — a spill made
-    6d67307's decode kernel 1.5x slower on long contexts (`scripts/kernel_resources.py`) — but the decode kernel's
+    6d67307's decode kernel 1.5x slower on long contexts (`scripts/dev/kernel_resources.py`) — but the decode kernel's
     few-request config, measured faster in the step with its small spill (`FEW_SPILL_ALLOWED`)."""
     import os
     import subprocess

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_keys import ALICE, BOB, CAROL, DAVE, ERIN, FRANK, sha, toml_keys, write
 from test_server import Server
 
-from kiln.engine.gateway import retry_after
+from kiln.engine.serving.api_keys import retry_after
 
 # ---- a real server ----------------------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kiln.engine.cli import main as cli_main
-from kiln.engine.gateway import KeyFileError, KeyStore, RateLimited, TokenBucket, load_key_file, retry_after
-from kiln.engine.metrics import KeyMetrics
-from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.serving.api_keys import KeyFileError, KeyStore, RateLimited, TokenBucket, load_key_file, retry_after
+from kiln.engine.serving.metrics import KeyMetrics
+from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 
 # ---- the token bucket, on a fake clock ----------------------------------------------------------------
 

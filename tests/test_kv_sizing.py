@@ -79,8 +79,8 @@ def test_measured_peak_is_kept_in_the_compile_cache(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from kiln.compile import CompileCache
-    from kiln.engine import profiling
     from kiln.engine.config import EngineConfig
+    from kiln.engine.core import kv_sizing as profiling
 
     peaks = iter([7 << 30, 9 << 30, 11 << 30, 13 << 30])
     measured = []

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.engine import LLM, SamplingParams
-from kiln.engine.model_source import resolve_model
 from kiln.engine.models.loader import WeightLoadError
+from kiln.engine.models.source import resolve_model
 
 
 def copy_dir(src, dst):
@@ -71,7 +71,7 @@ def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_d
     first = resolve_model(str(d), memo)
     assert first.model_config == plain.model_config and len(list(memo.glob("*.json"))) == 1
     # a fresh process reads it back, and never imports transformers
-    code = ("import sys, json; from kiln.engine.model_source import resolve_model as r; s = r(sys.argv[1], "
+    code = ("import sys, json; from kiln.engine.models.source import resolve_model as r; s = r(sys.argv[1], "
             "__import__('pathlib').Path(sys.argv[2])); print(json.dumps([repr(s.model_config), "
             "s.checkpoint_dtype_name, any(m.startswith('transformers') for m in sys.modules)]))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, str(d), str(memo)], capture_output=True, text=True, check=True)
@@ -219,7 +219,7 @@ def test_a_missing_tokenizer_fails_before_the_model_loads(tiny_llama_dir, tmp_pa
 def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path, monkeypatch):
     """As vLLM's --generation-config auto: the file's temperature, top_p, top_k, min_p and repetition_penalty
     (where they differ from transformers' own defaults) are what a request without them samples with."""
-    from kiln.engine.model_source import generation_defaults  # noqa: PLC0415
+    from kiln.engine.models.source import generation_defaults  # noqa: PLC0415
 
     d = copy_dir(tiny_llama_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(json.dumps(

@@ -7,22 +7,22 @@ import pickle
 import msgpack
 import pytest
 
-from kiln.engine import protocol
-from kiln.engine.detokenizer import TextStream
-from kiln.engine.tokenizer import builtin_tokenizer
+from kiln.engine import messages
+from kiln.engine.text.detokenizer import TextStream
+from kiln.engine.text.tokenizer import builtin_tokenizer
 
 
 def test_round_trip():
-    messages = [
-        protocol.AddRequest("r1", [1, 2, 3], {"temperature": 0.5, "logit_bias": {7: 1.5}, "stop": ["x"]}),
-        protocol.AbortRequests(["r1", "r2"]),
-        protocol.Shutdown(),
-        protocol.Ready(128, 512, 64, {"mode": "eager"}),
-        protocol.EngineOutputs([protocol.RequestOutput("r1", [5], [[[5, -0.1, 1]]], "stop", 5, 3)],
-                               [protocol.RequestFailed("r2", "bad")], {"running": 1}),  # fmt: skip
+    sent = [
+        messages.AddRequest("r1", [1, 2, 3], {"temperature": 0.5, "logit_bias": {7: 1.5}, "stop": ["x"]}),
+        messages.AbortRequests(["r1", "r2"]),
+        messages.Shutdown(),
+        messages.Ready(128, 512, 64, {"mode": "eager"}),
+        messages.EngineOutputs([messages.RequestOutput("r1", [5], [[[5, -0.1, 1]]], "stop", 5, 3)],
+                               [messages.RequestFailed("r2", "bad")], {"running": 1}),  # fmt: skip
     ]
-    for message in messages:
-        assert protocol.decode(protocol.encode(message)) == message
+    for message in sent:
+        assert messages.decode(messages.encode(message)) == message
 
 
 class Boom:
@@ -43,8 +43,8 @@ FOREIGN = [
 
 @pytest.mark.parametrize("frame", FOREIGN)
 def test_foreign_frames_are_rejected(frame):
-    with pytest.raises(protocol.ProtocolError):
-        protocol.decode(frame)
+    with pytest.raises(messages.ProtocolError):
+        messages.decode(frame)
 
 
 def test_stop_string_split_across_tokens_is_never_sent():
@@ -63,11 +63,11 @@ def test_stop_string_split_across_tokens_is_never_sent():
 
 
 def test_engine_core_sends_outputs_as_field_tuples():
-    from kiln.engine.core_process import _to_wire
-    from kiln.engine.engine_core import EngineCoreOutput
+    from kiln.engine.core.engine_core import EngineCoreOutput
+    from kiln.engine.core.process import _to_wire
     from kiln.engine.outputs import Logprob
 
     out = EngineCoreOutput("r1", [5, 6], [{5: Logprob(-0.5, 1)}, {6: Logprob(-1.5, 2)}], "length", None, 4)
-    sent = protocol.EngineOutputs([_to_wire(out)], [], {"running": 0})
-    expected = protocol.RequestOutput("r1", [5, 6], [[[5, -0.5, 1]], [[6, -1.5, 2]]], "length", None, 4)
-    assert protocol.decode(protocol.encode(sent)) == protocol.EngineOutputs([expected], [], {"running": 0})
+    sent = messages.EngineOutputs([_to_wire(out)], [], {"running": 0})
+    expected = messages.RequestOutput("r1", [5, 6], [[[5, -0.5, 1]], [[6, -1.5, 2]]], "length", None, 4)
+    assert messages.decode(messages.encode(sent)) == messages.EngineOutputs([expected], [], {"running": 0})

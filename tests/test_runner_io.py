@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.engine.runner_io import ALIGN, MAX_VIEWS, InputArena
+from kiln.engine.worker.inputs import ALIGN, MAX_VIEWS, InputArena
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from kiln.backends import argmax
-from kiln.engine.sampler import (
+from kiln.backends.kernels import argmax
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.worker.sampler import (
     Sampler,
     SamplingMetadata,
     make_generator,
@@ -23,7 +24,6 @@ from kiln.engine.sampler import (
     row_argmax,
     sampling_probs,
 )
-from kiln.engine.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

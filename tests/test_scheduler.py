@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kiln.cache import KVCacheManager
-from kiln.engine.request import Request, RequestStatus
+from kiln.engine.core.request import Request, RequestStatus
+from kiln.engine.core.scheduler import Scheduler
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
 
 EOS = 99
 

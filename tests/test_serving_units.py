@@ -10,11 +10,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from kiln.engine import protocol
-from kiln.engine.async_client import EngineDeadError, Inbox
-from kiln.engine.openai_requests import APIError, parse_chat
-from kiln.engine.responses import next_items
-from kiln.engine.serving import ServerState, encode_chat
+from kiln.engine import messages
+from kiln.engine.serving.completion import ServerState, encode_chat
+from kiln.engine.serving.engine_client import EngineDeadError, Inbox
+from kiln.engine.serving.openai_requests import APIError, parse_chat
+from kiln.engine.serving.responses import next_items
 
 
 def test_inbox_hands_over_everything_waiting_in_order():
@@ -41,7 +41,7 @@ def test_inbox_hands_over_everything_waiting_in_order():
 
 def test_outputs_queued_behind_a_slow_reader_are_joined():
     def out(rid, ids, lp=None, finish=None, stop=None):
-        return protocol.RequestOutput(rid, ids, lp, finish, stop)
+        return messages.RequestOutput(rid, ids, lp, finish, stop)
 
     async def scenario():
         inbox = Inbox()
@@ -66,7 +66,7 @@ def test_stream_chunks_are_valid_json_with_any_text():
     backslashes, newlines, control characters, non-ASCII) and every field of OpenAI's chunk shape."""
     from types import SimpleNamespace
 
-    from kiln.engine.responses import Choice, _events
+    from kiln.engine.serving.responses import Choice, _events
 
     pieces = ['say "hi"\\n', "back\\slash\nnew line\t", "\x00\x1f ctrl", "naïve — 漢字 🙂", ""]
 
@@ -83,7 +83,7 @@ def test_stream_chunks_are_valid_json_with_any_text():
         async def scenario(parsed=parsed, choices=choices, chat=chat):
             inbox = Inbox()
             for i in range(len(pieces)):
-                inbox.put(protocol.RequestOutput("r", [i], None, "length" if i == len(pieces) - 1 else None))
+                inbox.put(messages.RequestOutput("r", [i], None, "length" if i == len(pieces) - 1 else None))
             return [c async for c in _events(state, parsed, choices, inbox, "cmpl-1", 1700000000, chat, [None])]
 
         chunks = [json.loads(c) for c in asyncio.run(scenario())]

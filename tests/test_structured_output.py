@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from kiln.engine import LLM
 from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
-from kiln.engine.structured_output import GrammarBitmask
+from kiln.engine.structured_output.grammar import GrammarBitmask
 
 # ---- a tiny model under constraints ---------------------------------------------------------------------
 # Its weights are random, so at temperature 1 its choices are noise: whatever structure the outputs have,

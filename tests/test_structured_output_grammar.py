@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from kiln.engine.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
-from kiln.engine.structured_output import GrammarBitmask, GrammarCache, GrammarError, check_grammar
-from kiln.engine.tokenizer import builtin_tokenizer
+from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.structured_output.grammar import GrammarBitmask, GrammarCache, GrammarError, check_grammar
+from kiln.engine.text.tokenizer import builtin_tokenizer
 
 TOKENIZER_VOCAB = 512
 MODEL_VOCAB = 600  # wider than the tokenizer, as padded embeddings are: ids 512..599 are never allowed

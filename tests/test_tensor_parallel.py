@@ -23,11 +23,12 @@ import torch.distributed as dist
 from conftest import make_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
-from kiln.engine import LLM, SamplingParams, model_runner
+from kiln.engine import LLM, SamplingParams
 from kiln.engine.config import EngineConfig
-from kiln.engine.distributed import RanksOutOfStepError, TensorParallelWorkers
-from kiln.engine.model_source import resolve_model
+from kiln.engine.core.tensor_parallel import RanksOutOfStepError, TensorParallelWorkers
 from kiln.engine.models.parallel import QKVParallelLinear, TensorParallelShard, VocabParallelEmbedding
+from kiln.engine.models.source import resolve_model
+from kiln.engine.worker import model_runner
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
 MAX_TOKENS = 12

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.backends import fused_kernels, gemv
+from kiln.backends.kernels import fused as fused_kernels
+from kiln.backends.kernels import gemv
 
 
 class Linear(nn.Linear):

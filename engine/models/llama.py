@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.backends.attention import attend  # (the module registers torch.ops.kiln.unified_attention)
+from kiln.backends.attention.op import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, norm_linear, rms_norm
 from kiln.engine.models.parallel import (

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln.backends.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
+import kiln.backends.kernels.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
 from kiln.engine.models.layers import Embedding, Linear, linear
 
 ShardId = str | int | None  # which Hugging Face tensor of a fused parameter ("q", "k", "v", 0, 1); None: unfused

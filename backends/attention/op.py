@@ -1,0 +1,99 @@
+"""The `kiln::unified_attention` custom op and the attention-backend registry.
+
+Every layer's attention is one call of this op. To Dynamo it is opaque (a registered custom op with a
+fake implementation), which is where the compiled graph is split into pieces; at run time it hands
+the layer's query/key/value to the selected backend together with the step's forward context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+
+import torch
+
+from kiln.backends.attention.forward_context import AttentionMetadata, get_forward_context
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a mixed batch of prefill chunks and decodes.
+
+    Contract for `forward`:
+      1. write `key`/`value` of the first `metadata.num_actual_tokens` tokens into `kv_cache` at
+         `metadata.slot_mapping` (slot = block_id * block_size + offset);
+      2. for each request i, let its queries be rows `query_start_loc[i]:query_start_loc[i+1]` and its
+         context `seq_lens[i]` tokens read through `block_table[i]`; query j of a request with q_len
+         queries sits at position `seq_lens[i] - q_len + j` and attends causally to positions <= it;
+      3. write the result into `output` `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are
+         padding and may hold anything.
+    Writing before reading is what makes a request's own chunk, and blocks another request of the same
+    batch just cached, visible to attention.
+    """
+
+    name: str
+    cudagraph_safe: bool = True  # no host sync and no data-dependent launch shapes: may run inside a CUDA graph
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,  # [T, num_heads, head_dim], written in place
+    ) -> None: ...
+
+    def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Hashable:
+        """What a decode-only batch of `num_reqs` requests runs as (kernel variant, launch config) with this many
+        query and kv heads (on this GPU) of `head_dim`: batches of one variant need one warm-up between them before
+        any is captured or served. One variant unless overridden."""
+        return None
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a backend by name; an unknown name is a readable error listing the choices."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+    return _BACKENDS[name]()
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+# NOTE: the op writes into an `output` the caller allocated. Under piecewise CUDA graphs that buffer is
+# allocated inside the captured piece before it, so every tensor crossing a piece boundary has a fixed
+# address from replay to replay; a returned tensor would be a fresh eager allocation each step.
+@torch.library.custom_op("kiln::unified_attention", mutates_args=("output",))
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+) -> None:
+    attend(query, key, value, output, layer_index, scale)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int,
+           scale: float) -> None:  # fmt: skip
+    """The op's body: the step's backend on this layer's KV cache. Where no tracer looks (eager layers, and
+    the split graph's attention pieces once compiled), it is called directly: through the dispatcher, a
+    `custom_op` call costs ~25 µs more (measured on the CPU machine), once a layer every step."""
+    context = get_forward_context()
+    context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output)
+
+
+@unified_attention.register_fake
+def _(query, key, value, output, layer_index: int, scale: float) -> None:
+    return None

@@ -1,0 +1,88 @@
+"""Reference attention backend in plain torch: correct on CPU and GPU, not fast.
+
+Decodes (one query per request) are batched into one padded SDPA call; prefill chunks run one SDPA
+call each with a bottom-right-aligned causal mask. It reads `_cpu` metadata, so it syncs with the host
+and cannot live inside a CUDA graph; the Triton backend is the one for graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.backends.attention.forward_context import AttentionMetadata
+from kiln.backends.attention.op import AttentionBackend, register_backend
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `seq_len` positions of one request: [seq_len, num_kv_heads, head_dim] each."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_ids[:num_blocks].long()
+    k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return k, v
+
+
+@register_backend
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    cudagraph_safe = False
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
+        num_tokens = metadata.num_actual_tokens
+        write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
+        starts = metadata.query_start_loc_cpu
+        query_lens = (starts[1:] - starts[:-1]).tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        if decode_rows:
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output)
+        for i, q_len in enumerate(query_lens):
+            if q_len > 1:
+                start = int(starts[i])
+                k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i])
+                output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale)
+
+    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor) -> None:
+        """All single-query requests at once: gather their blocks padded to the longest context."""
+        device = query.device
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        block_size = kv_cache.shape[2]
+        rows_t = torch.tensor(rows, device=device)
+        seq_lens = metadata.seq_lens_cpu[rows].to(device)
+        max_len = int(metadata.seq_lens_cpu[rows].max())
+        num_blocks = -(-max_len // block_size)
+        blocks = metadata.block_table[rows_t, :num_blocks].long()  # [B, nb]
+        k = kv_cache[0, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
+        v = kv_cache[1, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
+        token_index = metadata.query_start_loc_cpu[rows].to(device).long()
+        q = query[token_index].unsqueeze(2)  # [B, H, 1, D]
+        mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        output[token_index] = out.squeeze(2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of q_len queries that are the last q_len of seq_len positions."""
+    q_len = q.shape[0]
+    if q_len == seq_len:  # no cached context: plain causal, which lets SDPA pick a flash kernel
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+    positions = torch.arange(seq_len, device=q.device)
+    mask = positions[None, :] <= (seq_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,104 @@
+"""How many KV-cache blocks an engine gets: on the GPU, what is left after measuring the memory a step can take
+(and no more)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.cache import allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.engine.core.request import Request
+from kiln.engine.core.scheduler import SchedulerOutput
+from kiln.engine.core.tensor_parallel import min_across_ranks
+from kiln.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.engine.core.engine_core import EngineCore
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CUDAGRAPH_RESERVE_BYTES = 1 << 30
+KV_SIZING = "kv_sizing.json"  # the measured peak, in the compile cache's folder
+
+
+def num_kv_blocks(core: EngineCore, max_model_len: int) -> int:
+    """The configured count, or the configured bytes' worth, or (on the GPU) what `gpu_memory_utilization`
+    leaves after the profiled peak of a step and the CUDA graphs' reserve."""
+    config = core.config
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        return num_blocks_for_budget(core.kv_spec, config.kv_cache_memory_bytes)
+    if core.device.type != "cuda":
+        return num_blocks_for_budget(core.kv_spec, CPU_DEFAULT_KV_BYTES)
+    peak = measured_peak(core, max_model_len)
+    if core.cudagraph_mode != "none":
+        # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
+        # pool is reserved here up front, and its real size is logged after capture.
+        peak += CUDAGRAPH_RESERVE_BYTES
+    total = torch.cuda.get_device_properties(core.device).total_memory
+    budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
+    return num_blocks_for_budget(core.kv_spec, budget)
+
+
+def measured_peak(core: EngineCore, max_model_len: int) -> int:
+    """`profile_forward`'s peak, measured once per compile-cache entry and these sizing inputs: a warm start reads it
+    there (the profile's eager forward of the whole token budget was ~0.7 s of the 8B's 12 s warm start on the
+    H200). The cache's key covers the model, dtype, torch, Triton, device, Kiln's source and max_model_len; the
+    entry records the rest of what the profile's batches depend on, and a different one is measured again."""
+    config = core.config
+    cache = core.compiled.backend.cache if core.compiled is not None else None
+    inputs = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+              "max_model_len": max_model_len, "block_size": config.block_size, "kv_spec": repr(core.kv_spec),
+              "tensor_parallel_size": config.tensor_parallel_size}  # fmt: skip
+    saved = cache.read_json(KV_SIZING) if cache is not None else None
+    found = isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int)
+    if core.shard.size > 1:  # NOTE: every rank profiles or none does: the profile's forward holds collectives
+        found = min_across_ranks(int(found)) == 1
+    if found:
+        return saved["peak_bytes"]
+    peak = profile_forward(core, max_model_len)
+    if cache is not None:
+        cache.write_text(KV_SIZING, json.dumps({"inputs": inputs, "peak_bytes": peak}))
+    return peak
+
+
+def profile_forward(core: EngineCore, max_model_len: int) -> int:
+    """Peak bytes in use during the largest prefill step and the largest sampling step (minus the small KV
+    cache made for the run: the real one is sized from what is left).
+
+    Weights are counted (they are allocated already), the throwaway KV cache of the run is not, and
+    memory outside PyTorch's allocator (CUDA context, library workspaces) is added.
+    """
+    config = core.config
+    block_size = config.block_size
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)  # the sampler's widest path
+    budget = config.max_num_batched_tokens
+    seq_len = min(budget, max_model_len - 1)
+    prefill_lens = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
+    prefill_lens = prefill_lens[: config.max_num_seqs]
+    decode_lens = [1] * min(config.max_num_seqs, budget)
+    num_blocks = 1 + max(sum(-(-n // block_size) for n in prefill_lens), len(decode_lens))
+    kv_caches = allocate_kv_caches(core.kv_spec, num_blocks, core.device)
+    kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+    runner = core._make_runner(kv_caches, max_model_len)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    for lens in (prefill_lens, decode_lens):
+        requests, block_ids, next_block = [], [], 1
+        for i, n in enumerate(lens):
+            requests.append(Request(f"profile-{i}", [0] * n, params, (), max_tokens=1))
+            count = -(-n // block_size)
+            block_ids.append(list(range(next_block, next_block + count)))
+            next_block += count
+        runner.execute(SchedulerOutput(requests, list(lens), block_ids, [], [0] * len(lens), [True] * len(lens)))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - kv_bytes
+    free, total = torch.cuda.mem_get_info()
+    outside_torch = (total - free) - torch.cuda.memory_reserved()
+    del runner, kv_caches
+    torch.cuda.empty_cache()
+    return peak + max(outside_torch, 0)

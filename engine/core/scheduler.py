@@ -1,0 +1,241 @@
+"""The scheduler: each step, fill a token budget from running requests first, then waiting ones.
+
+There are no prefill and decode phases (vLLM V1's idea): every request is `num_computed_tokens`
+behind its `num_tokens`, and a step gives each scheduled request some of the tokens it lacks —
+one for a decode, a chunk for a prefill. When the block pool runs dry the newest running request is
+preempted: its blocks are freed and it recomputes from the start later (prefix caching often makes
+that cheap).
+
+`schedule()` advances its requests as if the step had already run; a sampled token the host has not
+seen yet is an output placeholder. That is what lets the engine schedule step N+1 while step N is on
+the GPU (async scheduling): a decode's next input is step N's token, still on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.cache import KVCacheManager
+from kiln.engine.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request]  # in batch order
+    num_new_tokens: list[int]  # tokens each request computes this step
+    block_ids: list[list[int]]  # each request's block table after allocation
+    preempted: list[Request] = field(default_factory=list)
+    # Each request's computed tokens before this step (the scheduler has already advanced it), and
+    # whether the step samples its next token (its last scheduled token is its last token).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def single(self, i: int) -> SchedulerOutput:
+        """Row i alone, as a batch of one (to retry the rows of a failed step one at a time)."""
+        return SchedulerOutput([self.requests[i]], [self.num_new_tokens[i]], [self.block_ids[i]], [],
+                               [self.num_computed_tokens[i]], [self.samples[i]])  # fmt: skip
+
+
+@dataclass
+class FinishedRequest:
+    request: Request
+    new_token_ids: list[int]
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_sync_requests = 0  # unfinished requests with `needs_sync`
+
+    # ---- requests in and out --------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.num_sync_requests += request.needs_sync
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and advance them as if the step had run: `num_computed_tokens`
+        moves on, and a request whose next token the step samples gains an output placeholder until
+        `update_from_output` brings the token back. So with async scheduling the next step can be
+        scheduled while this one is still on the GPU."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_new: list[int] = []
+        preempted: list[Request] = []
+
+        # Running requests first, oldest first; the newest are preempted when blocks run out.
+        i = 0
+        max_model_len = self.max_model_len
+        allocate_slots = self.kv.allocate_slots
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            pending = request.num_output_placeholders
+            all_token_ids = request.all_token_ids
+            num_tokens = len(all_token_ids) + pending
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or num_tokens >= max_model_len):  # fmt: skip
+                continue  # a length limit its tokens in flight already reach: nothing more to compute
+            num_computed = request.num_computed_tokens
+            n = min(num_tokens - num_computed, budget)
+            fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
+            if not fits and not self._preempt_for(request, n, preempted):
+                break  # the request itself was preempted: nothing after it is left to schedule
+            scheduled.append(request)
+            num_new.append(n)
+            budget -= n
+
+        # Then waiting requests, in arrival order, while nothing had to be preempted. A preempted
+        # request waits until its in-flight token is back (its prefix hashes need every token id).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            if request.num_output_placeholders:
+                break
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, n, cached_blocks):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_new.append(n)
+            budget -= n
+
+        computed = [r.num_computed_tokens for r in scheduled]
+        samples = []
+        for request, n in zip(scheduled, num_new):
+            num_computed_tokens = request.num_computed_tokens + n
+            request.num_computed_tokens = num_computed_tokens
+            sample = num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders
+            request.num_output_placeholders += sample
+            samples.append(sample)
+        block_ids = self.kv.block_ids
+        return SchedulerOutput(scheduled, num_new, [block_ids(r.request_id) for r in scheduled], preempted,
+                               computed, samples)  # fmt: skip
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """Bring back a step's sampled tokens; returns (new tokens as (request, token), finished requests).
+
+        `sampled_token_ids[i]` is None where the step sampled nothing for row i (a partial prefill).
+        A request that finished or was aborted after this step was scheduled drops its token.
+        """
+        new_tokens: list[tuple[Request, int]] = []
+        finished: list[Request] = []
+        live = (RequestStatus.RUNNING, RequestStatus.WAITING)
+        for request, token in zip(output.requests, sampled_token_ids):
+            if token is None or request.status not in live:
+                continue  # sampled nothing, or finished (aborted, stopped) after this step was scheduled
+            request.num_output_placeholders -= 1
+            request.append_output_token(token)
+            new_tokens.append((request, token))
+            status = None if request.grammar is None else self._advance_grammar(request, token)
+            if status is None:
+                status = self._check_stop(request, token)
+            if status is not None:
+                # Preempted while its token was in flight, a request finishes from the waiting queue.
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return new_tokens, finished
+
+    def needs_sync(self) -> bool:
+        """Whether the next step must see the previous step's tokens before it is scheduled."""
+        return self.num_sync_requests > 0
+
+    # ---- helpers --------------------------------------------------------------------------------------
+
+    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
+        """Structured output: move the request's matcher past its new token. A token the grammar rejects
+        fails the request alone (the mask allows only what it accepts, so this is a conflict, such as
+        min_tokens holding back the one stop token allowed); a grammar that took a stop token is done."""
+        grammar = request.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept_token(token):
+            request.failure = f"structured output: the grammar does not allow the sampled token {token}"
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt_for(self, request: Request, n: int, preempted: list[Request]) -> bool:
+        """Blocks for n more tokens of a running request did not fit: preempt from the newest end of
+        `running` until they do; False if the request had to preempt itself."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+            if self.kv.allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens, n):
+                return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.grammar = None  # the matcher's state goes with it
+        self.kv.free(request.request_id)
+        self.num_sync_requests -= request.needs_sync
+        del self.requests[request.request_id]

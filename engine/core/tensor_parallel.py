@@ -1,0 +1,366 @@
+"""Tensor parallelism over torch.distributed: rank 0 in the engine core, ranks 1..N-1 in worker processes.
+
+    engine core (rank 0)                               worker (rank r)
+    schedule, prepare inputs into the persistent       EngineCore(config, tp_rank=r): the same model
+    buffers (previous step's tokens carried in on      shard, KV cache shard, compiled model and graphs;
+    the device)                                        no scheduler, no sampler
+      -- StepHeader (msgpack, over a pipe) -------->   wait for a header
+      -- dist.broadcast: input_ids, positions, ---->   into its own persistent buffers
+         slot_mapping, query_start_loc, seq_lens,
+         block_table (the used prefixes)
+    forward  <----- all-reduce in every layer ----->   forward (same graph plan)
+    logits   <----- all-gather of vocab slices ---->   logits (dropped)
+    sample; next step                                  next header, or SHUTDOWN: exit
+
+Workers keep no state about requests. The header travels over a pipe, not a collective, so an idle
+worker waits on a pipe (no collective timeout while the engine has nothing to do) and learns at once
+when rank 0's process is gone (end of file). Transport is torch.distributed's own: gloo on CPU, NCCL
+for CUDA tensors (gloo for the few host-side collectives of start-up).
+
+Failure: rank 0 checks its workers are alive before every step; a worker that dies mid-collective
+breaks gloo's connections at once, and `raise_if_dead` turns that into `WorkerDiedError` naming the
+worker. Workers are stopped and reaped by `close()`, by a failed start-up, when the engine is garbage
+collected, and at exit. Every rank drops its CUDA graphs (each one that captured a collective holds its
+NCCL communicator) and then leaves the group by aborting it, so no rank waits for another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import msgpack
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import _abort_process_group
+
+from kiln.backends.attention import AttentionMetadata
+from kiln.engine.worker.inputs import GraphPlan
+
+if TYPE_CHECKING:
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("kiln")
+
+# NOTE: collectives wait this long for a live but slow peer: start-up compiles on one rank while another
+# already waits in the first all-reduce. A dead peer is caught far sooner (liveness checks, closed sockets).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+STARTUP_TIMEOUT = 300.0  # seconds for a worker to import and reach the rendezvous
+SHUTDOWN_GRACE = 5.0  # seconds a worker gets to exit by itself before it is killed
+LEAVE_TIMEOUT = 30.0  # seconds a rank waits for its group's teardown before it gives up on it
+SHUTDOWN = "shutdown"
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone: the engine cannot run another step."""
+
+
+class RanksOutOfStepError(WorkerDiedError):
+    """A step failed on rank 0 after the workers had started it: they may be waiting inside its
+    collectives, so a retry would pair collectives wrongly. As fatal as a dead worker."""
+
+
+@dataclass
+class StepHeader:
+    """What a worker needs, besides the broadcast buffers, to run rank 0's step: the graph plan, the
+    metadata's sizes and its host-side copies, and which rows to score (None: no sampling this step)."""
+
+    mode: str  # the GraphPlan mode ("full", "piecewise", "none"), or SHUTDOWN
+    num_tokens: int  # padded
+    num_reqs: int  # padded
+    num_scheduled_reqs: int  # block-table rows rank 0 filled
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int] | None
+
+    def encode(self) -> bytes:
+        return msgpack.packb(list(astuple(self)), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, frame: bytes) -> StepHeader:
+        values = msgpack.unpackb(frame, raw=False)
+        if len(values) != len(fields(cls)):
+            raise ValueError(f"a step header has {len(fields(cls))} fields, got {len(values)}")
+        return cls(*values)
+
+
+def _shutdown_header() -> StepHeader:
+    return StepHeader(SHUTDOWN, 0, 0, 0, 0, 0, 0, [], [], None)
+
+
+def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
+    """The step's inputs in the runner's input arena, in broadcast order (the same layout on every rank)."""
+    inputs = runner.inputs.views(header.num_tokens, header.num_reqs)
+    return [
+        inputs.input_ids,
+        inputs.positions,
+        inputs.slot_mapping[: header.num_actual_tokens],
+        inputs.query_start_loc,
+        inputs.seq_lens,
+        inputs.block_table[: header.num_scheduled_reqs],
+    ]
+
+
+def _backend(device: torch.device) -> str:
+    # CUDA tensors over NCCL; host tensors (start-up's KV sizing) over gloo, which notices a dead peer at once.
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def cpu_threads_per_rank(tp_size: int) -> int:
+    """On CPU the ranks share the cores. NOTE: OpenMP threads spin after each parallel region, so ranks
+    that together oversubscribe the cores starve each other inside every collective (25x slower steps)."""
+    return max(1, len(os.sched_getaffinity(0)) // tp_size)
+
+
+def min_across_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (KV blocks: each rank's cache must hold them all)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+# ---- rank 0 -----------------------------------------------------------------------------------------------
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on ranks 1..N-1: starts them, announces each step, watches them, stops them."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.size = config.tensor_parallel_size
+        if device.type == "cuda":  # rank r runs on GPU first + r
+            first, visible = device.index or 0, torch.cuda.device_count()
+            if first + self.size > visible:
+                raise ValueError(f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}, "
+                                 f"but {visible} are visible")  # fmt: skip
+        if dist.is_initialized():
+            gc.collect()  # an engine dropped without close() gives its process group back in its finalizer
+            if dist.is_initialized():
+                raise RuntimeError("a tensor-parallel engine is already running in this process; close() it first")
+        # NOTE: NVLink multicast (NVLS) stays off: the GPU machines require it, and workers inherit the setting.
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: loopback only
+        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(self.size))
+        spawn = mp.get_context("spawn")
+        self.processes: list[multiprocessing.Process] = []
+        self.pipes: list[multiprocessing.connection.Connection] = []
+        self._failure: str | None = None
+        # What must happen on this rank before it leaves the group (the engine adds: drop its CUDA graphs).
+        self.before_leaving: list[Callable[[], None]] = []
+        # Stops the workers when this object is collected, and at exit (also in a spawned engine-core process,
+        # where atexit handlers do not run but multiprocessing's finalizers do).
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_workers, args=(self.processes, self.pipes, threads, self.before_leaving), exitpriority=10
+        )
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = spawn.Pipe()
+                process = spawn.Process(target=worker_main, args=(config, rank, store.port, theirs),
+                                        name=f"kiln-tp-worker-{rank}")  # fmt: skip
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.pipes.append(ours)
+            self._wait_for_rendezvous()
+            dist.init_process_group(_backend(device), store=store, rank=0, world_size=self.size,
+                                    timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        except BaseException:
+            # NOTE: the traceback keeps this object, and so the finalizer, alive: the workers that did start
+            # would wait at the rendezvous until its timeout.
+            self.close()
+            raise
+        logger.info("tensor parallel: %d ranks (workers %s)", self.size, [p.pid for p in self.processes])
+
+    def _wait_for_rendezvous(self) -> None:
+        """Every worker says it has imported and is joining; one that dies first fails start-up at once."""
+        waiting = dict(zip(self.pipes, self.processes))
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while waiting:
+            ready = multiprocessing.connection.wait([*waiting, *(p.sentinel for p in waiting.values())],
+                                                    timeout=max(deadline - time.monotonic(), 0))  # fmt: skip
+            if not ready:
+                raise WorkerDiedError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT:.0f}s")
+            self.check_alive()
+            for pipe in [p for p in ready if p in waiting]:
+                pipe.recv_bytes()
+                del waiting[pipe]
+
+    # ---- each step --------------------------------------------------------------------------------------
+
+    def broadcast_step(self, runner: ModelRunner, metadata: AttentionMetadata, plan: GraphPlan,
+                       num_scheduled_reqs: int, sample_rows: list[int]) -> None:  # fmt: skip
+        """Announce the step rank 0 has just prepared and send its inputs; every rank then runs the forward."""
+        self.check_alive()
+        logits_indices = None
+        if sample_rows:  # the last token of each sampled request
+            logits_indices = (metadata.query_start_loc_cpu[1:][sample_rows] - 1).tolist()
+        header = StepHeader(
+            plan.mode, plan.num_tokens, plan.num_reqs, num_scheduled_reqs, metadata.num_actual_tokens,
+            metadata.max_query_len, metadata.max_seq_len, metadata.query_start_loc_cpu.tolist(),
+            metadata.seq_lens_cpu.tolist(), logits_indices,
+        )  # fmt: skip
+        frame = header.encode()
+        for pipe in self.pipes:
+            pipe.send_bytes(frame)
+        for tensor in step_tensors(runner, header):
+            dist.broadcast(tensor, src=0)
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for a step's device work, checking the workers meanwhile: a collective with a dead peer
+        never completes, and `event.synchronize()` would wait for it forever."""
+        while not event.query():
+            self.check_alive()
+            time.sleep(20e-6)
+
+    def check_alive(self) -> None:
+        if self._failure is None:
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                self._failure = ", ".join(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code "
+                                          f"{p.exitcode}" for p in dead)  # fmt: skip
+        if self._failure is not None:
+            raise WorkerDiedError(f"{self._failure}; the engine cannot continue")
+
+    def raise_if_dead(self, error: BaseException, grace: float = 0.5) -> None:
+        """After a failed step or start-up: if a worker died (a collective with it broke), raise that instead
+        of the collective's own error. Its exit may lag its closed sockets by a moment, hence the grace.
+
+        Only a RuntimeError can be a broken collective: any other error is this rank's own (a ValueError
+        every rank raises at start-up, say), and it is the one to report."""
+        if isinstance(error, WorkerDiedError) or not isinstance(error, RuntimeError):
+            return
+        processes = {p.sentinel: p for p in self.processes}
+        for sentinel in multiprocessing.connection.wait(list(processes), timeout=grace):
+            # NOTE: a killed process closes its sockets and sentinel before it can be reaped (its threads still
+            # exiting), and `is_alive` is true until then: wait for that too.
+            processes[sentinel].join(grace)
+        try:
+            self.check_alive()
+        except WorkerDiedError as died:
+            raise died from error
+
+    def close(self) -> None:
+        """Tell the workers to exit, reap them (killing any that do not go), and leave the process group."""
+        self._finalizer()
+
+
+def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads: int,
+                  before_leaving: list[Callable[[], None]]) -> None:  # fmt: skip
+    frame = _shutdown_header().encode()
+    for pipe in pipes:
+        with contextlib.suppress(OSError):  # a worker already gone
+            pipe.send_bytes(frame)
+    deadline = time.monotonic() + SHUTDOWN_GRACE
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0))
+    for process in processes:
+        if process.is_alive():
+            logger.warning("tensor-parallel worker %s (pid %d) did not exit; killing it", process.name, process.pid)
+            process.kill()
+            process.join()
+    for pipe in pipes:
+        pipe.close()
+    for release in before_leaving:
+        release()
+    leave_group()
+    torch.set_num_threads(threads)
+
+
+def leave_group(timeout: float = LEAVE_TIMEOUT) -> None:
+    """Tear down this process's group without waiting for the other ranks; the caller has dropped its CUDA
+    graphs first (an NCCL communicator's teardown waits for every graph that captured one of its collectives).
+
+    NOTE: `destroy_process_group` flushes NCCL communicators (ncclCommFinalize since torch 2.6), which waits
+    on peers that may be gone or tearing down themselves; an abort is local. It runs in a daemon thread: if it
+    still does not return, the group is given up on (logged) rather than the process hung."""
+    if not dist.is_initialized():
+        return
+    thread = threading.Thread(target=_abort_process_group, name="kiln-tp-leave", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it", timeout)
+
+
+# ---- ranks 1..N-1 -----------------------------------------------------------------------------------------
+
+
+def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessing.connection.Connection) -> None:
+    """A worker process: join the group, build this rank's engine (model side only), then run steps."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-worker-{rank}: %(message)s")
+    # Ctrl-C and SIGHUP reach the whole process group; rank 0 decides when workers stop (and its exit ends them).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from kiln.engine.core.engine_core import EngineCore  # noqa: PLC0415  (engine_core imports this module)
+
+    device = config.resolve_device()
+    if device.type == "cuda":
+        torch.cuda.set_device((device.index or 0) + rank)
+    else:
+        torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+    pipe.send_bytes(b"joining")
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=config.tensor_parallel_size,
+                            timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    core = None
+    try:
+        core = EngineCore(config, tp_rank=rank)
+        serve_steps(core.runner, pipe)
+    finally:
+        if core is not None and core.compiled is not None:
+            core.compiled.release_graphs()
+        leave_group()
+
+
+def serve_steps(runner: ModelRunner, pipe: multiprocessing.connection.Connection) -> None:
+    """Run rank 0's steps until it says stop or its end of the pipe closes (rank 0 is gone)."""
+    while True:
+        try:
+            header = StepHeader.decode(pipe.recv_bytes())
+        except EOFError:
+            return
+        if header.mode == SHUTDOWN:
+            return
+        with torch.inference_mode():
+            run_step(runner, header)
+
+
+def run_step(runner: ModelRunner, header: StepHeader) -> None:
+    for tensor in step_tensors(runner, header):
+        dist.broadcast(tensor, src=0)
+    inputs = runner.inputs.views(header.num_tokens, header.num_reqs)
+    metadata = AttentionMetadata(
+        num_actual_tokens=header.num_actual_tokens,
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        block_table=inputs.block_table,
+        slot_mapping=inputs.slot_mapping[: header.num_actual_tokens],
+        max_query_len=header.max_query_len,
+        max_seq_len=header.max_seq_len,
+        query_start_loc_cpu=torch.tensor(header.query_start_loc, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(header.seq_lens, dtype=torch.int32),
+    )
+    hidden, head = runner.forward(metadata, GraphPlan(header.mode, header.num_tokens, header.num_reqs))
+    if header.logits_indices is not None and head is None:  # a full graph ran the LM head (and its gather) itself
+        rows = torch.tensor(header.logits_indices, dtype=torch.int64, device=runner.device)
+        runner.model.compute_logits(hidden[rows])  # joins the LM head's all-gather; rank 0 samples

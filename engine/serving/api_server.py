@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of the engine-core process.
+
+It owns HTTP, auth, tokenization (off the event loop), chat templates, detokenization and stop
+strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health and GET /metrics
+(always open). With `--api-keys-file` the keys and their limits come from `gateway.KeyStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import posixpath
+import re
+from typing import Any
+
+from aiohttp import web
+
+from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
+from kiln.engine.serving.completion import (
+    ServerState,
+    check_model,
+    encode_chat,
+    encode_prompt,
+    run_request,
+)
+from kiln.engine.serving.engine_client import AsyncEngineClient
+from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
+from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.serving.responses import ServerShutdown
+
+logger = logging.getLogger("kiln")
+
+MAX_BODY_BYTES = 16 << 20
+OPEN_PATHS = ("/health", "/metrics")
+KEY = "kiln.api_key"  # the caller's gateway.KeyState on a request, with --api-keys-file
+
+
+def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware, auth_middleware])
+    app["state"] = state
+    app["keys"] = keys
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/usage", usage)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# ---- middlewares ---------------------------------------------------------------------------------------
+
+
+def error_response(error: APIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=getattr(error, "headers", None))
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes"))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return error_response(APIError(e.status, e.reason, type_=kind))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(500, "internal server error", type_="internal_error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    state: ServerState = request.app["state"]
+    keys: KeyStore | None = request.app["keys"]
+    path = posixpath.normpath("/" + request.path.lstrip("/"))  # `//v1/x` and `/v1/../v1/x` are `/v1/x`
+    if path in OPEN_PATHS:
+        return await handler(request)
+    given = request.headers.get("Authorization", "")
+    if keys is not None:
+        request[KEY] = keys.authenticate(given)
+        valid = request[KEY] is not None
+    else:
+        expected = f"Bearer {state.api_key}".encode()
+        # a header's non-UTF-8 bytes come as lone surrogates (aiohttp decodes it with surrogateescape)
+        valid = not state.api_key or hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)
+    if not valid:
+        return error_response(invalid_key_error())
+    return await handler(request)
+
+
+# ---- simple routes -------------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    if not state.client.alive:
+        return web.json_response({"status": "engine dead"}, status=503)
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body, content_type = state.metrics.render(state.client.stats)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def usage(request: web.Request) -> web.Response:
+    key: KeyState | None = request.get(KEY)
+    if key is None:
+        raise APIError(404, "usage is kept per API key: start the server with --api-keys-file", type_="not_found_error")
+    return web.json_response(key.usage_body())
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "kiln",
+            "max_model_len": state.max_model_len}  # fmt: skip
+    return web.json_response({"object": "list", "data": [card]})
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
+        body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid UTF-8") from None
+    except (ValueError, RecursionError) as e:  # ValueError: also an integer of more than 4300 digits
+        raise APIError(400, f"the body is not valid JSON: {type(e).__name__}") from None
+    # NOTE: JSON may escape a lone UTF-16 surrogate (`"\ud800"`); it decodes to a str that neither the
+    # tokenizer nor a UTF-8 encoder takes. Pairs (emoji) are fine; only bodies with such an escape are checked.
+    if _ESCAPED_SURROGATE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except (UnicodeEncodeError, RecursionError):
+            raise APIError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await read_json(request)
+    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        ids = await encode_prompt(state, body["prompt"])
+    elif isinstance(body, dict) and isinstance(body.get("messages"), list):
+        parsed = parse_chat({**body, "max_tokens": 1}, state.sampling_defaults)
+        ids = await encode_chat(state, parsed.messages, parsed.tools)
+    else:
+        raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    vocab = state.client.ready.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError(400, "'tokens' must be a list of token ids", "tokens")
+    if any(not 0 <= t < vocab for t in tokens):
+        raise APIError(400, f"token ids must lie in [0, {vocab})", "tokens")
+    text = await asyncio.get_running_loop().run_in_executor(state.pool, state.tokenizer.decode, tokens)
+    return web.json_response({"prompt": text})
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    body = await read_json(request)
+    parsed = parse_completion(body, state.sampling_defaults)
+    check_model(state, body)
+    if key := request.get(KEY):
+        key.apply_max_tokens(parsed, body)
+        key.check_seat()  # (before tokenizing)
+    prompts = [await encode_prompt(state, p) if isinstance(p, str) else p for p in parsed.prompts]
+    texts = [p if isinstance(p, str) else None for p in parsed.prompts]
+    return await run_request(request, state, parsed, prompts, texts, chat=False, key=key)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    body = await read_json(request)
+    parsed = parse_chat(body, state.sampling_defaults)
+    check_model(state, body)
+    if key := request.get(KEY):
+        key.check_seat()  # (before tokenizing)
+    prompt = await encode_chat(state, parsed.messages, parsed.tools)
+    if key:
+        key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
+    return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)
+
+
+# ---- process lifecycle ---------------------------------------------------------------------------------
+
+
+async def serve(config, host: str, port: int, api_key: str | None, served_model_name: str | None,
+                shutdown_timeout: float, max_num_queued_requests: int | None = None,
+                engine_timeout: float = 60.0, api_keys_file: str | None = None,
+                stream_idle_timeout: float = 30.0) -> int:  # fmt: skip
+    """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0.
+    SIGHUP reloads `api_keys_file`. A stream left unread for `stream_idle_timeout` seconds is aborted."""
+    import signal  # noqa: PLC0415
+
+    from kiln.engine.models.source import generation_defaults, resolve_model  # noqa: PLC0415
+    from kiln.engine.text.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
+
+    name = served_model_name or config.model
+    server_metrics = ServerMetrics(name)
+    # A bad key file fails here, before the engine spends minutes starting.
+    keys = None if api_keys_file is None else KeyStore(api_keys_file, KeyMetrics(server_metrics.registry))
+    loop = asyncio.get_running_loop()
+    if keys is not None:  # NOTE: before the socket opens: SIGHUP's default action would kill the server
+        loop.add_signal_handler(signal.SIGHUP, keys.reload_or_keep)
+        logger.info("API keys: %d loaded from %s", len(keys), api_keys_file)
+    source = resolve_model(config.model)
+    tokenizer_path = config.tokenizer or (None if source.is_preset else source.model_dir)
+    tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
+    # (before the engine starts: a bad file is an error line, not an engine left running)
+    defaults = generation_defaults(source.model_dir) if config.generation_config == "auto" else {}
+    client = AsyncEngineClient(config, engine_timeout)
+    ready = await client.start()
+    if defaults:
+        logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s",
+                    defaults)  # fmt: skip
+    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, server_metrics,
+                        max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests,
+                        write_timeout=stream_idle_timeout, sampling_defaults=defaults)  # fmt: skip
+    runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logger.info("serving %s on http://%s:%d (engine ready: %s)", name, host, port, ready.startup_stats)
+    print(f"kiln: serving {name} on http://{host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()  # NOTE: a dead engine does not stop the server: /health says 503 and requests fail fast
+    state.draining = True  # new requests get 503 from here on
+    deadline = loop.time() + shutdown_timeout
+    while state.in_flight and loop.time() < deadline and client.alive:
+        await asyncio.sleep(0.05)
+    if state.in_flight:  # drain time is up: what is left ends with a 503 (streams: an error event, then [DONE])
+        logger.warning("shutting down with %d requests unfinished", state.in_flight)
+        client.fail_all(ServerShutdown("the server is shutting down"))
+        grace = loop.time() + 2.0  # for the handlers to write their error responses
+        while state.in_flight and loop.time() < grace:
+            await asyncio.sleep(0.02)
+    await runner.cleanup()
+    await client.shutdown()
+    state.pool.shutdown(wait=False)
+    logger.info("server stopped")
+    return 0

@@ -1,0 +1,185 @@
+"""One completion request, from token ids to the response: the server's state, tokenization off the event
+loop, the checks a request passes before the engine sees it, and `run_request`, which adds one engine request
+per choice and hands their outputs to `responses` (SSE stream or JSON body)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kiln.engine.sampling_params import StructuredOutputParams
+from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
+from kiln.engine.serving.metrics import ServerMetrics
+from kiln.engine.serving.openai_requests import APIError, ParsedRequest
+from kiln.engine.serving.responses import Choice, collect, final_body, stream_response
+from kiln.engine.text.detokenizer import TextStream
+
+if TYPE_CHECKING:
+    from kiln.engine.serving.api_keys import KeyState
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class ServerState:
+    client: AsyncEngineClient
+    tokenizer: Any
+    served_model_name: str
+    api_key: str | None
+    max_model_len: int
+    metrics: ServerMetrics
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
+    max_num_seqs: int = 256
+    max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests being served
+    engine_requests: int = 0  # requests (choices) they have in the engine
+    write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
+
+
+# ---- tokenization (off the event loop) -----------------------------------------------------------------
+
+
+async def encode_prompt(state: ServerState, text: str) -> list[int]:
+    """A prompt string's token ids, or a 400 when its head alone overflows the context (`encode_within`)."""
+    return await asyncio.get_running_loop().run_in_executor(state.pool, encode_within, state, text, "prompt", True)
+
+
+def encode_within(state: ServerState, text: str, param: str, special_tokens: bool) -> list[int]:
+    """`text`'s token ids (on a pool thread). NOTE: tokenizing megabytes costs seconds of CPU and hundreds of MiB,
+    and the pool's few threads serve every request: a text whose head alone overflows the context is refused after
+    tokenizing just the head."""
+    head_chars = 32 * state.max_model_len
+    if len(text) > head_chars:
+        head = state.tokenizer.encode(text[:head_chars], add_special_tokens=special_tokens)
+        if len(head) > state.max_model_len + 16:  # merges across the cut change a few tokens at most
+            raise APIError(400, f"the {param} has more than {state.max_model_len} tokens, this model's context",
+                           param, code="context_length_exceeded")  # fmt: skip
+    return state.tokenizer.encode(text, add_special_tokens=special_tokens)
+
+
+async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    def render() -> list[int]:
+        template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+        try:
+            text = state.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                                       add_generation_prompt=True)  # fmt: skip
+        except Exception as e:  # a template may reject roles or orderings
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return encode_within(state, text, "messages", False)
+
+    return await asyncio.get_running_loop().run_in_executor(state.pool, render)
+
+
+async def check_structured_output(state: ServerState, constraint: StructuredOutputParams, param: str) -> None:
+    """A schema, regex or grammar that does not parse is a 400 before the engine sees it, streaming or not
+    (`param`: the request's parameter it came from). (Parsing builds no token masks, so it is quick; the engine's
+    compile, with its time limit, is the backstop.)"""
+    check = asyncio.get_running_loop().run_in_executor(state.pool, _grammar_problem, constraint)
+    try:
+        problem = await asyncio.wait_for(check, timeout=10.0)
+    except TimeoutError:
+        raise APIError(400, f"the {param} constraint took too long to parse", param) from None
+    if problem is not None:
+        raise APIError(400, problem, param)
+
+
+def _grammar_problem(constraint: StructuredOutputParams) -> str | None:
+    # xgrammar is imported on first use, here on a worker thread: a server that never sees a constraint never loads it.
+    from kiln.engine.structured_output.grammar import GrammarError, check_grammar  # noqa: PLC0415
+
+    try:
+        check_grammar(constraint)
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
+def check_model(state: ServerState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != state.served_model_name:
+        # NOTE: the served name defaults to the model's directory: an error message never shows it (see /v1/models)
+        message = f"the model {str(model)[:100]!r} does not exist; GET /v1/models lists the one served"
+        raise APIError(404, message, "model", type_="not_found_error", code="model_not_found")
+
+
+async def run_request(request: web.Request, state: ServerState, parsed: ParsedRequest, prompts: list[list[int]],
+                      texts: list[str | None], chat: bool,
+                      key: KeyState | None = None) -> web.StreamResponse:  # fmt: skip
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type_="service_unavailable")
+    if not state.client.alive:
+        raise APIError(503, "the engine is not running", type_="service_unavailable")
+    vocab = state.client.ready.vocab_size
+    params = parsed.params
+    new = len(prompts) * params.n
+    if (state.max_num_queued_requests is not None
+            and state.engine_requests + new > state.max_num_seqs + state.max_num_queued_requests):  # fmt: skip
+        raise APIError(503, "too many requests are queued; retry later", type_="service_unavailable")
+    for ids in prompts:
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if len(ids) >= state.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {state.max_model_len}",
+                           "prompt", code="context_length_exceeded")  # fmt: skip
+        if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:
+            message = (f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
+                       f"of {state.max_model_len}")  # fmt: skip
+            raise APIError(400, message, "max_tokens", code="context_length_exceeded")
+    try:
+        params.verify_vocab(vocab)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    if params.structured_output is not None:
+        await check_structured_output(state, params.structured_output, parsed.constraint_param or "response_format")
+
+    base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    queue = Inbox()
+    choices: dict[str, Choice] = {}
+    wire = {k: v for k, v in dataclasses.asdict(params).items() if k != "n"}  # plain data, as msgpack needs
+    for i, ids in enumerate(prompts):
+        for j in range(params.n):
+            index = i * params.n + j
+            rid = f"{base}-{index}"
+            text = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
+                              params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
+            choices[rid] = Choice(index, rid, ids, text, key=key)
+    if key is not None:
+        key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request
+    state.in_flight += 1
+    state.engine_requests += len(choices)
+    state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
+    start = time.monotonic()
+    try:
+        for rid, choice in choices.items():
+            j = choice.index % params.n
+            # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
+            seed = None if params.seed is None else (params.seed + j) % 2**64
+            state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
+        if parsed.stream:
+            return await stream_response(request, state, parsed, choices, queue, base, created, chat, texts)
+        await collect(state, choices, queue)
+        return web.json_response(final_body(state, parsed, choices, base, created, chat, texts))
+    finally:
+        if key is not None:
+            key.release()
+        state.in_flight -= 1
+        state.engine_requests -= len(choices)
+        unfinished = [rid for rid, c in choices.items() if c.finish_reason is None]
+        state.client.abort(unfinished)  # a disconnect, an error (even midway through adding): free the blocks
+        for rid in choices:
+            state.client.release(rid)
+        state.metrics.request_finished(time.monotonic() - start, choices.values())

@@ -1,0 +1,181 @@
+"""The API server's handle on the engine-core process: start it, send requests, route outputs back.
+
+Outputs for each request land in that request's inbox as they arrive; a handler takes all that is
+waiting at once (so a slow reader gets its tokens merged, never stalls anyone). If the engine
+process dies, every open request gets `EngineDeadError` and `alive` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kiln.engine import messages
+from kiln.engine.core.process import config_to_dict, run_engine_core
+
+logger = logging.getLogger("kiln")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class Inbox:
+    """What the engine sent for one HTTP request (its n engine requests share it), until the handler takes
+    it. Lighter than asyncio.Queue, whose per-item bookkeeping and wake-up cost ~9 µs an output at 256
+    outputs a step: a put is an append, and a future exists only while the handler waits."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take_all(self) -> list[Any]:
+        """Everything waiting; waits for at least one item."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+class AsyncEngineClient:
+    def __init__(self, config, engine_timeout: float = 60.0) -> None:
+        self.config = config
+        # NOTE: the engine sends something at least every second (outputs, or an idle heartbeat); this
+        # long without a word while requests wait means it is stuck (e.g. SIGSTOP, a hung kernel).
+        self.engine_timeout = engine_timeout
+        self.last_heard = 0.0
+        self.queues: dict[str, Inbox] = {}
+        self.alive = False
+        self.ready: messages.Ready | None = None
+        self.stats: dict[str, float] = {}
+        self._ipc_dir = tempfile.mkdtemp(prefix="kiln-ipc-")  # mode 0700: only this user can connect
+        os.chmod(self._ipc_dir, 0o700)
+        self.input_address = f"ipc://{self._ipc_dir}/input"
+        self.output_address = f"ipc://{self._ipc_dir}/output"
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, timeout: float = 3600.0) -> messages.Ready:
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core, name="kiln-engine-core",
+            args=(config_to_dict(self.config), self.input_address, self.output_address, os.getpid()),
+        )  # fmt: skip
+        self.process.start()
+        self.context = zmq.asyncio.Context()
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.connect(self.input_address)
+        self.output = self.context.socket(zmq.PULL)
+        self.output.connect(self.output_address)
+        recv = asyncio.ensure_future(self.output.recv())
+        died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.process.join))
+        done, _ = await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if recv not in done:
+            recv.cancel()
+            self.process.kill()
+            raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode})")
+        message = messages.decode(recv.result())
+        if isinstance(message, messages.StartupFailed):
+            await asyncio.wait_for(died, timeout=30)
+            raise ValueError(message.message)
+        self.ready = message
+        self.stats = self.ready.stats
+        self.alive = True
+        self.last_heard = asyncio.get_running_loop().time()
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog()), died]
+        died.add_done_callback(lambda _: self._on_death())
+        return self.ready
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+                    q: Inbox | None = None) -> Inbox:  # fmt: skip
+        """Several requests (the n choices of one HTTP request) may share one queue."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        q = q if q is not None else Inbox()
+        self.queues[request_id] = q
+        self.input.send(messages.encode(messages.AddRequest(request_id, prompt_token_ids, params)))
+        return q
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.queues.pop(rid, None)
+        if self.alive and request_ids:
+            self.input.send(messages.encode(messages.AbortRequests(request_ids)))
+
+    def release(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def fail_all(self, error: Exception) -> None:
+        """End every open request with `error` (its handler turns it into an error response)."""
+        for q in self.queues.values():
+            q.put(error)
+
+    async def _output_loop(self) -> None:
+        while True:
+            frame = await self.output.recv()
+            try:
+                message = messages.decode(frame)
+            except messages.ProtocolError as e:
+                logger.warning("dropped a frame from the engine: %s", e)
+                continue
+            if not isinstance(message, messages.EngineOutputs):
+                continue
+            self.last_heard = asyncio.get_running_loop().time()
+            self.stats = message.stats
+            for out in message.outputs:
+                if (q := self.queues.get(out.request_id)) is not None:
+                    q.put(out)
+            for failure in message.failed:
+                if (q := self.queues.get(failure.request_id)) is not None:
+                    q.put(failure)
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.alive:
+            await asyncio.sleep(min(1.0, self.engine_timeout / 4))
+            if loop.time() - self.last_heard > self.engine_timeout:
+                logger.error("the engine core has not answered for %.0f s; killing it", self.engine_timeout)
+                self.process.kill()  # the process sentinel then fails every open request
+                return
+
+    def _on_death(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        logger.error("the engine core process exited (code %s)", self.process.exitcode)
+        for q in self.queues.values():
+            q.put(EngineDeadError("the engine core process died"))
+
+    async def shutdown(self) -> None:
+        if self.alive:
+            self.input.send(messages.encode(messages.Shutdown()))
+        self.alive = False
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        for task in self._tasks:
+            task.cancel()
+        self.context.destroy(linger=0)
+        with contextlib.suppress(OSError):
+            for name in ("input", "output"):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)

@@ -1,0 +1,307 @@
+"""A request's engine outputs into OpenAI's shapes: each choice's state as outputs arrive (joined when they
+queued up behind a slow reader), the SSE stream with its stalled-reader watch, and the final JSON body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kiln.engine import messages
+from kiln.engine.serving.engine_client import EngineDeadError, Inbox
+from kiln.engine.serving.openai_requests import APIError
+from kiln.engine.text.detokenizer import TextStream
+
+if TYPE_CHECKING:
+    from kiln.engine.serving.api_keys import KeyState
+    from kiln.engine.serving.completion import ServerState
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[list[float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
+    start_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
+
+
+async def next_items(queue: Inbox) -> list[Any]:
+    """Everything queued for this request (waiting for one item), the outputs of each request that queued up
+    behind each other joined into one (one detokenization and one event for all of them, so a reader that
+    falls behind catches up in fewer, larger steps)."""
+    items = await queue.take_all()
+    if len(items) == 1:
+        return items
+    merged: list[Any] = []
+    latest: dict[str, messages.RequestOutput] = {}  # since the last non-output item (an error ends it all)
+    for item in items:
+        if not isinstance(item, messages.RequestOutput):
+            merged.append(item)
+            latest.clear()
+        elif (first := latest.get(item.request_id)) is None:
+            merged.append(item)
+            latest[item.request_id] = item
+        else:  # NOTE: a queued output belongs to this request alone: joined in place
+            first.new_token_ids.extend(item.new_token_ids)
+            if item.new_logprobs:
+                if first.new_logprobs is None:
+                    first.new_logprobs = []
+                first.new_logprobs.extend(item.new_logprobs)
+            first.finish_reason, first.stop_reason = item.finish_reason, item.stop_reason
+    return merged
+
+
+def apply_output(state: ServerState, choice: Choice, out: messages.RequestOutput) -> str:
+    now = time.monotonic()
+    if choice.first_token_time is None:
+        choice.first_token_time = now
+    elif out.new_token_ids:
+        state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids))
+    choice.last_token_time = now
+    choice.token_ids.extend(out.new_token_ids)
+    if choice.key is not None and out.new_token_ids:
+        choice.key.charge(len(out.new_token_ids))
+    if out.new_logprobs:
+        choice.logprobs.extend(out.new_logprobs)
+    finished = out.finish_reason is not None
+    # the engine stops a request with "stop" only on a stop token (EOS, stop_token_ids, a grammar's end)
+    delta, stop = choice.text.update(out.new_token_ids, finished, stop_token=out.finish_reason == "stop")
+    if stop is not None:
+        choice.finish_reason, choice.stop_reason = "stop", stop
+        state.client.abort([choice.request_id])
+    elif finished:
+        choice.finish_reason = out.finish_reason if out.finish_reason != "abort" else "stop"
+        choice.stop_reason = out.stop_reason
+    return delta
+
+
+class ServerShutdown(RuntimeError):
+    """Put in a request's queue when SIGTERM's drain time is up: the request ends with a 503 error."""
+
+
+def raise_for(item: Any) -> None:
+    if isinstance(item, EngineDeadError):
+        raise APIError(500, "the engine core died while running this request", type_="internal_error")
+    if isinstance(item, ServerShutdown):
+        raise APIError(503, "the server shut down before this request finished", type_="service_unavailable")
+    if isinstance(item, messages.RequestFailed):
+        internal = item.message.startswith("internal error")
+        raise APIError(500 if internal else 400, item.message, type_="internal_error" if internal else
+                       "invalid_request_error")  # fmt: skip
+
+
+async def collect(state: ServerState, choices: dict[str, Choice], queue: Inbox) -> None:
+    while any(c.finish_reason is None for c in choices.values()):
+        for item in await next_items(queue):
+            raise_for(item)
+            choice = choices.get(item.request_id)
+            if choice is not None and choice.finish_reason is None:
+                apply_output(state, choice, item)
+
+
+async def stream_response(request, state, parsed, choices, queue, base, created, chat, texts) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    # NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout
+    # seconds it is dropped (and its request aborted) instead of holding a seat forever.
+    watch = _WriteWatch(state.write_timeout)
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else _json(payload)
+        await watch.run(response.write(f"data: {data}\n\n".encode()))
+
+    try:
+        try:
+            async for payload in _events(state, parsed, choices, queue, base, created, chat, texts):
+                await send(payload)
+        except APIError as e:
+            await send(e.body())
+        await send("[DONE]")
+        await watch.run(response.write_eof())
+    except (TimeoutError, ConnectionResetError):
+        pass  # the client is gone or not reading: run_request aborts what is left
+    finally:
+        watch.close()
+    return response
+
+
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+async def _events(state, parsed, choices, queue, base, created, chat, texts) -> AsyncIterator[str]:
+    """The stream's chunks as JSON text: a first one (the role, or the echoed prompt), then whatever arrived
+    since the last event merged into one entry per choice, then the usage.
+
+    NOTE: the text is put together from pieces: the chunk's constant head is encoded once per stream, and a
+    plain choice entry (no logprobs) from a template around its encoded text, since encoding the whole dict
+    at every event was ~10 µs of the API process's CPU per event."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = (f'{{"id":{_json(base)},"object":"{kind}","created":{created},"model":{_json(state.served_model_name)},'
+            '"choices":[')  # fmt: skip
+    null_usage = ',"usage":null' if parsed.include_usage else ""
+
+    def chunk(choice_bodies: list[str], usage: dict | None = None) -> str:
+        tail = null_usage if usage is None else f',"usage":{_json(usage)}'
+        return f"{head}{','.join(choice_bodies)}]{tail}}}"
+
+    def reason(choice: Choice) -> str:
+        if choice.finish_reason is None:
+            return "null"
+        return f'{_json(choice.finish_reason)},"stop_reason":{_json(choice.stop_reason)}'
+
+    if chat:
+        yield chunk([f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                     '"finish_reason":null}' for c in choices.values()])  # fmt: skip
+    elif parsed.echo:
+        n = parsed.params.n
+        yield chunk([f'{{"index":{c.index},"text":{_json(_prompt_text(state, c, texts, n))},"logprobs":null,'
+                     '"finish_reason":null}' for c in choices.values()])  # fmt: skip
+    text_offsets = dict.fromkeys(choices, 0)  # completions' logprobs: where the next token's text starts
+    while any(c.finish_reason is None for c in choices.values()):
+        deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
+        for item in await next_items(queue):
+            raise_for(item)
+            choice = choices.get(item.request_id)
+            if choice is None or choice.finish_reason is not None:
+                continue
+            text, start = deltas.get(item.request_id, ("", len(choice.token_ids)))
+            deltas[item.request_id] = (text + apply_output(state, choice, item), start)
+        bodies = []
+        for rid, (delta, start) in deltas.items():
+            choice = choices[rid]
+            new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
+            if not delta and choice.finish_reason is None and not new_lp:
+                continue
+            lp = "null"
+            if new_lp:
+                body = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs, text_offsets[rid])
+                if not chat:  # text_offset counts from the completion's start, across chunks
+                    text_offsets[rid] = body["text_offset"][-1] + len(body["tokens"][-1])
+                lp = _json(body)
+            if chat:
+                content = f'{{"content":{_json(delta)}}}' if delta else "{}"
+                bodies.append(f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},'
+                              f'"finish_reason":{reason(choice)}}}')  # fmt: skip
+            else:
+                bodies.append(f'{{"index":{choice.index},"text":{_json(delta)},"logprobs":{lp},'
+                              f'"finish_reason":{reason(choice)}}}')  # fmt: skip
+        if bodies:
+            yield chunk(bodies)
+    if parsed.include_usage:
+        yield chunk([], _usage(choices))
+
+
+class _WriteWatch:
+    """Times out a stream's write that has been blocked for `timeout` seconds, with one timer per stream that
+    re-arms itself rarely (a timer armed and cancelled around every write cost more than the write)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.timeout = timeout
+        self.since: float | None = None  # when the write in progress began
+        self.fired = False
+        self.handle = self.loop.call_later(timeout, self._check)
+
+    async def run(self, write: Coroutine[Any, Any, None]) -> None:
+        self.since = self.loop.time()
+        try:
+            await write
+        except asyncio.CancelledError:
+            if self.fired and self.task.uncancel() == 0:  # our cancel, nobody else's: a timeout
+                raise TimeoutError from None
+            raise
+        finally:
+            self.since = None
+
+    def _check(self) -> None:
+        if self.since is not None and self.loop.time() - self.since >= self.timeout:
+            self.fired = True
+            self.task.cancel()
+            return
+        delay = self.timeout if self.since is None else self.since + self.timeout - self.loop.time()
+        self.handle = self.loop.call_later(delay, self._check)
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
+def _prompt_text(state: ServerState, choice: Choice, texts: list[str | None], n: int) -> str:
+    text = texts[choice.index // n]
+    return text if text is not None else state.tokenizer.decode(choice.prompt_ids)
+
+
+def _usage(choices: dict[str, Choice]) -> dict[str, int]:
+    seen: set[int] = set()
+    prompt = 0
+    for c in choices.values():
+        if id(c.prompt_ids) not in seen:
+            seen.add(id(c.prompt_ids))
+            prompt += len(c.prompt_ids)
+    completion = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# What a log-probability of -inf (a token a grammar or logit_bias rules out) is sent as: JSON has no infinity,
+# and OpenAI's clients take this floor (as vLLM sends it).
+MIN_LOGPROB = -9999.0
+
+
+def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int,
+                   text_offset: int = 0):  # fmt: skip
+    """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
+    token and the top k (ranks 1..k). `text_offset`: where the first token's text starts (completions)."""
+    decode = state.tokenizer.decode
+    sampled, tops = [], []
+    for token, entry in zip(token_ids, entries):
+        sampled.append(max(next(lp for t, lp, _ in entry if int(t) == token), MIN_LOGPROB))
+        # completions (OpenAI's legacy shape): the top k and the sampled token; chat: the top k
+        top = sorted(entry, key=lambda e: e[2])[:k]
+        if not chat and all(int(t) != token for t, _, _ in top):
+            top += [e for e in entry if int(e[0]) == token][:1]
+        tops.append([(decode([int(t)]), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
+    texts = [decode([t]) for t in token_ids]
+    if chat:
+        return {"content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()),
+             "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top]}
+            for text, lp, top in zip(texts, sampled, tops)
+        ]}  # fmt: skip
+    tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
+    offsets, pos = [], text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, Any]:
+    bodies = []
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        lp = None
+        if parsed.logprobs is not None:
+            lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
+        if chat:
+            bodies.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                           "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+        else:
+            text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + c.text.text
+            bodies.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                           "stop_reason": c.stop_reason})  # fmt: skip
+    return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": state.served_model_name, "choices": bodies, "usage": _usage(choices)}  # fmt: skip
+
+

@@ -1,0 +1,135 @@
+"""What goes into and comes out of a model-runner step: the input arena (device buffer, pinned host mirrors),
+the graph plan of a step, the handle of a launched step, and its output."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from kiln.engine.core.scheduler import SchedulerOutput
+from kiln.engine.outputs import Logprob
+from kiln.engine.worker.sampler import LogprobsTensors
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: list[int | None]  # per scheduled request; None where its prefill is still partial
+    logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step. Its sampled tokens stay on the device (the next step's inputs read them
+    there); their copy to the host is in flight until `done`."""
+
+    batch: SchedulerOutput
+    sample_rows: list[int]
+    sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
+    logprobs_cpu: LogprobsTensors | None = None
+    done: torch.cuda.Event | None = None
+    gpu_start: torch.cuda.Event | None = None  # with `time_gpu`: the step's device time
+    gpu_seconds: float | None = None
+
+
+MAX_VIEWS = 1024  # layouts kept: without CUDA graphs every token count is a size of its own
+ALIGN = 16  # bytes: every field starts 16-byte aligned (Triton specialises kernels on 16-byte-aligned pointers)
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs for n padded tokens and r padded requests (device tensors, or host numpy arrays)."""
+
+    input_ids: Any  # [n] int64
+    positions: Any  # [n] int64
+    slot_mapping: Any  # [n] int64
+    query_start_loc: Any  # [r + 1] int32
+    seq_lens: Any  # [r] int32
+    logits_indices: Any  # [r] int64: the rows to sample when they are not simply the first r
+    carry: Any  # [2, r] int64: tokens of the previous step the host has not seen (where they go, their row there)
+    block_table: Any  # [r, width] int32
+
+
+DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32, torch.int64, torch.int64, torch.int32)
+
+
+class InputArena:
+    """Every input a step copies to the device, in one buffer, so a step makes one host-to-device transfer.
+
+    The fields lie back to back (block table last) at offsets that depend only on the step's padded token and
+    request counts (n, r), so the transfer covers only what the step uses, and a CUDA graph finds its inputs
+    where they were at capture: a full graph (n = r = its size) all of them, a piecewise one (size n)
+    input_ids at 0 and positions at 8n. Two pinned host buffers alternate from step to step, so the host
+    fills step N+1's while step N's copy may still be queued behind step N-1 (the runner's fences say when
+    one is free). Views are made once per layout: slicing a tensor costs ~3 µs of host time.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, width: int, device: torch.device) -> None:
+        self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, width
+        nbytes = self._offsets(max_tokens, max_reqs)[-1]
+        self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        pin = device.type == "cuda"
+        self.host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._views: dict[tuple[int, int, int, bool], StepInputs] = {}
+        self._spans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _shapes(self, n: int, r: int) -> list[tuple[int, ...]]:
+        return [(n,), (n,), (n,), (r + 1,), (r,), (r,), (2, r), (r, self.width)]
+
+    def _offsets(self, n: int, r: int) -> list[int]:
+        """Each field's byte offset, then the end of the last."""
+        offsets, at = [], 0
+        for shape, dtype in zip(self._shapes(n, r), DTYPES):
+            offsets.append(at)
+            at += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+        return offsets + [at]
+
+    def views(self, n: int, r: int, parity: int = -1, numpy: bool = False) -> StepInputs:
+        """The fields for (n, r) on the device, or in host buffer `parity` (as numpy arrays with `numpy`)."""
+        key = (n, r, parity, numpy)
+        fields = self._views.get(key)
+        if fields is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            buf = self.device_bytes if parity < 0 else self.host_bytes[parity]
+            offsets = self._offsets(n, r)
+            views = [buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                     for at, shape, dtype in zip(offsets, self._shapes(n, r), DTYPES)]  # fmt: skip
+            fields = self._views[key] = StepInputs(*(v.numpy() for v in views) if numpy else views)
+        return fields
+
+    def copy(self, parity: int, n: int, r: int, block_rows: int) -> None:
+        """One non-blocking copy of host buffer `parity`'s fields for (n, r), the block table's first
+        `block_rows` rows included."""
+        key = (parity, n, r, block_rows)
+        span = self._spans.get(key)
+        if span is None:
+            if len(self._spans) >= MAX_VIEWS:
+                self._spans.clear()
+            end = self._offsets(n, r)[-2] + block_rows * self.width * 4
+            span = self._spans[key] = (self.device_bytes[:end], self.host_bytes[parity][:end])
+        span[0].copy_(span[1], non_blocking=True)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    mode: str  # "full", "piecewise" or "none"
+    num_tokens: int  # padded token count (the capture size for graphs)
+    num_reqs: int  # padded request count (a full graph pads requests too)
+
+
+def logprob_dicts(tensors, requests) -> list[dict[int, Logprob] | None]:
+    """vLLM's shape: for each row, {token id: Logprob} with the sampled token and the row's top-N."""
+    ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+    rows: list[dict[int, Logprob] | None] = []
+    for j, request in enumerate(requests):
+        num = request.sampling_params.logprobs
+        if num is None:
+            rows.append(None)
+            continue
+        entry = {ids[j][0]: Logprob(values[j][0], ranks[j])}
+        for k in range(1, num + 1):
+            entry.setdefault(ids[j][k], Logprob(values[j][k], k))
+        rows.append(entry)
+    return rows

@@ -1,0 +1,262 @@
+"""Decode latency: tokens/s and memory-bandwidth use at batch 1, 8, 64, in eager, compiled, and
+compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + compile) as the peer.
+
+Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s.
+
+    python scripts/bench/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
+    python scripts/bench/bench_latency.py --model llama-3.1-8b --modes graphs --batches 1 --prompt-lens 32,2048,8192
+
+`--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
+async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,
+output processing), GPU kernel time (torch.profiler, a second pass), and the share of the step the GPU
+sits idle waiting for the host, 1 - kernel / step. It writes a table, a JSON file and a PNG plot:
+
+    python scripts/bench/bench_latency.py --model llama-3.2-1b --breakdown --batches 1,2,4,8,16,32,64,128,256 \
+        --json breakdown.json --plot breakdown.png
+    python scripts/bench/bench_latency.py --plot breakdown.png --from-json breakdown.json   # plot elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.models.parallel import kv_heads_per_rank
+from kiln.engine.models.source import resolve_model
+
+PEAK_BYTES_PER_S = 4.3e12
+PROMPT_LEN, DECODE_STEPS = 32, 128
+
+MODES = {
+    "eager": dict(enforce_eager=True),
+    "compiled": dict(cudagraph_mode="none"),
+    "graphs": dict(cudagraph_mode="full_and_piecewise"),
+}
+
+
+def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    c = llm.engine.model_config
+    avg_context = prompt_len + DECODE_STEPS / 2
+    kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.shard.size)  # under TP: what one GPU reads
+    kv = 2 * c.num_layers * kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
+    return weights + kv
+
+
+def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> tuple[float, float]:
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(batch)]
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    # Warm-up, twice: the second run hits the prefix cache like the timed ones, so its prefill shape
+    # (and any kernel specialised on it) is compiled before the clock starts.
+    timed(4)
+    timed(4)
+    llm.engine.step_timing = type(llm.engine.step_timing)()
+    long = timed(DECODE_STEPS + 1)
+    t = llm.engine.step_timing
+    print(f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
+          f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step", flush=True)
+    step = (long - timed(1)) / DECODE_STEPS  # prefill cancels out
+    return batch / step, step_bytes(llm, batch, prompt_len) / step / PEAK_BYTES_PER_S
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
+    """Per decode step at `batch`: wall, host, wait and GPU-kernel milliseconds."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(batch)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+        engine.step()  # the prefills
+    for _ in range(4):
+        engine.step()
+
+    engine.step_timing = type(engine.step_timing)()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall = (time.perf_counter() - start) / steps
+    timing = engine.step_timing
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    kernel = 0.0
+    if torch.cuda.is_available():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        kernel = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+    engine.abort_requests(list(engine.scheduler.requests))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "step_ms": wall * 1e3, "host_ms": timing.host_seconds / timing.steps * 1e3,
+            "wait_ms": timing.wait_seconds / timing.steps * 1e3, "kernel_ms": kernel * 1e3,
+            "gpu_idle": max(0.0, 1 - kernel / wall), "tokens_per_s": batch / wall}  # fmt: skip
+
+
+def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> list[dict]:
+    rows = []
+    for mode in args.modes.split(","):
+        for async_scheduling in (False, True):
+            kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                          gpu_memory_utilization=0.8, async_scheduling=async_scheduling)  # fmt: skip
+            if mode == "graphs" and sizes:
+                kwargs["cudagraph_capture_sizes"] = sizes
+            llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+            for batch in batches:
+                row = breakdown(llm, batch)
+                row["mode"] = f"{mode}{' + async' if async_scheduling else ''}"
+                rows.append(row)
+                print(f"{row['mode']:<18} {batch:>5} step {row['step_ms']:7.3f} ms  host {row['host_ms']:7.3f}  "
+                      f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
+                      f"{row['tokens_per_s']:9.0f} tok/s", flush=True)  # fmt: skip
+            llm.close()  # (its KV cache too: the next mode's engine sizes its own from what is free)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib  # noqa: PLC0415  (only the plot needs it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax_idle, ax_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        style = "-" if "async" in mode else "--"
+        ax_idle.plot([r["batch"] for r in mine], [100 * r["gpu_idle"] for r in mine], style, marker="o", label=mode)
+        ax_step.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], style, marker="o", label=mode)
+    kernels = {r["batch"]: r["kernel_ms"] for r in rows if r["mode"].startswith("graphs")}
+    ax_step.plot(list(kernels), list(kernels.values()), ":", color="black", label="GPU kernels (graphs)")
+    for ax in (ax_idle, ax_step):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch size")
+        ax.grid(alpha=0.3)
+    ax_idle.set_ylabel("GPU idle, waiting for the host (% of a step)")
+    ax_step.set_ylabel("step time (ms)")
+    ax_step.set_yscale("log")
+    ax_step.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def hf_tokens_per_s(model_name: str, batch: int) -> float:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    # NOTE: built on the GPU: the random initialisation of an 8B model on the CPU outlasted a device call's step
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(resolve_model(model_name).hf_config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 1000, (batch, PROMPT_LEN), device="cuda")
+
+    def timed(new: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           cache_implementation="static", pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(DECODE_STEPS + 1)  # warm-up: compiles the decode step
+    return batch * DECODE_STEPS / (timed(DECODE_STEPS + 1) - timed(1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--modes", default="eager,compiled,graphs")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--capture-sizes", default=None, help="comma-separated; default: the engine's")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate()")
+    p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
+    p.add_argument("--json")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--prompt-lens", default=str(PROMPT_LEN),
+                   help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
+                   "this much context and more; the model length grows to fit the longest)")  # fmt: skip
+    p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
+    p.add_argument("--plot", help="PNG path for the breakdown plot")
+    p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
+    args = p.parse_args()
+    prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    args.max_model_len = max(args.max_model_len, max(prompt_lens) + 2 * DECODE_STEPS + 16)
+    batches = [int(b) for b in args.batches.split(",")]
+    sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        plot_breakdown(data["rows"], args.plot, data["title"])
+        return
+    if args.breakdown:
+        title = f"{args.model}, bf16, {device_name()}, torch {torch.__version__}"
+        rows = run_breakdown(args, batches, sizes)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"title": title, "rows": rows}, f, indent=1)
+        if args.plot:
+            try:
+                plot_breakdown(rows, args.plot, title)
+            except ImportError:
+                print("matplotlib is missing: plot later with --from-json")
+        return
+    rows = []
+    for mode in args.modes.split(","):
+        kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                      gpu_memory_utilization=0.8)  # fmt: skip
+        if mode == "graphs" and sizes:
+            kwargs["cudagraph_capture_sizes"] = sizes
+        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+        for prompt_len in prompt_lens:
+            for batch in batches:
+                tps, util = decode_tokens_per_s(llm, batch, prompt_len)
+                rows.append({"engine": f"kiln {mode}", "batch": batch, "prompt": prompt_len, "tokens_per_s": tps,
+                             "bw_util": util, "startup_s": llm.engine.startup_seconds})  # fmt: skip
+        llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
+        del llm
+    if args.hf:
+        for batch in (int(b) for b in args.hf_batches.split(",")):
+            tps = hf_tokens_per_s(args.model, batch)
+            rows.append({"engine": "hf static+compile", "batch": batch, "prompt": PROMPT_LEN, "tokens_per_s": tps,
+                         "bw_util": float("nan"), "startup_s": float("nan")})  # fmt: skip
+    print(f"\ndecode latency: {args.model}, bf16, dummy weights, {DECODE_STEPS} steps after the prompt, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
+          f"(BW util: what one GPU reads)")  # fmt: skip
+    print(f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
+    for r in rows:
+        print(f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
+              f"{r['startup_s']:>10.1f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
+# Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
+#   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
+#   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
+#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
+#   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
+#   | timeline (TIMELINE_SHAPES=64x256,...: the decode programs' own time stamps, scripts/dev/decode_timeline.py;
+#     TIMELINE_CONFIGS=,32x2x3 launch configs as CONFIG_SWEEP's, the empty one the default; TIMELINE_CONTIGUOUS=1 also
+#     each request's pages in order)
+# STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
+# kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
+# STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
+# LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths),
+# KERNEL_TESTS=0 the kernel tests out of `tests` (their limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most
+# of it),
+# PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
+# (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
+# stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
+# ATTENTION_PREFILL=1 adds the prefill points, ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes).
+# Logs come back as $OUT/logs.tgz.
+# env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
+# names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
+# env:KILN_DECODE_DELAY=START,TILE (before attention or timeline): the decode kernel's delay probe, SM cycles spun at
+# each program's start and after each key tile (what its time hangs on; BENCHMARKS.md, seventeenth session).
+# TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
+# (e.g. on nvidia-h200-x2: TP=2 bash scripts/bench/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
+#  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
+# A step past its time limit gets SIGABRT first: with PYTHONFAULTHANDLER set, its log ends with every thread's
+# Python stack (where it hung), then SIGKILL 15 s later.
+set -u
+OUT=${OUT:-/tmp/kiln-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+steps=${*:-tests attention throughput:qwen3-0.6b throughput:llama-3.2-1b}
+summary="$OUT/summary.txt"
+{ date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+} | tee -a "$summary"
+
+# `kiln serve MODEL` in the background ($server, $tok), with a tokenizer whose every id decodes to text (a
+# preset's built-in one knows ~1,000 of them): each token then makes a streamed event, as with a real model
+start_server() {
+  tok=/tmp/kiln-tokenizer-$1
+  python3 -c "import sys; from kiln.engine.models.source import resolve_model as r; from kiln.engine.text.tokenizer \
+import synthetic_tokenizer as t; t(r(sys.argv[1]).model_config.vocab_size).save_pretrained(sys.argv[2])" "$1" "$tok"
+  kiln serve "$1" --tokenizer "$tok" --port 8000 > "$OUT/serve_$1.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+}
+
+# A log's path without its extension, numbered (_2, _3, ...) when a step of the same name already wrote one
+fresh() {
+  local base=$1 n=2
+  while [ -e "$base.log" ]; do base="${1}_$n"; n=$((n + 1)); done
+  echo "$base"
+}
+
+tag=
+for step in $steps; do
+  case $step in
+    env:*)
+      # the log names carry each setting, its first 32 characters without = and , (a long value, e.g. a config
+      # sweep, once made a name past the 255 a file may have); a name taken twice is numbered by `fresh`
+      export "${step#env:}"; short=${step#env:}; short=${short//[=,]/}; tag="${tag}_${short:0:32}"
+      echo "-- from here on: ${step#env:}" >> "$summary" ;;
+    resources)
+      # registers, spills and shared memory of the hot kernels, compiled with the toolchain the engine uses here
+      timeout -s ABRT -k 15 300 python3 scripts/dev/kernel_resources.py --check > "$OUT/resources.txt" 2>&1
+      echo "kernel_resources --check: rc $? ($(grep -c . "$OUT/resources.txt") lines)" >> "$summary"
+      grep -E "ptxas|spills" "$OUT/resources.txt" >> "$summary" ;;
+    tests)
+      # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there;
+      # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
+      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
+      echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
+      [ "${KERNEL_TESTS:-1}" = 0 ] && continue
+      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
+        | tee "$OUT/pytest_kernels.log" | tail -n 5
+      echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
+    startup)
+      timeout -s ABRT -k 15 900 python3 scripts/bench/bench_startup.py --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3.1-8b} \
+        ${STARTUP_PROFILE:+--profile-warm $OUT/profile_warm} ${STARTUP_PRIME:+--prime} ${STARTUP_PYSPY:+--py-spy $OUT/pyspy} --json "$OUT/startup.json" 2>&1 \
+        | tee "$OUT/startup.log" | tail -n 8
+      tail -n 6 "$OUT/startup.log" >> "$summary" ;;
+    attention)
+      base=$(fresh "$OUT/attention$tag")
+      timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/bench/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} \
+        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
+      echo "-- attention${tag}" >> "$summary"
+      grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
+    ncu)
+      # Nsight Compute on the decode kernel and the plainest read of the same bytes (NCU_SHAPES=64x256,64x2048)
+      timeout -s ABRT -k 15 ${NCU_TIMEOUT:-300} ncu --target-processes all -k regex:'_decode_split_kernel|_read_kernel' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats ${NCU_ARGS:-} \
+        python3 scripts/dev/ncu_decode.py ${NCU_SHAPES:+--shapes $NCU_SHAPES} > "$OUT/ncu.txt" 2>&1
+      echo "ncu: rc $? ($(grep -c . "$OUT/ncu.txt") lines)" >> "$summary" ;;
+    timeline)
+      # each decode program's stamps: start, metadata, PDL wait, K/V write, each tile, end (TIMELINE_SHAPES=64x256,...)
+      base=$(fresh "$OUT/timeline$tag")
+      timeout -s ABRT -k 15 ${TIMELINE_TIMEOUT:-200} python3 scripts/dev/decode_timeline.py ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} ${TIMELINE_CONFIGS:+--configs $TIMELINE_CONFIGS} ${TIMELINE_CONTIGUOUS:+--contiguous} \
+        --raw "$base.pt" > "$base.log" 2>&1
+      echo "timeline$tag: rc $?" >> "$summary"; cat "$base.log" >> "$summary" ;;
+    gemv)
+      timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
+        2>&1 | tee "$OUT/gemv.log" | tail -n 60
+      grep -A20 "^one-row matmul" "$OUT/gemv.log" >> "$summary" ;;
+    latency:*)
+      model=${step#latency:}
+      hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
+      base=$(fresh "$OUT/latency_${model}_tp${TP:-1}$tag")
+      timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
+        --batches ${LATENCY_BATCHES:-1,8,64} \
+        --capture-sizes 1,2,4,8,16,32,64,128 ${LATENCY_PROMPTS:+--prompt-lens $LATENCY_PROMPTS} $hf --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
+      grep -A24 "^decode latency" "$base.log" >> "$summary" ;;
+    breakdown:*)
+      model=${step#breakdown:}
+      timeout -s ABRT -k 15 ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench/bench_latency.py --model "$model" --breakdown \
+        --modes ${BREAKDOWN_MODES:-eager,compiled,graphs} --batches ${BREAKDOWN_BATCHES:-1,2,4,8,16,32,64,128,256} \
+        --capture-sizes 1,2,4,8,16,32,64,128,256 --json "$OUT/breakdown_$model.json" --plot "$OUT/breakdown_$model.png" \
+        2>&1 | tee "$OUT/breakdown_$model.log" | grep -v Warning | tail -n 60
+      grep " tok/s" "$OUT/breakdown_$model.log" >> "$summary" ;;
+    profile:*)
+      spec=${step#profile:}
+      log="$(fresh "$OUT/profile_${spec//:/_}_tp${TP:-1}$tag").log"
+      timeout -s ABRT -k 15 ${PROFILE_TIMEOUT:-240} python3 scripts/dev/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
+        ${PROFILE_HOST:+--host --top 40} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
+      grep -A4 " GPU time per step" "$log" >> "$summary" ;;
+    inductor-code:*)
+      # Inductor's generated code for every piece (which kernels it made, and what it left unfused), gzipped.
+      # NOTE: fresh cache folders, not TORCHINDUCTOR_FORCE_DISABLE_CACHES (standalone_compile cannot save then)
+      model=${step#inductor-code:}
+      TORCH_LOGS=output_code TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -s ABRT -k 15 240 python3 -c "import sys; from kiln.engine import LLM; \
+LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys.argv[2])" "$model" "$(mktemp -d)" \
+        2>&1 | gzip > "$OUT/inductor_code_$model.log.gz"
+      echo "inductor code of $model: $(zcat "$OUT/inductor_code_$model.log.gz" | grep -c 'async_compile.triton(') Triton kernels compiled" \
+        | tee -a "$summary" ;;
+    gputests:*)
+      files=${step#gputests:}
+      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
+    serving:*)
+      model=${step#serving:}
+      start_server "$model"
+      args="--num-requests 512 --input-len 256 --output-len 256"
+      # all 512 at once (as the offline run gets them), then 256 at a time (a new one as one finishes)
+      timeout -s ABRT -k 15 300 python3 scripts/bench/bench_serving.py $args --concurrency 512 --server-pid $server --json "$OUT/serving.jsonl" \
+        | tail -n 16
+      timeout -s ABRT -k 15 300 python3 scripts/bench/bench_serving.py $args --concurrency 256 --server-pid $server --json "$OUT/serving.jsonl" \
+        | tail -n 16
+      timeout -s ABRT -k 15 120 python3 scripts/bench/bench_serving.py $args --concurrency 1 --num-requests 32 --rate 2 \
+        --json "$OUT/serving.jsonl" | tail -n 14   # low load: TTFT
+      kill -TERM $server; wait $server
+      timeout -s ABRT -k 15 300 python3 scripts/bench/bench_serving.py $args --offline-only --offline-model "$model" --tokenizer "$tok" \
+        --json "$OUT/serving.jsonl" | tail -n 4
+      tail -n 4 "$OUT/serving.jsonl" >> "$summary" ;;
+    soak:*)
+      # ~80% of the seats (max_num_seqs 256) busy for SOAK_MINUTES, 10% of the streams cancelled midway
+      model=${step#soak:}
+      start_server "$model"
+      timeout -s ABRT -k 15 $(( ${SOAK_MINUTES:-4} * 60 + 120 )) python3 scripts/bench/soak.py --minutes ${SOAK_MINUTES:-4} \
+        --concurrency 200 --server-pid $server --json "$OUT/soak.json" | tail -n 12
+      kill -TERM $server; wait $server
+      echo "soak: $(cat "$OUT/soak.json")" >> "$summary" ;;
+    throughput-compiled:*)
+      model=${step#throughput-compiled:}
+      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
+        | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" | tail -n 5
+      echo "-- throughput-compiled:$model$tag" >> "$summary"
+      tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" >> "$summary" ;;
+    throughput:*)
+      model=${step#throughput:}
+      timeout -s ABRT -k 15 240 python3 scripts/bench/bench_throughput.py --model "$model" --enforce-eager --hf \
+        --json "$OUT/throughput.jsonl" 2>&1 | tee "$OUT/throughput_$model.log" | tail -n 4
+      tail -n 4 "$OUT/throughput_$model.log" >> "$summary" ;;
+  esac
+done
+# Only a few files come back from the device: every log and json in one archive, the summary beside it
+# (made outside $OUT: tar fails on an archive growing inside the folder it reads)
+( cd "$OUT" && tar czf /tmp/kiln-logs.tgz --exclude=./summary.txt . && find . -type f ! -name summary.txt -delete \
+  && mv /tmp/kiln-logs.tgz logs.tgz )
+echo; echo "==== summary ===="; cat "$summary"

@@ -1,0 +1,78 @@
+"""Where a decode step's GPU time goes, kernel by kernel (torch.profiler), for one model and batch:
+
+    python scripts/dev/profile_step.py --model llama-3.2-1b --batch 1 --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kiln.engine import LLM, SamplingParams
+
+
+def profile_host(llm: LLM, args) -> None:
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    timing = llm.engine.step_timing
+    print(f"\nhost profile of LLM.generate, batch {args.batch}, {args.steps} steps; engine timing so far: {timing}")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--host", action="store_true", help="then cProfile the host side of LLM.generate")
+    args = p.parse_args()
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=2048,
+              max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
+              enforce_eager=args.enforce_eager, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 1 for j in range(32)], params)
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    weights = sum(t.numel() * t.element_size() for t in engine.model.parameters())
+    print(f"\n{args.model} batch {args.batch}: GPU time per step {total / args.steps:.1f} us "
+          f"(weights {weights / 1e9:.2f} GB: {weights / 4.3e12 * 1e6:.0f} us at 4.3 TB/s), "
+          f"{sum(e.count for e in events) / args.steps:.0f} kernels per step")  # fmt: skip
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    if engine.shard.size > 1:
+        print(f"NCCL (all-reduce / all-gather) on rank 0: {nccl / args.steps:.1f} us per step ({nccl / total:.1%}), "
+              "waiting for the other ranks included")  # fmt: skip
+    print(f"{'us/step':>8} {'share':>6} {'calls/step':>10}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+        print(f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
+              f"{e.count / args.steps:10.1f}  {e.key[:110]}")  # fmt: skip
+    if args.host:
+        engine.abort_requests([f"profile-{i}" for i in range(args.batch)])
+        while engine.has_unfinished_requests():  # the step in flight
+            engine.step()
+        profile_host(llm, args)
+
+
+if __name__ == "__main__":
+    main()
