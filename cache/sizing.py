@@ -73,6 +73,4 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device 
     Zeroed so the reserved null block and never-written slots hold finite values: padded
     attention reads them under a mask, and NaN * 0 would still be NaN.
     """
-    return [
-        torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-    ]
+    return [torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -115,6 +115,7 @@ def inductor_settings(use_pdl: bool):
     from torch._inductor.virtualized import V  # noqa: PLC0415
 
     from kiln.compile.inductor_choices import KilnChoices  # noqa: PLC0415
+
     # NOTE: the handler is what Inductor consults; the class setting (where this torch has it) puts the choice in
     # Inductor's own cache key, which otherwise would hand back a piece compiled with the default heuristics.
     patches = {"inductor_choices_class": KilnChoices} if hasattr(inductor_config, "inductor_choices_class") else {}
@@ -144,8 +145,11 @@ class _PieceCompiler(torch.fx.Interpreter):
             if digest not in self.by_hash:
                 self.by_hash[digest] = self.backend.compile_piece(piece, list(args), digest)
             self.pieces[target] = (digest, isinstance(out, torch.Tensor))
-            setattr(self.module, target, CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor),
-                                                        self.backend.graph_pool))  # fmt: skip
+            setattr(
+                self.module,
+                target,
+                CompiledPiece(self.by_hash[digest], isinstance(out, torch.Tensor), self.backend.graph_pool),
+            )
         return out
 
 

@@ -28,20 +28,19 @@ import torch
 
 import kiln.backends.attention.op as unified_attention_module
 import kiln.backends.kernels.collectives as collectives_module
+from kiln.backends import environment
 from kiln.compile.counters import watch_triton_compiles
 
 logger = logging.getLogger("kiln")
 
-DISABLE_ENV = "KILN_DISABLE_COMPILE_CACHE"
-
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "compile"
+    return environment.ENV.cache_dir / "compile"
 
 
 def cache_root(configured: str | None) -> Path | None:
     """The compile cache's root folder (`configured`, else the default); None where the cache is disabled."""
-    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+    if not environment.ENV.compile_cache:
         return None
     return Path(configured) if configured else default_cache_root()
 
@@ -97,16 +96,28 @@ def source_hash(model: torch.nn.Module, input_sources: tuple[Path, ...] = ()) ->
     return digest.hexdigest()[:16]
 
 
-def cache_key_inputs(version: str, model: torch.nn.Module, model_config: dict[str, Any], dtype: torch.dtype,
-                     device: torch.device, settings: dict[str, Any],
-                     input_sources: tuple[Path, ...] = ()) -> dict[str, Any]:  # fmt: skip
+def cache_key_inputs(
+    version: str,
+    model: torch.nn.Module,
+    model_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    settings: dict[str, Any],
+    input_sources: tuple[Path, ...] = (),
+) -> dict[str, Any]:
     import triton  # noqa: PLC0415
 
     return {
-        "kiln": version, "torch": torch.__version__, "triton": triton.__version__,
-        "device": device_target(device), "model": model_config, "dtype": str(dtype), "settings": settings,
+        "kiln": version,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": device_target(device),
+        "model": model_config,
+        "dtype": str(dtype),
+        "settings": settings,
+        "kernels": environment.ENV.kernel_switches(),
         "source": source_hash(model, input_sources),
-    }  # fmt: skip
+    }
 
 
 class CompileCache:
@@ -116,7 +127,7 @@ class CompileCache:
         self.key_inputs = key_inputs
         blob = json.dumps(key_inputs, sort_keys=True, default=str)
         self.key = hashlib.sha256(blob.encode()).hexdigest()[:20]
-        self.enabled = root is not None and os.environ.get(DISABLE_ENV, "0") in ("", "0")
+        self.enabled = root is not None and environment.ENV.compile_cache
         self.directory = Path(root) / self.key if root is not None else None
         if self.enabled:
             (self.directory / "pieces").mkdir(parents=True, exist_ok=True)
@@ -166,6 +177,33 @@ class CompileCache:
         except (OSError, ValueError) as e:
             logger.warning("compile cache: cannot read %s (%s)", name, e)
             return None
+
+
+class JsonFolder:
+    """JSON files in one folder, each read and written whole (atomically). A file that cannot be read or written is
+    passed over with a warning: what such a file keeps (a memo) only saves time."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def read(self, name: str) -> Any:
+        """The file's value, or None if it is absent or unreadable."""
+        path = self.directory / name
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            logger.warning("%s unreadable (%s); passed over", path, e)
+            return None
+
+    def write(self, name: str, value: Any) -> None:
+        path = self.directory / name
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, json.dumps(value, indent=1).encode())
+        except OSError as e:
+            logger.warning("%s not kept (%s)", path, e)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

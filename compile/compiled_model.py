@@ -86,8 +86,12 @@ class CompiledModel:
             raise ValueError("the first (tracing) call needs at least 2 tokens: a size of 1 would be specialised")
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        self._forward = torch.compile(_private_forward(self.model), backend=self.backend, fullgraph=True,
-                                      options={"guard_filter_fn": _without_shape_guards})  # fmt: skip
+        self._forward = torch.compile(
+            _private_forward(self.model),
+            backend=self.backend,
+            fullgraph=True,
+            options={"guard_filter_fn": _without_shape_guards},
+        )
         before = self.counters.inductor_seconds + self.counters.cache_load_seconds
         start = time.perf_counter()
         out = self._forward(input_ids, positions)
@@ -95,8 +99,11 @@ class CompiledModel:
         self.counters.dynamo_seconds += time.perf_counter() - start - (after - before)
         saved = self.backend.saved
         if saved is not None:
-            self.run = rebuild(saved, self.model, lambda digest, single: CompiledPiece(
-                self.backend.artifacts[digest], single, self.backend.graph_pool))  # fmt: skip
+            self.run = rebuild(
+                saved,
+                self.model,
+                lambda digest, single: CompiledPiece(self.backend.artifacts[digest], single, self.backend.graph_pool),
+            )
             self.backend.split = self.run.split
             self.backend.cache.write_text(SAVED_GRAPH, json.dumps(saved))
         else:
@@ -134,8 +141,13 @@ class CompiledModel:
 
     # ---- full CUDA graphs (decode-only batches) --------------------------------------------------------
 
-    def capture_full_graph(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                           head: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None) -> None:  # fmt: skip
+    def capture_full_graph(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        head: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
         """Record the whole forward for `size` tokens, then `head(hidden)` (the runner's LM head and greedy argmax)
         in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
         has run every kernel variant this size uses (the runner's warm-up)."""

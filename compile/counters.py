@@ -54,8 +54,9 @@ class CompileCounters:
     _triton_mark: dict = field(default_factory=lambda: dict(TRITON_EVENTS), repr=False)
 
     def as_dict(self) -> dict[str, float]:
-        self.triton_compiles, self.triton_cache_hits = (TRITON_EVENTS[k] - self._triton_mark[k]
-                                                        for k in ("compiles", "cache_hits"))  # fmt: skip
+        self.triton_compiles, self.triton_cache_hits = (
+            TRITON_EVENTS[k] - self._triton_mark[k] for k in ("compiles", "cache_hits")
+        )
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
     @contextmanager

@@ -66,9 +66,7 @@ def weak_ref(x: Any) -> Any:
         storage = torch._C._construct_storage_from_data_pointer(
             x.untyped_storage().data_ptr(), x.device, x.untyped_storage().nbytes()
         )
-        return torch.empty(0, dtype=x.dtype, device=x.device).set_(
-            storage, x.storage_offset(), x.shape, x.stride()
-        )
+        return torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, x.storage_offset(), x.shape, x.stride())
     if isinstance(x, tuple | list):
         return type(x)(weak_ref(y) for y in x)
     return x

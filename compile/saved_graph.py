@@ -37,8 +37,12 @@ class Unsaveable(Exception):
     """The split graph holds something `forward.json` cannot describe."""
 
 
-def describe(split: torch.fx.GraphModule, sources: list[str], compute: dict[str, tuple[str, bool]],
-             example: dict[str, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
+def describe(
+    split: torch.fx.GraphModule,
+    sources: list[str],
+    compute: dict[str, tuple[str, bool]],
+    example: dict[str, torch.Tensor],
+) -> dict[str, Any]:
     """The saved form of `split` (attention pieces already calling `attend`): `sources`, Dynamo's source of each
     input in order; `compute`, each compute piece's (artifact hash, returns one tensor); `example`, the traced
     call's input_ids and positions."""
@@ -57,8 +61,10 @@ def describe(split: torch.fx.GraphModule, sources: list[str], compute: dict[str,
     (output,) = [node for node in split.graph.nodes if node.op == "output"]
     if not (isinstance(output.args[0], tuple | list) and len(output.args[0]) == 1):
         raise Unsaveable("the forward returns more than the hidden states")
-    traced = {name: {"dtype": str(t.dtype), "stride": list(t.stride()), "offset": t.storage_offset()}
-              for name, t in example.items()}  # fmt: skip
+    traced = {
+        name: {"dtype": str(t.dtype), "stride": list(t.stride()), "offset": t.storage_offset()}
+        for name, t in example.items()
+    }
     for name in INPUTS:
         if f"L['{name}'].storage_offset()" in sources:
             traced[name]["offset"] = None  # symbolic: any offset

@@ -1,18 +1,16 @@
-"""`kiln` command line: `kiln generate` (prompts in, completions and tokens/s out)."""
+"""`kiln` command line: `kiln generate` (prompts in, completions and tokens/s out), `kiln serve` (the OpenAI API) and
+`kiln precompile` (fill the compile cache). It imports no torch until a command runs: `kiln --help` is quick."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 
-from kiln.backends.attention import available_backends
-from kiln.compile import CUDAGRAPH_MODES
-from kiln.compile.cache import DISABLE_ENV
-from kiln.engine.config import LOAD_FORMATS, EngineConfig
+from kiln.backends import environment
+from kiln.engine.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, LOAD_FORMATS, EngineConfig, ServerConfig
 from kiln.engine.models.presets import DEFAULT_MODEL, PRESETS
 
 DEFAULT_PROMPTS = [
@@ -26,14 +24,22 @@ DEFAULT_PROMPTS = [
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand; names follow vLLM's."""
     d = EngineConfig()
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"a local Hugging Face model directory or a built-in preset ({', '.join(PRESETS)}); "
-                             f"default {DEFAULT_MODEL} with dummy weights")  # fmt: skip
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"a local Hugging Face model directory or a built-in preset ({', '.join(PRESETS)}); "
+        f"default {DEFAULT_MODEL} with dummy weights",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
-    parser.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
-                        help="dummy = random weights (presets always use them)")  # fmt: skip
+    parser.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="dummy = random weights (presets always use them)",
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -44,19 +50,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="override KV cache sizing")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
-    parser.add_argument("--attention-backend", default=None, choices=available_backends())
-    parser.add_argument("--compile-cache-dir", default=None, help="default ~/.cache/kiln/compile "
-                        f"(set {DISABLE_ENV}=1 to disable the cache)")  # fmt: skip
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                        help="wait for each step's tokens before scheduling the next")  # fmt: skip
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                        help="split each layer across N GPUs (ranks 1..N-1 run in worker processes)")  # fmt: skip
-    parser.add_argument("--generation-config", default=d.generation_config, choices=("auto", "vllm"),
-                        help="auto: the model's generation_config.json sets the default temperature, top_p, top_k, "
-                             "min_p and repetition_penalty; vllm: the built-in defaults")  # fmt: skip
+    parser.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+    parser.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="default ~/.cache/kiln/compile (set KILN_DISABLE_COMPILE_CACHE=1 to disable the cache)",
+    )
+    parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="wait for each step's tokens before scheduling the next",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split each layer across N GPUs (ranks 1..N-1 run in worker processes)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        choices=("auto", "vllm"),
+        help="auto: the model's generation_config.json sets the default temperature, top_p, top_k, "
+        "min_p and repetition_penalty; vllm: the built-in defaults",
+    )
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
-    parser.add_argument("--cudagraph-capture-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
-                        default=None, help="comma-separated token counts (default: 1,2,4,8,...)")  # fmt: skip
+    parser.add_argument(
+        "--cudagraph-capture-sizes",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=None,
+        help="comma-separated token counts (default: 1,2,4,8,...)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -82,22 +108,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # NOTE: a preset's built-in tokenizer knows few of the model's ids; unknown ones decode to nothing.
         shown = repr(completion.text) if completion.text.strip() else f"(token ids) {completion.token_ids}"
         print(f"\n>>> {prompt!r}\n{shown}")
-    print(f"\n{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s "
-          f"({llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')})")  # fmt: skip
+    print(
+        f"\n{len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s "
+        f"({llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')})"
+    )
     return 0
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
     """Fill the compile cache for this model and these flags, then exit: a deployment's warm-up job."""
-    from kiln.engine.core.engine_core import EngineCore  # noqa: PLC0415
+    from kiln.engine.core.startup import build_executor  # noqa: PLC0415
 
     config = engine_config_from_args(args)
     if config.enforce_eager:
         print("kiln: error: precompile with --enforce-eager has nothing to compile", file=sys.stderr)
         return 2
     # Weights do not change what is compiled: random ones skip reading the checkpoint.
-    core = EngineCore(dataclasses.replace(config, load_format="dummy"))
-    stats = core.startup_stats
+    executor = build_executor(dataclasses.replace(config, load_format="dummy"))
+    stats = executor.startup_stats
+    executor.close()
     print(f"compile cache: {stats['compile_cache_dir']}")
     for key, value in stats.items():
         print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
@@ -110,12 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.engine.serving.api_server import serve  # noqa: PLC0415
 
     config = engine_config_from_args(args)
-    api_key = args.api_key or os.environ.get("KILN_API_KEY") or None
-    if api_key and args.api_keys_file:
-        raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
-    return asyncio.run(serve(config, args.host, args.port, api_key, args.served_model_name, args.shutdown_timeout,
-                             args.max_num_queued_requests, args.engine_timeout, args.api_keys_file,
-                             args.stream_idle_timeout))  # fmt: skip
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    server = ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if server.api_key is None and server.api_keys_file is None:
+        server = dataclasses.replace(server, api_key=environment.ENV.api_key)
+    return asyncio.run(serve(config, server))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,21 +161,42 @@ def main(argv: list[str] | None = None) -> int:
     pre.set_defaults(func=cmd_precompile)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    d = ServerConfig()
+    srv.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=d.port)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KILN_API_KEY)")
-    srv.add_argument("--api-keys-file", default=None, metavar="PATH",
-                     help="TOML (or .json) file of API keys, stored as SHA-256 hashes, each with a name and optional "
-                          "limits; SIGHUP reloads it (see README)")  # fmt: skip
+    srv.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="TOML (or .json) file of API keys, stored as SHA-256 hashes, each with a name and optional "
+        "limits; SIGHUP reloads it (see README)",
+    )
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds to drain in-flight requests after SIGTERM")  # fmt: skip
-    srv.add_argument("--max-num-queued-requests", type=int, default=None,
-                     help="requests admitted beyond --max-num-seqs; more get 503 at once (default: no limit)")
-    srv.add_argument("--engine-timeout", type=float, default=60.0,
-                     help="seconds without a word from the engine core before it is declared stuck and killed")
-    srv.add_argument("--stream-idle-timeout", type=float, default=30.0,
-                     help="seconds a streaming client may leave its stream unread before the request is aborted")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="seconds to drain in-flight requests after SIGTERM",
+    )
+    srv.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="requests admitted beyond --max-num-seqs; more get 503 at once (default: no limit)",
+    )
+    srv.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=d.engine_timeout,
+        help="seconds without a word from the engine core before it is declared stuck and killed",
+    )
+    srv.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=d.stream_idle_timeout,
+        help="seconds a streaming client may leave its stream unread before the request is aborted",
+    )
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,18 +1,28 @@
-"""Engine configuration: one frozen dataclass, validated when made, with vLLM's names."""
+"""Engine configuration: one frozen dataclass, validated when made, with vLLM's names.
+
+It imports no torch: the API-server process and `kiln --help` read it too. The engine core turns its names into
+devices and dtypes (`kiln.engine.core.startup`).
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass
 
-import torch
-
-from kiln.compile import CUDAGRAPH_MODES
 from kiln.engine.models.presets import DEFAULT_MODEL
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
+CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
 
 
 @dataclass(frozen=True)
@@ -45,8 +55,14 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes",
-                     "tensor_parallel_size"):  # fmt: skip
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_memory_bytes",
+            "tensor_parallel_size",
+        ):
             positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
@@ -54,10 +70,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; choose one of {list(ATTENTION_BACKENDS)}"
+            )
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of {list(CUDAGRAPH_MODES)}")
         sizes = self.cudagraph_capture_sizes
@@ -68,22 +88,24 @@ class EngineConfig:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        return device
 
-    def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if device.type == "cpu":
-            return torch.float32  # CPU matmuls in bf16 are slow and the reference tests run in fp32
-        if checkpoint_dtype in (torch.float16, torch.bfloat16):
-            return checkpoint_dtype
-        return torch.bfloat16
+@dataclass(frozen=True)
+class ServerConfig:
+    """`kiln serve`'s own settings, beside the engine's (vLLM's names)."""
+
+    host: str = "127.0.0.1"  # loopback only unless asked
+    port: int = 8000
+    api_key: str | None = None  # require 'Authorization: Bearer KEY'
+    api_keys_file: str | None = None  # keys with names and limits (kiln.engine.serving.api_keys); not with api_key
+    served_model_name: str | None = None  # the model name clients use (default: the model argument)
+    shutdown_timeout: float = 30.0  # seconds to drain in-flight requests after SIGTERM
+    max_num_queued_requests: int | None = None  # requests admitted beyond max_num_seqs; more get 503 (None: no limit)
+    engine_timeout: float = 60.0  # seconds without a word from the engine core before it is declared stuck and killed
+    stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
+
+    def __post_init__(self) -> None:
+        if self.api_key and self.api_keys_file:
+            raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
 
 
 def kiln_version() -> str:

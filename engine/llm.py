@@ -7,18 +7,17 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
 from kiln.engine.config import EngineConfig
-from kiln.engine.core.engine_core import EngineCore, EngineCoreOutput
-from kiln.engine.models.presets import PRESETS
-from kiln.engine.models.source import generation_defaults
+from kiln.engine.core.engine_core import EngineCore
+from kiln.engine.messages import EngineCoreOutput
+from kiln.engine.models.model_dir import generation_defaults, model_dir
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.text.detokenizer import TextStream
-from kiln.engine.text.tokenizer import builtin_tokenizer, load_tokenizer
+from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
 
 Prompt = str | list[int]
 
@@ -43,13 +42,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         # The tokenizer and generation_config.json before the model: a missing or bad one fails before the load and
-        # compile (a model path that is no directory is left to the engine, whose error says what it is)
-        model_dir = None if self.config.model in PRESETS else Path(self.config.model).expanduser()
-        model_dir = model_dir if model_dir is not None and model_dir.is_dir() else None
-        tokenizer_dir = Path(self.config.tokenizer).expanduser() if self.config.tokenizer else model_dir
-        self.tokenizer = builtin_tokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+        # compile
+        self.tokenizer = load_tokenizer(tokenizer_dir(self.config.model, self.config.tokenizer))
         auto = self.config.generation_config == "auto"
-        self.sampling_defaults = generation_defaults(model_dir) if auto else {}
+        self.sampling_defaults = generation_defaults(model_dir(self.config.model)) if auto else {}
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 
@@ -123,8 +119,14 @@ class LLM:
             self.engine.add_request(child_id, token_ids, child_params)
             text = None
             if params.stop:
-                text = TextStream(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                  params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
+                text = TextStream(
+                    self.tokenizer,
+                    token_ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                    params.min_tokens,
+                )
             output = CompletionOutput(index, "", [])
             result.outputs.append(output)
             sequences[child_id] = (result, _Sequence(output, params, text, prompt_token_ids=token_ids))
@@ -135,11 +137,10 @@ class LLM:
         bar = tqdm(total=len(unfinished), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, num_generated = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            if self.engine.failed_requests:  # a grammar that did not compile in time, or rejected a token
-                failures, self.engine.failed_requests = self.engine.failed_requests, []
-                raise ValueError("; ".join(f"request {rid} failed: {message}" for rid, message in failures))
-            for out in outputs:
+            step = self.engine.step()
+            if step.failed:  # a grammar that did not compile in time, or rejected a token
+                raise ValueError("; ".join(f"request {f.request_id} failed: {f.message}" for f in step.failed))
+            for out in step.outputs:
                 result, seq = sequences[out.request_id]
                 num_generated += len(out.new_token_ids)
                 if out.num_cached_tokens > result.num_cached_tokens:
@@ -159,10 +160,10 @@ class LLM:
         if out.finish_reason is None and out.new_logprobs is None and seq.text is None:
             return False  # most steps of most sequences: one more token, nothing else to do
         if out.new_logprobs is not None:
-            seq.logprobs.extend(out.new_logprobs)
+            # each token's entry lists the sampled token first
+            seq.logprobs += [{int(t): Logprob(lp, int(rank)) for t, lp, rank in entry} for entry in out.new_logprobs]
             output.logprobs = seq.logprobs
-            new = sum(lp[t].logprob for lp, t in zip(out.new_logprobs, out.new_token_ids))
-            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + new
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + sum(e[0][1] for e in out.new_logprobs)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         # the engine stops a request with "stop" only on a stop token (EOS, stop_token_ids, a grammar's end)
         stop_token = finish_reason == "stop"
@@ -176,8 +177,9 @@ class LLM:
         elif finish_reason is not None:
             # decoded once, as the server's stream is: after the prompt's last tokens, the stop token left out
             params = seq.params
-            text = TextStream(self.tokenizer, seq.prompt_token_ids, (), params.skip_special_tokens,
-                              params.include_stop_str_in_output)  # fmt: skip
+            text = TextStream(
+                self.tokenizer, seq.prompt_token_ids, (), params.skip_special_tokens, params.include_stop_str_in_output
+            )
             text.update(output.token_ids, finished=True, stop_token=stop_token)
             output.text = text.text
         if finish_reason is None:

@@ -1,15 +1,49 @@
 """Messages between the API server and the engine core: typed dataclasses, msgpack on the wire.
 
-Every message is `[type name, {field: value}]`; decoding looks the name up in a fixed table and builds
-that dataclass, so nothing on a socket can name code to run (no pickle anywhere).
+Both processes import this module and neither imports the other: it is the whole interface between them. Every
+message is `[type name, {field: value}]`; decoding looks the name up in a fixed table and builds that dataclass, so
+nothing on a socket can name code to run (no pickle anywhere). `EngineCoreOutput` and `RequestFailed` are also what
+`EngineCore.step` returns in-process (offline `LLM`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import json
+from dataclasses import asdict, dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 import msgpack
+
+from kiln.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class EngineCoreArgs:
+    """What the engine-core process is started with, as JSON on its standard input (not a socket message)."""
+
+    config: dict[str, Any]  # EngineConfig's fields
+    input_address: str  # ZMQ endpoints it binds: requests in, outputs out
+    output_address: str
+    parent_pid: int  # the API server: when it is gone, the engine stops
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineCoreArgs:
+        return cls(**json.loads(text))
+
+    def engine_config(self) -> EngineConfig:
+        config = dict(self.config)
+        if config.get("cudagraph_capture_sizes") is not None:  # (JSON has no tuples)
+            config["cudagraph_capture_sizes"] = tuple(config["cudagraph_capture_sizes"])
+        return EngineConfig(**config)
+
+
+# A token's log-probabilities: [[token_id, logprob, rank], ...], the sampled token first, then the top-N not already
+# listed (rank 1 = the most likely token)
+TokenLogprobs = list[list[float]]
 
 
 @dataclass
@@ -34,6 +68,7 @@ class Ready:
     max_model_len: int
     vocab_size: int
     num_kv_blocks: int
+    tokenizer_class: str | None  # the transformers class that reads the tokenizer (None: the built-in one)
     startup_stats: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)  # as in EngineOutputs, so /metrics is right at once
 
@@ -43,14 +78,16 @@ class StartupFailed:
     message: str  # a bad model or setting, said in a line (the engine core then exits)
 
 
-@dataclass
-class RequestOutput:
+@dataclass(slots=True)  # one per running request per step: slots make each lighter to build
+class EngineCoreOutput:
+    """A request's new tokens from one step; `finish_reason` set on its last."""
+
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[list[list[float]]] | None = None  # per token: [[token_id, logprob, rank], ...]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when the request asked
+    finish_reason: str | None = None  # "stop" (EOS, a stop token, a grammar's end), "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -61,18 +98,18 @@ class RequestFailed:
 
 @dataclass
 class EngineOutputs:
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     failed: list[RequestFailed] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)  # running, waiting, kv usage, prefix hit rate, ...
 
 
-_TYPES = {cls.__name__: cls for cls in (AddRequest, AbortRequests, Shutdown, Ready, StartupFailed, RequestOutput,
-                                        RequestFailed, EngineOutputs)}  # fmt: skip
+_MESSAGES = (AddRequest, AbortRequests, Shutdown, Ready, StartupFailed, EngineCoreOutput, RequestFailed, EngineOutputs)
+_TYPES = {cls.__name__: cls for cls in _MESSAGES}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()}
 # Lists of messages inside a message travel as lists of field values (no names): an engine step's outputs
-# are hundreds of them, and `dataclasses.asdict` (a deep copy) would cost milliseconds per step. A sender may
-# put the tuple of an item's field values, in order, in place of the item (the engine core does, per step).
-_NESTED = {"EngineOutputs": {"outputs": RequestOutput, "failed": RequestFailed}}
+# are hundreds of them, and `dataclasses.asdict` (a deep copy) would cost milliseconds per step.
+_NESTED = {"EngineOutputs": {"outputs": EngineCoreOutput, "failed": RequestFailed}}
+_VALUES = {cls: attrgetter(*_FIELDS[cls]) for cls in (EngineCoreOutput, RequestFailed)}
 
 
 class ProtocolError(ValueError):
@@ -86,8 +123,8 @@ def encode(message: Any) -> bytes:
     for f in _FIELDS[type(message)]:
         value = getattr(message, f)
         if f in nested:
-            names = _FIELDS[nested[f]]
-            value = [item if isinstance(item, tuple) else [getattr(item, g) for g in names] for item in value]
+            values = _VALUES[nested[f]]
+            value = [values(item) for item in value]
         body[f] = value
     return msgpack.packb([name, body], use_bin_type=True)
 

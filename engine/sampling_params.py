@@ -44,8 +44,7 @@ def _is_int(value: Any) -> bool:
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
     allowed = "an integer" + (
-        f" in [{low}, {high}]" if low is not None and high is not None
-        else f" >= {low}" if low is not None else ""
+        f" in [{low}, {high}]" if low is not None and high is not None else f" >= {low}" if low is not None else ""
     )
     if not _is_int(value):
         _fail(name, value, allowed)
@@ -89,8 +88,10 @@ class StructuredOutputParams:
         _check_bool("structured_output.json_object", self.json_object)
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_output must set exactly one of json, json_object, regex, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError(
+                "structured_output must set exactly one of json, json_object, regex, grammar; "
+                f"got {', '.join(given) or 'none'}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -98,8 +99,10 @@ class StructuredOutputParams:
         if self.json is not None:
             object.__setattr__(self, "json", _checked_schema(self.json))
         if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise ValueError(f"structured_output.{self.kind} must be at most {MAX_STRUCTURED_OUTPUT_CHARS} "
-                             f"characters, got {len(self.spec)}")  # fmt: skip
+            raise ValueError(
+                f"structured_output.{self.kind} must be at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                f"characters, got {len(self.spec)}"
+            )
 
     @property
     def kind(self) -> str:
@@ -159,21 +162,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checked: dict[str, Any] = {
             "n": _check_int("n", self.n, 1, MAX_N),
-            "temperature": _check_float("temperature", self.temperature, 0.0, math.inf,
-                                        "a finite float >= 0"),
+            "temperature": _check_float("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0"),
             "top_p": _check_float("top_p", self.top_p, 0.0, 1.0, "a float in (0, 1]"),
             "top_k": _check_int("top_k", self.top_k, -1),
             "min_p": _check_float("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1]"),
-            "presence_penalty": _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0,
-                                             "a float in [-2, 2]"),
-            "frequency_penalty": _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0,
-                                              "a float in [-2, 2]"),
-            "repetition_penalty": _check_float("repetition_penalty", self.repetition_penalty, 0.0,
-                                               math.inf, "a finite float > 0"),
+            "presence_penalty": _check_float(
+                "presence_penalty", self.presence_penalty, -2.0, 2.0, "a float in [-2, 2]"
+            ),
+            "frequency_penalty": _check_float(
+                "frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a float in [-2, 2]"
+            ),
+            "repetition_penalty": _check_float(
+                "repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite float > 0"
+            ),
             "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
-            "include_stop_str_in_output": _check_bool("include_stop_str_in_output",
-                                                      self.include_stop_str_in_output),
+            "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
             "min_tokens": _check_int("min_tokens", self.min_tokens, 0),
             "logit_bias": self._checked_logit_bias(),
             "stop": self._checked_stop(),
@@ -206,8 +210,12 @@ class SamplingParams:
             if not _is_int(token_id) or token_id < 0:
                 _fail("logit_bias", self.logit_bias, "keyed by non-negative integer token ids")
             bias[int(token_id)] = _check_float(
-                f"logit_bias[{token_id}]", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS,
-                f"a finite float in [{-MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+                f"logit_bias[{token_id}]",
+                value,
+                -MAX_ABS_LOGIT_BIAS,
+                MAX_ABS_LOGIT_BIAS,
+                f"a finite float in [{-MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+            )
         return bias
 
     def _checked_stop(self) -> list[str]:
@@ -248,12 +256,14 @@ class SamplingParams:
         Called once when a request is admitted: an out-of-range id would index past the logits on
         the device, which is a device-side assert, not a clean error.
         """
-        for name, token_ids in (("logit_bias", self.logit_bias or {}),
-                                ("stop_token_ids", self.stop_token_ids or [])):
+        for name, token_ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids or [])):
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:
-                _fail(name, self.logit_bias if name == "logit_bias" else self.stop_token_ids,
-                      f"token ids in [0, {vocab_size}) (out of range: {bad[:5]})")
+                _fail(
+                    name,
+                    self.logit_bias if name == "logit_bias" else self.stop_token_ids,
+                    f"token ids in [0, {vocab_size}) (out of range: {bad[:5]})",
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -267,5 +277,4 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -3,29 +3,29 @@ partial's unnormalised accumulator, running max and sum, in log2 units)."""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-# How the last split merges the partials: "rows", a kv head's query heads together, `merge_chunk` splits a step, one
-# [heads, head_dim] load a split (`_merge_splits`); "heads", one head after another, all its splits at once
-# (`_merge_head`, the merge before the eighteenth session). On the H200 "rows" was the fastest of the two and of the
-# eighteenth session's one [CHUNK, heads, head_dim] load a step at every batch 1, 16 and 64 point timed at three
-# models' shapes (e.g. the kernel at Qwen2.5-7B's 1 x 8k 34.6 -> 14.3 µs; the whole batch-1 decode step at 8k 195 ->
-# 234 tokens/s, the 8B's 216 -> 223: BENCHMARKS.md, nineteenth session). KILN_DECODE_MERGE (A/B runs).
-MERGES = ("rows", "heads")
-DECODE_MERGE = os.environ.get("KILN_DECODE_MERGE", "rows")
-
 
 @triton.jit
-def _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+def _merge_rows(
+    part_acc_ptr,
+    part_max_ptr,
+    first,
+    num_splits,
+    c,
+    offs_h,
+    m_max,
+    offs_d,
+    Q_PER_KV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Splits c .. c + CHUNK of `_merge_splits`' accumulators, each rescaled by its 2^(max_s - max), summed: one
     [heads, head_dim] load a split, one after another in the code, none hanging on another's result. The split axis
-    is no tensor axis, so each thread sums its own columns: as one [CHUNK, heads, head_dim] load summed over its
-    first axis, triton 3.6 laid the sum out across threads (warp shuffles and shared-memory round trips, 521 and 523
-    of them in Qwen2.5-7B's 64-split build) and the merge took 2-3x as long (BENCHMARKS.md, nineteenth session)."""
+    is no tensor axis, so each thread sums its own columns (as one [CHUNK, heads, head_dim] load summed over its
+    first axis, Triton lays the sum out across threads: warp shuffles and shared-memory round trips)."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for j in tl.static_range(CHUNK):
@@ -33,20 +33,36 @@ def _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max,
         ok = (offs_h < Q_PER_KV) & (split < num_splits)
         part = first + offs_h * NUM_SPLITS + split
         m_s = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None], other=0.0,
-                      cache_modifier=".cg")  # fmt: skip
+        a_s = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+            mask=ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         acc += tl.where(m_s > float("-inf"), tl.math.exp2(m_s - m_max), 0.0)[:, None] * a_s
     return acc
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_splits, o_offs, stride_o_h,
-                  Q_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_P: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+def _merge_splits(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    first,
+    num_splits,
+    o_offs,
+    stride_o_h,
+    Q_PER_KV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """The outputs of one kv head's Q_PER_KV query heads from their first `num_splits` partials (head i's at
     first + i * NUM_SPLITS, + 1, ...), each rescaled by 2^(max_s - max) and the sum normalised. First every head's
     maxima and sums (small), then the accumulators of every head CHUNK splits a step (`_merge_rows`), a step past
-    the splits used skipped. Returns the largest sum (the timeline's stamp waits on it)."""
+    the splits used skipped."""
     QP: tl.constexpr = triton.next_power_of_2(Q_PER_KV)
     SPLITS_P: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
     offs_h = tl.arange(0, QP)
@@ -63,12 +79,26 @@ def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, first, num_
     acc = tl.zeros([QP, HEAD_DIM_P], tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
         if c < num_splits:
-            acc += _merge_rows(part_acc_ptr, part_max_ptr, first, num_splits, c, offs_h, m_max, offs_d, Q_PER_KV,
-                               NUM_SPLITS, HEAD_DIM_P, CHUNK)  # fmt: skip
+            acc += _merge_rows(
+                part_acc_ptr,
+                part_max_ptr,
+                first,
+                num_splits,
+                c,
+                offs_h,
+                m_max,
+                offs_d,
+                Q_PER_KV,
+                NUM_SPLITS,
+                HEAD_DIM_P,
+                CHUNK,
+            )
     o_ptrs = out_ptr + o_offs + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
-             mask=(offs_h < Q_PER_KV)[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
-    return tl.max(total, 0)
+    tl.store(
+        o_ptrs,
+        (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+        mask=(offs_h < Q_PER_KV)[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
 
 
 def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int) -> int:
@@ -79,30 +109,35 @@ def merge_chunk(q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int)
     return min(1 << (chunk.bit_length() - 1), triton.next_power_of_2(num_splits))
 
 
-def merge_constexprs(merge: str, q_per_kv: int, head_dim_p: int, num_splits: int, num_warps: int) -> dict:
-    """The decode kernel's MERGE_CHUNK for one of MERGES (0: one head after another)."""
-    if merge not in MERGES:
-        raise ValueError(f"unknown decode merge {merge!r}: one of {', '.join(MERGES)}")
-    return {"MERGE_CHUNK": 0 if merge == "heads" else merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps)}
-
-
 @triton.jit
-def _merge_head(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, o_offs,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):  # fmt: skip
+def _merge_head(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part,
+    num_splits,
+    o_offs,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
     """One head's output from its first `num_splits` partials (at part, part + 1, ...), all loaded at once: the
-    merge of the one-split builds, where it never runs (`_decode_split_kernel`'s note), and `merge="heads"`'s, one
-    head after another."""
+    merge of the one-split builds, where it never runs (`_decode_split_kernel`'s note)."""
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
     ok = offs_s < num_splits
     m = tl.load(part_max_ptr + part + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_s = tl.load(part_sum_ptr + part + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :], mask=ok[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    acc = tl.load(
+        part_acc_ptr + (part + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :],
+        mask=ok[:, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
     total = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    return total

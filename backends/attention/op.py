@@ -85,8 +85,9 @@ def unified_attention(
     attend(query, key, value, output, layer_index, scale)
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int,
-           scale: float) -> None:  # fmt: skip
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+) -> None:
     """The op's body: the step's backend on this layer's KV cache. Where no tracer looks (eager layers, and
     the split graph's attention pieces once compiled), it is called directly: through the dispatcher, a
     `custom_op` call costs ~25 µs more (measured on the CPU machine), once a layer every step."""

@@ -31,10 +31,26 @@ def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, start_n,
-                 visible_end, causal_limit, offs_d, d_ok, qk_scale,
-                 ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE_N: tl.constexpr):  # fmt: skip
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    page,
+    kv_head,
+    start_n,
+    visible_end,
+    causal_limit,
+    offs_d,
+    d_ok,
+    qk_scale,
+    ROW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
     """One online-softmax step over keys [start_n, start_n + TILE_N), on their pages (`_tile_pages`): row r may see
     key n when n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
     offs_n = start_n + tl.arange(0, TILE_N)
@@ -55,32 +71,75 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, star
 
 
 @triton.jit
-def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, end, causal_limit, offs_d,
-                  d_ok, qk_scale, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr, PREFETCH_PAGES: tl.constexpr):  # fmt: skip
-    """`_attend_tile` over keys [start, end), tile by tile. PREFETCH_PAGES: each tile's pages are loaded one
-    iteration ahead, a value the loop carries. Loaded in the iteration that uses them, they leave Triton's pipeliner
-    a K/V address that depends on a load of the same iteration, and it then keeps one K/V buffer whatever num_stages:
-    every iteration waits for all its copies and issues the next tile's after its own compute
+def _attend_range(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row,
+    kv_head,
+    start,
+    end,
+    causal_limit,
+    offs_d,
+    d_ok,
+    qk_scale,
+    ROW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """`_attend_tile` over keys [start, end), tile by tile, each tile's pages loaded one iteration ahead (a value the
+    loop carries). NOTE: loaded in the iteration that uses them, they would leave Triton's pipeliner a K/V address that
+    hangs on a load of the same iteration, and it then keeps one K/V buffer whatever num_stages
     (`scripts/dev/kernel_resources.py`'s BUF column)."""
-    if PREFETCH_PAGES:
-        page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
+    page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
     for start_n in range(start, end, TILE_N):
-        if PREFETCH_PAGES:
-            this_page = page
-            page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
-        else:
-            this_page = _tile_pages(table_row, start_n, end, BLOCK_SIZE, TILE_N)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, this_page, kv_head, start_n, end,
-                                     causal_limit, offs_d, d_ok, qk_scale, ROW, HEAD_DIM, BLOCK_SIZE,
-                                     TILE_N)  # fmt: skip
+        this_page = page
+        page = _tile_pages(table_row, start_n + TILE_N, end, BLOCK_SIZE, TILE_N)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            this_page,
+            kv_head,
+            start_n,
+            end,
+            causal_limit,
+            offs_d,
+            d_ok,
+            qk_scale,
+            ROW,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            TILE_N,
+        )
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, page, start_n, visible_end, offs_d, qk_scale,
-                      ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      MASKED: tl.constexpr):  # fmt: skip
+def _attend_lean_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_head_ptr,
+    v_head_ptr,
+    page,
+    start_n,
+    visible_end,
+    offs_d,
+    qk_scale,
+    ROW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """`_attend_tile` with fewer instructions, for keys every row may see (a decode's, or a prefill block's below its
     first row): no causal limit, no mask on a full tile (MASKED: the last, partial one), 32-bit offsets from the
     head's own base pointers (the caller checks a layer's cache has fewer than 2**31 elements), head_dim a power of

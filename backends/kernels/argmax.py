@@ -21,9 +21,19 @@ MAX_ROWS = 64  # rows the arrival counts cover; more rows take torch.argmax, who
 
 
 @triton.jit(do_not_specialize=["V", "stride_x"])  # one compiled variant per dtype, whatever the vocabulary
-def _argmax_kernel(out_ptr, x_ptr, part_max_ptr, part_idx_ptr, arrivals_ptr, V, stride_x,
-                   CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P: tl.constexpr,
-                   USE_PDL: tl.constexpr):  # fmt: skip
+def _argmax_kernel(
+    out_ptr,
+    x_ptr,
+    part_max_ptr,
+    part_idx_ptr,
+    arrivals_ptr,
+    V,
+    stride_x,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    CHUNKS_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:  # everything it reads comes from the kernel before it (see kiln.backends.kernels.pdl)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -64,7 +74,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _argmax_kernel[(rows, chunks)](
-        out, x, part_max, part_idx, arrivals, vocab, x.stride(0),
-        CHUNK=CHUNK, CHUNKS=chunks, CHUNKS_P=triton.next_power_of_2(chunks), num_warps=4, **pdl.launch_kwargs(x),
-    )  # fmt: skip
+        out,
+        x,
+        part_max,
+        part_idx,
+        arrivals,
+        vocab,
+        x.stride(0),
+        CHUNK=CHUNK,
+        CHUNKS=chunks,
+        CHUNKS_P=triton.next_power_of_2(chunks),
+        num_warps=4,
+        **pdl.launch_kwargs(x),
+    )
     return out

@@ -18,15 +18,28 @@ from kiln.backends.kernels import ops, pdl
 
 @triton.jit
 def _wait_for_previous_kernel():
-    """With PDL (see kiln.backends.kernels.pdl): these kernels read only what earlier kernels wrote, so they wait first."""
+    """With PDL (`kiln.backends.kernels.pdl`): these kernels read only what earlier kernels wrote: they wait first."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr, eps, stride_x, stride_r,
-                     stride_o, stride_ro, N: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    weight_ptr,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:
         _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
@@ -52,18 +65,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            out, x2, r2, residual_out, weight, eps, x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, **pdl.launch_kwargs(x),
-        )  # fmt: skip
+            out,
+            x2,
+            r2,
+            residual_out,
+            weight,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            residual_out.stride(0),
+            N=n,
+            BLOCK=triton.next_power_of_2(n),
+            HAS_RESIDUAL=residual is not None,
+            **pdl.launch_kwargs(x),
+        )
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), residual_out.view(x.shape)
 
 
 @triton.jit
-def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_cs, stride_x_t, stride_x_h, stride_o_t,
-                 stride_o_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                 HEADS_P: tl.constexpr, BY_POSITION: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _rope_kernel(
+    out_ptr,
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    stride_x_t,
+    stride_x_h,
+    stride_o_t,
+    stride_o_h,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    BY_POSITION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """Program: one token's heads. cos, sin: the rows of a table indexed by the token's position (BY_POSITION),
     or the token's own rows."""
     if USE_PDL:
@@ -88,17 +128,31 @@ def _rope_kernel(out_ptr, x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_cs, str
     tl.store(o_base + HALF, x2 * cos + x1 * sin, mask=mask)
 
 
-def _launch_rope(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _launch_rope(
+    x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = x.shape
     half = head_dim // 2
     assert x.stride(2) == 1 and out.stride(2) == 1 and cos.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
     if num_tokens:
         _rope_kernel[(num_tokens,)](
-            out, x, positions if positions is not None else x, cos, sin, cos.stride(0), x.stride(0), x.stride(1),
-            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
-            HEADS_P=triton.next_power_of_2(num_heads), BY_POSITION=positions is not None, **pdl.launch_kwargs(x),
-        )  # fmt: skip
+            out,
+            x,
+            positions if positions is not None else x,
+            cos,
+            sin,
+            cos.stride(0),
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HALF=half,
+            HALF_P=triton.next_power_of_2(half),
+            HEADS_P=triton.next_power_of_2(num_heads),
+            BY_POSITION=positions is not None,
+            **pdl.launch_kwargs(x),
+        )
     return out
 
 
@@ -112,13 +166,15 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Neox-style RoPE of x [T, heads, D] with token t's cos[t], sin[t] ([T, D/2] rows of one stride, e.g. the
     halves of one lookup); into `out` (x itself is fine: each program reads its token's heads before writing)."""
-    return _launch_rope(x, out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device), None,
-                        cos, sin)  # fmt: skip
+    return _launch_rope(
+        x, out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device), None, cos, sin
+    )
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):  # fmt: skip
+def _silu_and_mul_kernel(
+    out_ptr, x_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     if USE_PDL:
         _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
@@ -144,9 +200,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _qk_norm_rope_kernel(out_ptr, x_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, eps, stride_x_t, stride_x_h,
-                         stride_cos, stride_sin, stride_o_t, stride_o_h, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         HALF_P: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _qk_norm_rope_kernel(
+    out_ptr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    eps,
+    stride_x_t,
+    stride_x_h,
+    stride_cos,
+    stride_sin,
+    stride_o_t,
+    stride_o_h,
+    NUM_Q_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """Program (token, head): RMSNorm of the head's row with the q or k weight, then neox RoPE of it, rounded
     as the plain-torch forms round (the norm in float32, cast, times the weight; the rotation in x's dtype)."""
     if USE_PDL:
@@ -170,8 +242,15 @@ def _qk_norm_rope_kernel(out_ptr, x_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weigh
     tl.store(o_row + HALF + offs, y2 * cos + y1 * sin, mask=mask)
 
 
-def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, num_q_heads: int) -> torch.Tensor:  # fmt: skip
+def qk_norm_rope(
+    qk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_q_heads: int,
+) -> torch.Tensor:
     """Qwen3's per-head RMSNorm of q and k (q's heads first, then k's, side by side in qk [T, heads, D], any token
     and head strides) followed by neox RoPE with cos, sin [T, D/2]: one kernel instead of a reduction and two
     pointwise passes. Returns a new contiguous [T, heads, D]."""
@@ -181,14 +260,32 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weigh
     if num_tokens:
         half = head_dim // 2
         _qk_norm_rope_kernel[(num_tokens, num_heads)](
-            out, qk, cos, sin, q_weight, k_weight, eps, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
-            out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, HALF=half, HALF_P=triton.next_power_of_2(half),
+            out,
+            qk,
+            cos,
+            sin,
+            q_weight,
+            k_weight,
+            eps,
+            qk.stride(0),
+            qk.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HALF=half,
+            HALF_P=triton.next_power_of_2(half),
             **pdl.launch_kwargs(qk),
-        )  # fmt: skip
+        )
     return out
 
 
 # NOTE: an op for the compiled pieces, where Inductor makes this two kernels (a reduction that stores the
 # normalised rows, then the rotation, which reads each row at two offsets).
-ops.define("qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
-           "int num_q_heads) -> Tensor", qk_norm_rope, lambda qk, *_: qk.new_empty(qk.shape))
+ops.define(
+    "qk_norm_rope(Tensor qk, Tensor cos, Tensor sin, Tensor q_weight, Tensor k_weight, float eps, "
+    "int num_q_heads) -> Tensor",
+    qk_norm_rope,
+    lambda qk, *_: qk.new_empty(qk.shape),
+)

@@ -18,23 +18,18 @@ so each CUDA graph records the kernel of its own size.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.backends import environment
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.backends.kernels import ops, pdl
 
-# KILN_GEMV=0 sends every matmul to cuBLAS (for A/B benchmarks); read once, at import
-ENABLED = os.environ.get("KILN_GEMV", "1") != "0"
-# The layer norm goes inside a one-row matmul of K up to this: on the H200 (BENCHMARKS.md, ninth session) it made
-# Qwen3-0.6B's batch-1 decode (K = 1,024) 12% faster, Llama-3.2-1B's (2,048) 2% slower, and the 8B's gate/up matmul
-# (4,096) 7% slower (every program re-reads x, the residual and the norm's weight: more bytes than its weight rows).
-# KILN_GEMV_NORM=0 keeps every norm out, =1 puts it in at any K (A/B benchmarks).
-NORM_MAX_K = {"0": 0, "1": 1 << 30}.get(os.environ.get("KILN_GEMV_NORM", ""), 1024)
+# The layer norm goes inside a one-row matmul up to this K: beyond it every program re-reading x, the residual and
+# the norm's weight costs more than the norm kernel it saves (Qwen3-0.6B's K = 1,024 gains; 2,048 and 4,096 lose).
+NORM_MAX_K = 1024
 
 
 @triton.jit
@@ -62,9 +57,30 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, h_ptr, offs, mask, h_limit, EVEN_K: tl.co
 
 
 @triton.jit
-def _gemv_kernel(y_ptr, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, r_ptr, nw_ptr, h_ptr, eps, N, K, stride_wn, ROT_ROWS,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EPILOGUE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _gemv_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    cos_ptr,
+    sin_ptr,
+    r_ptr,
+    nw_ptr,
+    h_ptr,
+    eps,
+    N,
+    K,
+    stride_wn,
+    ROT_ROWS,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """A program dots BLOCK_N weight rows with x, or with an epilogue BLOCK_N pairs of rows: "silu_mul", gate row
     i and up row N + i (N outputs, the gate's rows then the up's in w); "rope", rows j and j + HALF of a head (N
     pairs), rotated as neox RoPE by the token's cos, sin [HALF] when the head's rows lie below ROT_ROWS (q, k).
@@ -157,10 +173,20 @@ def default_config(n: int, k: int) -> tuple[int, int, int]:
 Norm = tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, n: int,
-            config: tuple[int, int, int] | None, epilogue: str = "", cos: torch.Tensor | None = None,
-            sin: torch.Tensor | None = None, rot_rows: int = 0, half: int = 1,
-            norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    n: int,
+    config: tuple[int, int, int] | None,
+    epilogue: str = "",
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rot_rows: int = 0,
+    half: int = 1,
+    norm: Norm | None = None,
+) -> torch.Tensor:
     k = x.shape[-1]
     assert x.numel() == k and x.is_contiguous() and weight.shape[1] == k and weight.stride(1) == 1
     block_n, block_k, num_warps = config or default_config(weight.shape[0], k)
@@ -169,24 +195,49 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     residual, norm_weight, eps, h = norm if norm is not None else (x, x, 0.0, x)
     assert residual.numel() == k and residual.is_contiguous() and h.is_contiguous()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        y, x, weight, bias if bias is not None else weight, cos if cos is not None else x,
-        sin if sin is not None else x, residual, norm_weight, h, eps, n, k, weight.stride(0), rot_rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
-        HALF=half, NORM=norm is not None, num_warps=num_warps, **pdl.launch_kwargs(x),
-    )  # fmt: skip
+        y,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        cos if cos is not None else x,
+        sin if sin is not None else x,
+        residual,
+        norm_weight,
+        h,
+        eps,
+        n,
+        k,
+        weight.stride(0),
+        rot_rows,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        HALF=half,
+        NORM=norm is not None,
+        num_warps=num_warps,
+        **pdl.launch_kwargs(x),
+    )
     return y
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None, norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+    norm: Norm | None = None,
+) -> torch.Tensor:
     """x [K] or [1, K] (contiguous) times weight [N, K] (rows contiguous) transposed: [1, N]. With `norm`
     (residual, norm weight, eps, h), x is first replaced by rms_norm(x + residual) (and x + residual stored to h)."""
     n = weight.shape[0]
     return _launch(x, weight, bias, torch.empty(1, n, dtype=x.dtype, device=x.device), n, config, norm=norm)
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
-                  norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
+def gemv_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None, norm: Norm | None = None
+) -> torch.Tensor:
     """silu(gate) * up of the one-row matmul with weight [2N, K] (gate's rows, then up's): [1, N], in one
     kernel (a batch-1 step's MLP without its SiLU-and-mul launch). `norm` as for `gemv`."""
     n = weight.shape[0] // 2
@@ -194,9 +245,16 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     return _launch(x, weight, None, y, n, config, "silu_mul", norm=norm)
 
 
-def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-              rot_rows: int, config: tuple[int, int, int] | None = None,
-              norm: Norm | None = None) -> torch.Tensor:  # fmt: skip
+def gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rot_rows: int,
+    config: tuple[int, int, int] | None = None,
+    norm: Norm | None = None,
+) -> torch.Tensor:
     """The one-row qkv matmul with neox RoPE applied to its first rot_rows outputs (q's and k's heads) by cos,
     sin [.., D/2] (this token's row): [1, N], in one kernel (a batch-1 step without its rotary launch). `norm` as
     for `gemv`."""
@@ -207,7 +265,7 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return ENABLED and x.numel() == x.shape[-1] > 0 and x.is_contiguous() and weight.stride(-1) == 1
+    return environment.ENV.gemv and x.numel() == x.shape[-1] > 0 and x.is_contiguous() and weight.stride(-1) == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,8 +283,14 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return fused_kernels.silu_and_mul(F.linear(x, weight))
 
 
-def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, rot_rows: int) -> torch.Tensor:  # fmt: skip
+def linear_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rot_rows: int,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) [T, N] with neox RoPE on its first rot_rows columns, heads of cos.shape[-1] * 2,
     token t rotated by cos[t], sin[t]: one kernel for one row; else cuBLAS and the rotary kernel, in place."""
     if _one_row(x, weight):
@@ -237,10 +301,18 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "",
-                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                    rot_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def add_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    epilogue: str = "",
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rot_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual, the layer's new residual, and y the projection of rms_norm(h) * norm_weight:
     `linear` (epilogue ""), `linear_silu_mul` ("silu_mul") or `linear_rope` ("rope"). For one row of up to
     NORM_MAX_K, one kernel: a batch-1 step launches no norm. Else the add + norm kernel, then the projection."""
@@ -267,12 +339,24 @@ def _add_norm_linear_fake(x, residual, norm_weight, eps, weight, bias, epilogue,
     return x.new_empty(*x.shape[:-1], n), torch.empty_like(x)
 
 
-ops.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", linear,
-           lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
-ops.define("linear_silu_mul(Tensor x, Tensor weight) -> Tensor", linear_silu_mul,
-           lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0] // 2))
-ops.define("linear_rope(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, int rot_rows) -> Tensor",
-           linear_rope, lambda x, weight, *_: x.new_empty(*x.shape[:-1], weight.shape[0]))
-ops.define("add_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, Tensor? bias, "
-           "str epilogue, Tensor? cos, Tensor? sin, int rot_rows) -> (Tensor, Tensor)", add_norm_linear,
-           _add_norm_linear_fake)  # fmt: skip
+ops.define(
+    "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    linear,
+    lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]),
+)
+ops.define(
+    "linear_silu_mul(Tensor x, Tensor weight) -> Tensor",
+    linear_silu_mul,
+    lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0] // 2),
+)
+ops.define(
+    "linear_rope(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, int rot_rows) -> Tensor",
+    linear_rope,
+    lambda x, weight, *_: x.new_empty(*x.shape[:-1], weight.shape[0]),
+)
+ops.define(
+    "add_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, Tensor? bias, "
+    "str epilogue, Tensor? cos, Tensor? sin, int rot_rows) -> (Tensor, Tensor)",
+    add_norm_linear,
+    _add_norm_linear_fake,
+)

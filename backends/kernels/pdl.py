@@ -6,18 +6,17 @@ the previous kernel and its launch, which at batch 1 is a large part of a 2-10 Â
 
 Rule for every kernel launched with PDL: call `gdc_wait` before the first store and before the first load
 of anything an earlier kernel may have written (an output buffer may be memory the previous kernel still
-reads). Then `gdc_launch_dependents` lets the next kernel launch. `KILN_PDL=0` turns it off (A/B runs);
-it is on by default on GPUs of compute capability 9 and up.
+reads). Then `gdc_launch_dependents` lets the next kernel launch. It is on on GPUs of compute capability 9
+and up, unless `KILN_PDL=0` (`kiln.backends.environment`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-ENABLED = os.environ.get("KILN_PDL", "1") != "0"
+from kiln.backends import environment
 
 
 @functools.cache
@@ -27,7 +26,7 @@ def _supported(device_index: int) -> bool:
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL (t may be a fake tensor: only its device is read)."""
-    if not (ENABLED and t.is_cuda):
+    if not (environment.ENV.pdl and t.is_cuda):
         return False
     return _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

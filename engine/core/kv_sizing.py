@@ -4,74 +4,99 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.cache import allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.cache import KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
 from kiln.engine.core.scheduler import SchedulerOutput
 from kiln.engine.core.tensor_parallel import min_across_ranks
 from kiln.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kiln.engine.core.engine_core import EngineCore
+    from kiln.compile import CompileCache
+    from kiln.engine.worker.model_runner import ModelRunner
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 CUDAGRAPH_RESERVE_BYTES = 1 << 30
 KV_SIZING = "kv_sizing.json"  # the measured peak, in the compile cache's folder
 
+# A runner over the given KV caches, eager (the profile runs before anything is compiled or captured)
+RunnerFactory = Callable[[list[torch.Tensor]], "ModelRunner"]
 
-def num_kv_blocks(core: EngineCore, max_model_len: int) -> int:
+
+def num_kv_blocks(
+    config: EngineConfig,
+    kv_spec: KVCacheSpec,
+    device: torch.device,
+    max_model_len: int,
+    uses_graphs: bool,
+    cache: CompileCache | None,
+    make_runner: RunnerFactory,
+) -> int:
     """The configured count, or the configured bytes' worth, or (on the GPU) what `gpu_memory_utilization`
-    leaves after the profiled peak of a step and the CUDA graphs' reserve."""
-    config = core.config
+    leaves after the profiled peak of a step and the CUDA graphs' reserve (`uses_graphs`)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_bytes is not None:
-        return num_blocks_for_budget(core.kv_spec, config.kv_cache_memory_bytes)
-    if core.device.type != "cuda":
-        return num_blocks_for_budget(core.kv_spec, CPU_DEFAULT_KV_BYTES)
-    peak = measured_peak(core, max_model_len)
-    if core.cudagraph_mode != "none":
+        return num_blocks_for_budget(kv_spec, config.kv_cache_memory_bytes)
+    if device.type != "cuda":
+        return num_blocks_for_budget(kv_spec, CPU_DEFAULT_KV_BYTES)
+    peak = measured_peak(config, kv_spec, device, max_model_len, cache, make_runner)
+    if uses_graphs:
         # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
         # pool is reserved here up front, and its real size is logged after capture.
         peak += CUDAGRAPH_RESERVE_BYTES
-    total = torch.cuda.get_device_properties(core.device).total_memory
+    total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
-    return num_blocks_for_budget(core.kv_spec, budget)
+    return num_blocks_for_budget(kv_spec, budget)
 
 
-def measured_peak(core: EngineCore, max_model_len: int) -> int:
+def measured_peak(
+    config: EngineConfig,
+    kv_spec: KVCacheSpec,
+    device: torch.device,
+    max_model_len: int,
+    cache: CompileCache | None,
+    make_runner: RunnerFactory,
+) -> int:
     """`profile_forward`'s peak, measured once per compile-cache entry and these sizing inputs: a warm start reads it
-    there (the profile's eager forward of the whole token budget was ~0.7 s of the 8B's 12 s warm start on the
-    H200). The cache's key covers the model, dtype, torch, Triton, device, Kiln's source and max_model_len; the
-    entry records the rest of what the profile's batches depend on, and a different one is measured again."""
-    config = core.config
-    cache = core.compiled.backend.cache if core.compiled is not None else None
-    inputs = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
-              "max_model_len": max_model_len, "block_size": config.block_size, "kv_spec": repr(core.kv_spec),
-              "tensor_parallel_size": config.tensor_parallel_size}  # fmt: skip
+    there (the profile is an eager forward of the whole token budget). The cache's key covers the model, dtype,
+    torch, Triton, device, Kiln's source and max_model_len; the entry records the rest of what the profile's batches
+    depend on, and a different one is measured again."""
+    inputs = {
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "max_model_len": max_model_len,
+        "block_size": config.block_size,
+        "kv_spec": repr(kv_spec),
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
     saved = cache.read_json(KV_SIZING) if cache is not None else None
     found = isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int)
-    if core.shard.size > 1:  # NOTE: every rank profiles or none does: the profile's forward holds collectives
+    if config.tensor_parallel_size > 1:
+        # NOTE: every rank profiles or none does: the profile's forward holds collectives
         found = min_across_ranks(int(found)) == 1
     if found:
         return saved["peak_bytes"]
-    peak = profile_forward(core, max_model_len)
+    peak = profile_forward(config, kv_spec, device, max_model_len, make_runner)
     if cache is not None:
         cache.write_text(KV_SIZING, json.dumps({"inputs": inputs, "peak_bytes": peak}))
     return peak
 
 
-def profile_forward(core: EngineCore, max_model_len: int) -> int:
+def profile_forward(
+    config: EngineConfig, kv_spec: KVCacheSpec, device: torch.device, max_model_len: int, make_runner: RunnerFactory
+) -> int:
     """Peak bytes in use during the largest prefill step and the largest sampling step (minus the small KV
     cache made for the run: the real one is sized from what is left).
 
     Weights are counted (they are allocated already), the throwaway KV cache of the run is not, and
     memory outside PyTorch's allocator (CUDA context, library workspaces) is added.
     """
-    config = core.config
     block_size = config.block_size
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)  # the sampler's widest path
     budget = config.max_num_batched_tokens
@@ -80,9 +105,9 @@ def profile_forward(core: EngineCore, max_model_len: int) -> int:
     prefill_lens = prefill_lens[: config.max_num_seqs]
     decode_lens = [1] * min(config.max_num_seqs, budget)
     num_blocks = 1 + max(sum(-(-n // block_size) for n in prefill_lens), len(decode_lens))
-    kv_caches = allocate_kv_caches(core.kv_spec, num_blocks, core.device)
+    kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
     kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
-    runner = core._make_runner(kv_caches, max_model_len)
+    runner = make_runner(kv_caches)
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -3,6 +3,9 @@ threads so the GPU loop never waits on a socket (and a slow socket never waits o
 
     API server --PUSH--> [input socket] -> input thread -> queue -> busy loop -> queue -> output thread
                <--PULL-- [output socket] <----------------------------------------------+
+
+The API server starts it as a program of its own (`python -m kiln.engine.core`, `kiln.engine.serving.engine_client`)
+and writes its `messages.EngineCoreArgs` to its standard input: the two processes share no code but the messages.
 """
 
 from __future__ import annotations
@@ -14,16 +17,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
-from dataclasses import asdict, fields
+from dataclasses import fields
 from typing import Any
 
 import zmq
 
 from kiln.engine import messages
-from kiln.engine.config import EngineConfig
-from kiln.engine.core.engine_core import EngineCore, EngineCoreOutput
-from kiln.engine.core.tensor_parallel import WorkerDiedError
+from kiln.engine.core.engine_core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln")
@@ -31,30 +31,38 @@ logger = logging.getLogger("kiln")
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
-def run_engine_core(config: dict[str, Any], input_address: str, output_address: str, parent_pid: int) -> None:
-    """Entry point of the engine-core process. Sends `Ready` (or dies with the reason on stderr)."""
+def main() -> None:
+    """Entry point of the engine-core process. Sends `Ready` (or `StartupFailed`, with the reason in a line)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     # NOTE: SIGHUP is the API server's (it reloads --api-keys-file); one sent to the whole process group must
     # not kill the engine under a server that lives on. Without the server the engine stops by itself.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    args = messages.EngineCoreArgs.from_json(sys.stdin.read())
     context = zmq.Context()
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
-    output_thread = threading.Thread(target=_output_thread, args=(context, output_address, outputs), daemon=True)
+    output_thread = threading.Thread(target=_output_thread, args=(context, args.output_address, outputs), daemon=True)
     output_thread.start()
     try:
-        core = EngineCore(EngineConfig(**config))
+        core = EngineCore(args.engine_config())
     except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as e:
         # a bad model or setting: the server says it in a line and exits, as `kiln generate` does
         outputs.put(messages.StartupFailed(f"{e}"))
         outputs.put(None)
         output_thread.join()
         sys.exit(2)
-    threading.Thread(target=_input_thread, args=(context, input_address, inputs), daemon=True).start()
-    outputs.put(messages.Ready(core.max_model_len, core.model_config.vocab_size, core.num_kv_blocks,
-                               _jsonable(core.startup_stats), _stats(core)))  # fmt: skip
+    threading.Thread(target=_input_thread, args=(context, args.input_address, inputs), daemon=True).start()
+    ready = messages.Ready(
+        core.max_model_len,
+        core.model_config.vocab_size,
+        core.num_kv_blocks,
+        core.tokenizer_class,
+        _jsonable(core.startup_stats),
+        _stats(core),
+    )
+    outputs.put(ready)
     try:
-        _busy_loop(core, inputs, outputs, parent_pid)
+        _busy_loop(core, inputs, outputs, args.parent_pid)
     finally:
         core.close()  # tensor-parallel workers
     outputs.put(None)
@@ -82,11 +90,14 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, pare
                 return
             _handle(core, message, failed)
             handled = True
-        step_outputs = _step(core, failed)
+        # NOTE: a dead tensor-parallel worker raises out of here: the process exits and the server sees it die
+        step = core.step(isolate_failures=True)
+        step.failed = failed + step.failed
         # An abort alone changes what /metrics shows; and a long prefill with nothing to emit still
         # sends a word each second, so the server never mistakes a busy engine for a stuck one.
-        if step_outputs or failed or handled or time.monotonic() - last_sent > 1.0:
-            outputs.put(messages.EngineOutputs([_to_wire(o) for o in step_outputs], failed, _stats(core)))
+        if step.outputs or step.failed or handled or time.monotonic() - last_sent > 1.0:
+            step.stats = _stats(core)
+            outputs.put(step)
             last_sent = time.monotonic()
 
 
@@ -101,39 +112,18 @@ def _handle(core: EngineCore, message: Any, failed: list[messages.RequestFailed]
             failed.append(messages.RequestFailed(message.request_id, str(e)))
 
 
-def _step(core: EngineCore, failed: list[messages.RequestFailed]) -> list[EngineCoreOutput]:
-    try:
-        outputs = core.step(isolate_failures=True)
-    except WorkerDiedError:
-        raise  # no request's fault and no step can run: the engine core exits and the server sees it die
-    except Exception:
-        # NOTE: not one request's fault (isolation found none): fail what was running, keep serving.
-        logger.error("step failed:\n%s", traceback.format_exc())
-        victims = [r.request_id for r in core.scheduler.running]
-        for rid in victims:
-            core.kv_cache_manager.uncache(rid)
-        core.abort_requests(victims)
-        core.failed_requests += [(rid, "internal error while running the request") for rid in victims]
-        outputs = []
-    failed.extend(messages.RequestFailed(rid, message) for rid, message in core.failed_requests)
-    core.failed_requests.clear()
-    return outputs
-
-
-def _to_wire(out: EngineCoreOutput) -> tuple:
-    """A messages.RequestOutput as the tuple of its fields (what goes on the wire, without the dataclass)."""
-    logprobs = None
-    if out.new_logprobs is not None:
-        logprobs = [[[tid, lp.logprob, lp.rank] for tid, lp in entry.items()] for entry in out.new_logprobs]
-    return out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.stop_reason, out.num_cached_tokens
-
-
 def _stats(core: EngineCore) -> dict[str, float]:
     kv = core.kv_cache_manager
     waiting = len(core.scheduler.waiting) + len(core.grammar_admission.waiting)  # compiling a grammar is waiting too
-    return {"running": len(core.scheduler.running), "waiting": waiting, "kv_usage": kv.usage,
-            "free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_cache_queries,
-            "prefix_hits": kv.prefix_cache_hits, "preemptions": core.scheduler.num_preemptions}  # fmt: skip
+    return {
+        "running": len(core.scheduler.running),
+        "waiting": waiting,
+        "kv_usage": kv.usage,
+        "free_blocks": kv.num_free_blocks,
+        "prefix_queries": kv.prefix_cache_queries,
+        "prefix_hits": kv.prefix_cache_hits,
+        "preemptions": core.scheduler.num_preemptions,
+    }
 
 
 def _input_thread(context: zmq.Context, address: str, inputs: queue.Queue) -> None:
@@ -157,7 +147,3 @@ def _output_thread(context: zmq.Context, address: str, outputs: queue.Queue) -> 
 
 def _jsonable(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in stats.items() if isinstance(v, int | float | str | type(None))}
-
-
-def config_to_dict(config: EngineConfig) -> dict[str, Any]:
-    return asdict(config)

@@ -41,8 +41,14 @@ class SchedulerOutput:
 
     def single(self, i: int) -> SchedulerOutput:
         """Row i alone, as a batch of one (to retry the rows of a failed step one at a time)."""
-        return SchedulerOutput([self.requests[i]], [self.num_new_tokens[i]], [self.block_ids[i]], [],
-                               [self.num_computed_tokens[i]], [self.samples[i]])  # fmt: skip
+        return SchedulerOutput(
+            [self.requests[i]],
+            [self.num_new_tokens[i]],
+            [self.block_ids[i]],
+            [],
+            [self.num_computed_tokens[i]],
+            [self.samples[i]],
+        )
 
 
 @dataclass
@@ -111,8 +117,9 @@ class Scheduler:
             pending = request.num_output_placeholders
             all_token_ids = request.all_token_ids
             num_tokens = len(all_token_ids) + pending
-            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
-                            or num_tokens >= max_model_len):  # fmt: skip
+            if pending and (
+                len(request.output_token_ids) + pending >= request.max_tokens or num_tokens >= max_model_len
+            ):
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
@@ -152,8 +159,9 @@ class Scheduler:
             request.num_output_placeholders += sample
             samples.append(sample)
         block_ids = self.kv.block_ids
-        return SchedulerOutput(scheduled, num_new, [block_ids(r.request_id) for r in scheduled], preempted,
-                               computed, samples)  # fmt: skip
+        return SchedulerOutput(
+            scheduled, num_new, [block_ids(r.request_id) for r in scheduled], preempted, computed, samples
+        )
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int | None]

@@ -1,7 +1,7 @@
 """Tensor parallelism over torch.distributed: rank 0 in the engine core, ranks 1..N-1 in worker processes.
 
     engine core (rank 0)                               worker (rank r)
-    schedule, prepare inputs into the persistent       EngineCore(config, tp_rank=r): the same model
+    schedule, prepare inputs into the persistent       build_executor(config, r): the same model
     buffers (previous step's tokens carried in on      shard, KV cache shard, compiled model and graphs;
     the device)                                        no scheduler, no sampler
       -- StepHeader (msgpack, over a pipe) -------->   wait for a header
@@ -141,13 +141,19 @@ def min_across_ranks(value: int) -> int:
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1..N-1: starts them, announces each step, watches them, stops them."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, device: torch.device, release_graphs: Callable[[], None] | None = None
+    ) -> None:
+        """Start ranks 1..N-1 and join their group. `release_graphs` drops rank 0's CUDA graphs: it runs before rank 0
+        leaves the group (a graph that captured a collective holds its communicator)."""
         self.size = config.tensor_parallel_size
         if device.type == "cuda":  # rank r runs on GPU first + r
             first, visible = device.index or 0, torch.cuda.device_count()
             if first + self.size > visible:
-                raise ValueError(f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}, "
-                                 f"but {visible} are visible")  # fmt: skip
+                raise ValueError(
+                    f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}, "
+                    f"but {visible} are visible"
+                )
         if dist.is_initialized():
             gc.collect()  # an engine dropped without close() gives its process group back in its finalizer
             if dist.is_initialized():
@@ -155,8 +161,14 @@ class TensorParallelWorkers:
         # NOTE: NVLink multicast (NVLS) stays off: the GPU machines require it, and workers inherit the setting.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: loopback only
-        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT),
+        )
         threads = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.size))
@@ -164,25 +176,25 @@ class TensorParallelWorkers:
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []
         self._failure: str | None = None
-        # What must happen on this rank before it leaves the group (the engine adds: drop its CUDA graphs).
-        self.before_leaving: list[Callable[[], None]] = []
         # Stops the workers when this object is collected, and at exit (also in a spawned engine-core process,
         # where atexit handlers do not run but multiprocessing's finalizers do).
         self._finalizer = multiprocessing.util.Finalize(
-            self, _stop_workers, args=(self.processes, self.pipes, threads, self.before_leaving), exitpriority=10
+            self, _stop_workers, args=(self.processes, self.pipes, threads, release_graphs), exitpriority=10
         )
         try:
             for rank in range(1, self.size):
                 ours, theirs = spawn.Pipe()
-                process = spawn.Process(target=worker_main, args=(config, rank, store.port, theirs),
-                                        name=f"kiln-tp-worker-{rank}")  # fmt: skip
+                process = spawn.Process(
+                    target=worker_main, args=(config, rank, store.port, theirs), name=f"kiln-tp-worker-{rank}"
+                )
                 process.start()
                 theirs.close()
                 self.processes.append(process)
                 self.pipes.append(ours)
             self._wait_for_rendezvous()
-            dist.init_process_group(_backend(device), store=store, rank=0, world_size=self.size,
-                                    timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+            dist.init_process_group(
+                _backend(device), store=store, rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT
+            )
         except BaseException:
             # NOTE: the traceback keeps this object, and so the finalizer, alive: the workers that did start
             # would wait at the rendezvous until its timeout.
@@ -195,8 +207,9 @@ class TensorParallelWorkers:
         waiting = dict(zip(self.pipes, self.processes))
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while waiting:
-            ready = multiprocessing.connection.wait([*waiting, *(p.sentinel for p in waiting.values())],
-                                                    timeout=max(deadline - time.monotonic(), 0))  # fmt: skip
+            ready = multiprocessing.connection.wait(
+                [*waiting, *(p.sentinel for p in waiting.values())], timeout=max(deadline - time.monotonic(), 0)
+            )
             if not ready:
                 raise WorkerDiedError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT:.0f}s")
             self.check_alive()
@@ -206,18 +219,31 @@ class TensorParallelWorkers:
 
     # ---- each step --------------------------------------------------------------------------------------
 
-    def broadcast_step(self, runner: ModelRunner, metadata: AttentionMetadata, plan: GraphPlan,
-                       num_scheduled_reqs: int, sample_rows: list[int]) -> None:  # fmt: skip
+    def broadcast_step(
+        self,
+        runner: ModelRunner,
+        metadata: AttentionMetadata,
+        plan: GraphPlan,
+        num_scheduled_reqs: int,
+        sample_rows: list[int],
+    ) -> None:
         """Announce the step rank 0 has just prepared and send its inputs; every rank then runs the forward."""
         self.check_alive()
         logits_indices = None
         if sample_rows:  # the last token of each sampled request
             logits_indices = (metadata.query_start_loc_cpu[1:][sample_rows] - 1).tolist()
         header = StepHeader(
-            plan.mode, plan.num_tokens, plan.num_reqs, num_scheduled_reqs, metadata.num_actual_tokens,
-            metadata.max_query_len, metadata.max_seq_len, metadata.query_start_loc_cpu.tolist(),
-            metadata.seq_lens_cpu.tolist(), logits_indices,
-        )  # fmt: skip
+            plan.mode,
+            plan.num_tokens,
+            plan.num_reqs,
+            num_scheduled_reqs,
+            metadata.num_actual_tokens,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            metadata.query_start_loc_cpu.tolist(),
+            metadata.seq_lens_cpu.tolist(),
+            logits_indices,
+        )
         frame = header.encode()
         for pipe in self.pipes:
             pipe.send_bytes(frame)
@@ -235,8 +261,9 @@ class TensorParallelWorkers:
         if self._failure is None:
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
-                self._failure = ", ".join(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code "
-                                          f"{p.exitcode}" for p in dead)  # fmt: skip
+                self._failure = ", ".join(
+                    f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead
+                )
         if self._failure is not None:
             raise WorkerDiedError(f"{self._failure}; the engine cannot continue")
 
@@ -263,8 +290,9 @@ class TensorParallelWorkers:
         self._finalizer()
 
 
-def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads: int,
-                  before_leaving: list[Callable[[], None]]) -> None:  # fmt: skip
+def _stop_workers(
+    processes: list[multiprocessing.Process], pipes: list, threads: int, release_graphs: Callable[[], None] | None
+) -> None:
     frame = _shutdown_header().encode()
     for pipe in pipes:
         with contextlib.suppress(OSError):  # a worker already gone
@@ -279,8 +307,8 @@ def _stop_workers(processes: list[multiprocessing.Process], pipes: list, threads
             process.join()
     for pipe in pipes:
         pipe.close()
-    for release in before_leaving:
-        release()
+    if release_graphs is not None:
+        release_graphs()
     leave_group()
     torch.set_num_threads(threads)
 
@@ -305,30 +333,32 @@ def leave_group(timeout: float = LEAVE_TIMEOUT) -> None:
 
 
 def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessing.connection.Connection) -> None:
-    """A worker process: join the group, build this rank's engine (model side only), then run steps."""
+    """A worker process: join the group, build this rank's executor, then run rank 0's steps."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-worker-{rank}: %(message)s")
     # Ctrl-C and SIGHUP reach the whole process group; rank 0 decides when workers stop (and its exit ends them).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from kiln.engine.core.engine_core import EngineCore  # noqa: PLC0415  (engine_core imports this module)
+    from kiln.engine.core.startup import build_executor, resolve_device  # noqa: PLC0415  (startup imports this module)
 
-    device = config.resolve_device()
+    device = resolve_device(config)
     if device.type == "cuda":
         torch.cuda.set_device((device.index or 0) + rank)
     else:
         torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
-                          timeout=timedelta(seconds=STARTUP_TIMEOUT))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT)
+    )
     pipe.send_bytes(b"joining")
-    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=config.tensor_parallel_size,
-                            timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-    core = None
+    dist.init_process_group(
+        _backend(device), store=store, rank=rank, world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    executor = None
     try:
-        core = EngineCore(config, tp_rank=rank)
-        serve_steps(core.runner, pipe)
+        executor = build_executor(config, rank)
+        serve_steps(executor.runner, pipe)
     finally:
-        if core is not None and core.compiled is not None:
-            core.compiled.release_graphs()
+        if executor is not None and executor.compiled is not None:
+            executor.compiled.release_graphs()
         leave_group()
 
 

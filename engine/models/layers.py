@@ -50,9 +50,16 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gemv.linear_silu_mul(x, weight)
 
 
-def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, epilogue: str = "", rope: Any = None,
-                rot_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def norm_linear(
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    epilogue: str = "",
+    rope: Any = None,
+    rot_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A sub-block's input: `norm(x + residual)` (`norm(x)` without a residual, the first layer's) projected by
     weight, with the projection's epilogue: "" plain, "silu_mul" (`linear_silu_mul`) or "rope" (`kiln::linear_rope`,
     the rotary by `rope`'s cos, sin, for the compiled GPU pieces only). Returns (the projection, the new residual).

@@ -26,14 +26,16 @@ from kiln.engine.models.parallel import (
 class Attention(nn.Module):
     """This rank's attention heads (all of them with one rank)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding,
-                 shard: TensorParallelShard) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding, shard: TensorParallelShard
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.head_dim = config.head_dim
         # q, k and v in one matmul; the loader writes each Hugging Face projection into its slice.
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads,
-                                          config.qkv_bias, shard)  # fmt: skip
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias, shard
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -44,16 +46,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
 
-    def forward(self, rope, norm: RMSNorm, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, rope, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over norm(hidden + residual) (see `norm_linear`), then o: (o's output, the new residual).
         `rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
         if hidden.is_cuda and torch.compiler.is_compiling() and not hasattr(self, "q_norm"):
             # the rotary inside the projection's op: at batch 1 the one-row kernel rotates q and k (no launch of
             # its own); beyond it, cuBLAS then the rotary kernel in place
-            qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj.weight, self.qkv_proj.bias, "rope",
-                                        rope, self.q_size + self.kv_size)  # fmt: skip
+            qkv, residual = norm_linear(
+                norm,
+                hidden,
+                residual,
+                self.qkv_proj.weight,
+                self.qkv_proj.bias,
+                "rope",
+                rope,
+                self.q_size + self.kv_size,
+            )
             return self._attend(qkv), residual
         qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj.weight, self.qkv_proj.bias)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
@@ -62,8 +73,9 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm") and qk.is_cuda and torch.compiler.is_compiling():
             # one Triton kernel for both (Inductor makes two: the norm's rows are read at two offsets by the rotation)
             cos, sin = rope  # traced, the layers take their plain forms: the lookup gave the cos and sin rows
-            qk = torch.ops.kiln.qk_norm_rope(qk, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                             self.num_heads)  # fmt: skip
+            qk = torch.ops.kiln.qk_norm_rope(
+                qk, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads
+            )
         else:
             if hasattr(self, "q_norm"):
                 qk = self._qk_norm(qk)
@@ -102,8 +114,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], shard)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, shard)
 
-    def forward(self, norm: RMSNorm, hidden: torch.Tensor,
-                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of norm(hidden + residual): (its output, the new residual)."""
         # at batch 1 on the GPU one kernel for the norm, the gate/up matmul and the activation
         act, residual = norm_linear(norm, hidden, residual, self.gate_up_proj.weight, epilogue="silu_mul")
@@ -111,17 +122,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding,
-                 shard: TensorParallelShard) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, layer_index: int, rotary_emb: RotaryEmbedding, shard: TensorParallelShard
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_index, rotary_emb, shard)
         self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, rope, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous sub-block is fused into the next norm (and on the GPU the norm into the
         # projection after it).
         hidden, residual = self.self_attn(rope, self.input_layernorm, hidden, residual)
@@ -157,8 +167,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None,
-                 shard: TensorParallelShard | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, max_positions: int | None = None, shard: TensorParallelShard | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         shard = shard or TensorParallelShard()

@@ -28,8 +28,13 @@ class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the file and the tensor."""
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                shard: TensorParallelShard | None = None) -> nn.Module:  # fmt: skip
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    shard: TensorParallelShard | None = None,
+) -> nn.Module:
     """The model for one tensor-parallel rank (the whole model by default), weights not yet filled."""
     cls = MODEL_CLASSES[config.architecture]
     default_dtype = torch.get_default_dtype()
@@ -102,8 +107,9 @@ def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:
 
 
 def _expected_parts(model: nn.Module) -> list[tuple[str, ShardId]]:
-    return [(name, shard) for name, _ in model.named_parameters()
-            for shard, _ in checkpoint_parts(*_owner(model, name))]  # fmt: skip
+    return [
+        (name, shard) for name, _ in model.named_parameters() for shard, _ in checkpoint_parts(*_owner(model, name))
+    ]
 
 
 def _describe(target: str, shard: ShardId) -> str:

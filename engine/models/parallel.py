@@ -76,8 +76,9 @@ class ColumnParallelLinear(Linear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v in one matmul, this rank's attention heads and KV heads only."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 shard: TensorParallelShard) -> None:  # fmt: skip
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, shard: TensorParallelShard
+    ) -> None:
         self.num_heads = shard.split(num_heads, "num_attention_heads")
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, shard.size)
         # NOTE: a replicated KV head serves the query heads of tp_size / num_kv_heads consecutive ranks.

@@ -1,6 +1,6 @@
 """Resolve a `model` argument: a built-in preset name or a local Hugging Face directory.
 
-What transformers makes of a model's config can be kept (`resolve_model`'s `memo_dir`; the engine keeps it beside
+What transformers makes of a model's config can be kept (`resolve_model`'s `memo`; the engine keeps it beside
 its compile cache), keyed by the config files' bytes and the code and versions that read them: a start that finds
 it builds the model without importing transformers' model classes. (Those imports are slow: with transformers 5.17
 and scikit-learn installed, as on the H200, a config class's docstring decorator imports transformers' generation
@@ -17,20 +17,26 @@ import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from kiln.compile.cache import atomic_write_bytes
 from kiln.engine.models import config as config_module
 from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.model_dir import model_dir as checked_model_dir
 from kiln.engine.models.presets import PRESETS
-from kiln.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger("kiln")
+
+
+class Memo(Protocol):
+    """Where resolved configs are kept between starts (the engine passes `kiln.compile.cache.JsonFolder`, beside its
+    compile cache): `read` gives None for a name it does not hold."""
+
+    def read(self, name: str) -> Any: ...
+
+    def write(self, name: str, value: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,6 @@ class ModelSource:
     def is_preset(self) -> bool:
         return self.model_dir is None
 
-    @property
-    def checkpoint_dtype(self) -> torch.dtype | None:
-        dtype = getattr(torch, self.checkpoint_dtype_name or "", None)
-        return dtype if isinstance(dtype, torch.dtype) else None
-
     @cached_property
     def hf_config(self) -> PretrainedConfig:
         """transformers' config object, read when first asked for (the engine needs only `model_config`; the
@@ -56,13 +57,12 @@ class ModelSource:
         return _hf_config(self.name, self.model_dir)
 
 
-def resolve_model(model: str, memo_dir: Path | None = None) -> ModelSource:
-    """The model's source and config. With `memo_dir`, the resolved config is read from there when kept for these
-    config files, else resolved through transformers and kept there (a memo that cannot be read or written is
-    passed over with a warning: it only saves time)."""
-    model_dir = _model_dir(model)
-    key = _memo_key(model, model_dir) if memo_dir is not None else None
-    if key is not None and (kept := _read_memo(memo_dir / f"{key}.json")) is not None:
+def resolve_model(model: str, memo: Memo | None = None) -> ModelSource:
+    """The model's source and config. With a `memo`, the resolved config is read from it when kept for these config
+    files, else resolved through transformers and kept there (one that cannot be read is resolved again)."""
+    model_dir = checked_model_dir(model)
+    name = f"{_memo_key(model, model_dir)}.json"
+    if memo is not None and (kept := _from_memo(memo.read(name))) is not None:
         return ModelSource(model, model_dir, *kept)
     hf_config = _hf_config(model, model_dir)
     if model_dir is None:
@@ -72,46 +72,20 @@ def resolve_model(model: str, memo_dir: Path | None = None) -> ModelSource:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
     source = ModelSource(model, model_dir, ModelConfig.from_hf(hf_config, eos), dtype_name)
-    if key is not None and _memo_key(model, model_dir) == key:  # (not if the files changed while being read)
-        _write_memo(memo_dir / f"{key}.json", source)
+    if memo is not None and f"{_memo_key(model, model_dir)}.json" == name:  # (not if the files changed meanwhile)
+        memo.write(name, {"model_config": dataclasses.asdict(source.model_config), "checkpoint_dtype": dtype_name})
     return source
 
 
-def _read_memo(path: Path) -> tuple[ModelConfig, str | None] | None:
+def _from_memo(kept: Any) -> tuple[ModelConfig, str | None] | None:
+    if kept is None:
+        return None
     try:
-        kept = json.loads(path.read_text())
         fields = {**kept["model_config"], "eos_token_ids": tuple(kept["model_config"]["eos_token_ids"])}
         return ModelConfig(**fields), kept["checkpoint_dtype"]
-    except FileNotFoundError:
+    except (KeyError, TypeError) as e:  # of another shape: resolved again
+        logger.warning("the model config memo does not fit (%s); resolving the config again", e)
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # damaged or unreadable: resolved again
-        logger.warning("model config memo %s unreadable (%s); resolving the config again", path, e)
-        return None
-
-
-def _write_memo(path: Path, source: ModelSource) -> None:
-    kept = {"model_config": dataclasses.asdict(source.model_config), "checkpoint_dtype": source.checkpoint_dtype_name}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(kept, indent=1).encode())
-    except OSError as e:
-        logger.warning("model config memo %s not kept (%s)", path, e)
-
-
-def _model_dir(model: str) -> Path | None:
-    """None for a preset; else the model's directory, checked."""
-    if model in PRESETS:
-        return None
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a built-in preset ({', '.join(sorted(PRESETS))})"
-        )
-    if not path.is_dir():
-        raise NotADirectoryError(f"model path {model!r} is not a directory")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
-    return path
 
 
 def _hf_config(model: str, model_dir: Path | None) -> PretrainedConfig:
@@ -129,24 +103,56 @@ def _hf_config(model: str, model_dir: Path | None) -> PretrainedConfig:
 def _memo_key(model: str, model_dir: Path | None) -> str:
     """A hash of what a resolved config depends on: the preset or the directory's config files, transformers'
     version, and the source of the code that turns its config into a `ModelConfig`."""
-    h = hashlib.sha256()
     if model_dir is None:
-        h.update(json.dumps(PRESETS[model], sort_keys=True).encode())
-    else:
-        for path in (model_dir / "config.json", model_dir / "generation_config.json",
-                     model_dir / "tokenizer_config.json"):  # fmt: skip
-            h.update(path.read_bytes() if path.exists() else b"(none)")
-        tokenizer = model_dir / "tokenizer.json"  # (only its size: it can be tens of MB, read for the EOS id alone)
-        h.update(str(tokenizer.stat().st_size if tokenizer.exists() else -1).encode())
+        return _hash(json.dumps(PRESETS[model], sort_keys=True).encode())
+    return _hash(*_files(model_dir, ("config.json", "generation_config.json", "tokenizer_config.json")))
+
+
+def _files(directory: Path, names: tuple[str, ...]) -> list[bytes]:
+    """The files' bytes (b"(none)" for a missing one), then tokenizer.json's size (it can be tens of MB, and what the
+    memos keep hangs on its few special tokens, which change its size)."""
+    parts = [(directory / name).read_bytes() if (directory / name).exists() else b"(none)" for name in names]
+    tokenizer = directory / "tokenizer.json"
+    return [*parts, str(tokenizer.stat().st_size if tokenizer.exists() else -1).encode()]
+
+
+def _hash(*parts: bytes) -> str:
+    """A memo's key: its parts, transformers' version and the source of the code that reads them."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
     h.update(importlib.metadata.version("transformers").encode())
     for module_file in (__file__, config_module.__file__):
         h.update(Path(module_file).read_bytes())
     return h.hexdigest()[:20]
 
 
+def resolve_tokenizer_class(tokenizer_dir: Path, memo: Memo | None = None) -> str:
+    """The name of the transformers class that reads the tokenizer in `tokenizer_dir`, as `AutoTokenizer` chooses it.
+
+    NOTE: the choice weighs the class the files declare against the model type and the tokenizer file itself, and
+    takes transformers' config classes, which import torch. The API server, which imports no torch, reads the
+    tokenizer with the class named here (`kiln.engine.text.tokenizer.load_tokenizer`). Kept in the `memo` as the
+    model's config is."""
+    name = f"tokenizer-{_hash(*_files(tokenizer_dir, ('config.json', 'tokenizer_config.json')))}.json"
+    kept = memo.read(name) if memo is not None else None
+    if isinstance(kept, dict) and isinstance(kept.get("tokenizer_class"), str):
+        return kept["tokenizer_class"]
+    from transformers import AutoTokenizer  # noqa: PLC0415 (see the module's docstring)
+
+    tokenizer_class = type(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)).__name__
+    if memo is not None:
+        memo.write(name, {"tokenizer_class": tokenizer_class})
+    return tokenizer_class
+
+
 def _model_type(architecture: str) -> str:
-    return {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}[architecture]  # fmt: skip
+    return {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+    }[architecture]
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -165,31 +171,6 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     ids = _as_tuple(eos if eos is not None else getattr(hf_config, "eos_token_id", None))
     tokenizer_eos = _tokenizer_eos_id(path)
     return ids if tokenizer_eos is None or tokenizer_eos in ids else (*ids, tokenizer_eos)
-
-
-# The sampling fields of generation_config.json that become request defaults (vLLM's --generation-config auto),
-# each with transformers' own default: a file that only restates it sets nothing, as vLLM reads its diff.
-_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
-
-
-def generation_defaults(model_dir: Path | None) -> dict[str, float | int]:
-    """The sampling defaults a model's generation_config.json sets ({} for a preset or without the file): what a
-    request or `LLM.generate` without sampling params samples with, unless it says otherwise."""
-    path = None if model_dir is None else model_dir / "generation_config.json"
-    if path is None or not path.exists():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    defaults = {name: config[name] for name, default in _GENERATION_DEFAULTS.items()
-                if isinstance(config.get(name), int | float) and not isinstance(config[name], bool)
-                and config[name] != default}  # fmt: skip
-    try:
-        SamplingParams(**defaults)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    return defaults
 
 
 def _tokenizer_eos_id(path: Path) -> int | None:

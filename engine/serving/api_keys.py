@@ -1,18 +1,8 @@
 """API keys with per-key limits, enforced in the API server before a request reaches the engine.
 
-`kiln serve --api-keys-file keys.toml` reads a file of keys, each stored as the SHA-256 of the key
-(never the key itself) with a name and optional limits:
-
-    [[keys]]
-    name = "alice"                 # shown in /metrics and /v1/usage; never the key
-    sha256 = "2bd806c9..."         # printf %s "$KEY" | sha256sum
-    requests_per_minute = 60
-    tokens_per_minute = 20000      # prompt + generated
-    max_concurrent_requests = 4
-    max_tokens = 512               # per request: more is a 400, none given gets min(default, cap)
-
-(`.json` files hold the same as `{"keys": [{...}, ...]}`.) SIGHUP reloads the file; a bad file is
-logged and the old keys stay. Per-key state is kept by name, so a reload keeps buckets and usage.
+`kiln serve --api-keys-file keys.toml` reads a file of keys with names and limits (`api_key_file`). SIGHUP reloads
+the file; a bad file is logged and the old keys stay. Per-key state is kept by name, so a reload keeps buckets and
+usage.
 
 Limits are token buckets refilled continuously: a limit of R per minute holds up to R and gains
 R/60 each second. A request is admitted only when every limit allows it, and then takes from all of
@@ -23,118 +13,21 @@ request waits for the refill.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kiln.engine.serving.api_key_file import KeyEntry, KeyFileError, KeyLimits, hash_key, load_key_file
 from kiln.engine.serving.metrics import KeyMetrics
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: JSON key files only
-    tomllib = None
 
 logger = logging.getLogger("kiln")
 
 Clock = Callable[[], float]
-LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_tokens")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-class KeyFileError(ValueError):
-    """The key file cannot be used; the message names the file and the problem."""
-
-
-# ---- the key file --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyLimits:
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    max_concurrent_requests: int | None = None
-    max_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class KeyEntry:
-    name: str
-    sha256: str  # hex digest of the key
-    limits: KeyLimits
-
-
-def hash_key(key: str) -> str:
-    # NOTE: aiohttp hands a header's non-UTF-8 bytes over as lone surrogates (surrogateescape): they hash to no key
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def load_key_file(path: str | Path) -> list[KeyEntry]:
-    """Parse and check a key file; any problem raises KeyFileError naming the file, the entry and the field."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise KeyFileError(f"cannot read the API keys file {path}: {e.strerror}") from None
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise KeyFileError(f"{path}: not valid JSON: {e}") from None
-    elif tomllib is None:
-        raise KeyFileError(f"{path}: TOML key files need Python 3.11 or later; use a .json file")
-    else:
-        try:
-            data = tomllib.loads(raw.decode())
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise KeyFileError(f"{path}: not valid TOML: {e}") from None
-    return parse_keys(data, str(path))
-
-
-def parse_keys(data: Any, source: str = "the API keys file") -> list[KeyEntry]:
-    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
-        raise KeyFileError(f"{source}: expected a list 'keys' of tables ([[keys]] in TOML)")
-    if extra := sorted(set(data) - {"keys"}):
-        raise KeyFileError(f"{source}: unknown top-level field(s) {', '.join(extra)}")
-    entries: list[KeyEntry] = []
-    names: set[str] = set()
-    hashes: set[str] = set()
-    for i, item in enumerate(data["keys"]):
-        where = f"{source}: keys[{i}]"
-        if not isinstance(item, dict):
-            raise KeyFileError(f"{where} must be a table")
-        name = item.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise KeyFileError(f"{where} needs a non-empty string 'name'")
-        where = f"{where} ({name!r})"
-        if extra := sorted(set(item) - {"name", "sha256", *LIMITS}):
-            raise KeyFileError(f"{where}: unknown field(s) {', '.join(extra)}; limits are {', '.join(LIMITS)}")
-        digest = item.get("sha256")
-        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest.lower()):
-            # NOTE: the value is not echoed: someone may have pasted the key itself here
-            raise KeyFileError(f"{where}: 'sha256' must be 64 hex digits, the SHA-256 of the key (never the key)")
-        digest = digest.lower()
-        limits = {}
-        for limit in LIMITS:
-            value = item.get(limit)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise KeyFileError(f"{where}: {limit!r} must be a positive integer, got {value!r}")
-            limits[limit] = value
-        if name in names:
-            raise KeyFileError(f"{where}: the name is used by another key")
-        if digest in hashes:
-            raise KeyFileError(f"{where}: the same key (sha256) is listed twice")
-        names.add(name)
-        hashes.add(digest)
-        entries.append(KeyEntry(name, digest, KeyLimits(**limits)))
-    return entries
 
 
 # ---- token bucket --------------------------------------------------------------------------------------
@@ -279,8 +172,11 @@ class KeyState:
         if limits.max_concurrent_requests is not None and self.in_flight >= limits.max_concurrent_requests:
             self.reject("max_concurrent_requests")
             # NOTE: when a seat frees depends on other requests; 1 s tells a client to poll, not to hammer
-            raise RateLimited(f"this API key may have {limits.max_concurrent_requests} requests in flight; "
-                              "wait for one to finish", "concurrent_requests", 1)  # fmt: skip
+            raise RateLimited(
+                f"this API key may have {limits.max_concurrent_requests} requests in flight; wait for one to finish",
+                "concurrent_requests",
+                1,
+            )
         waits: dict[str, float] = {}
         if self.requests_bucket is not None:
             waits["requests_per_minute"] = self.requests_bucket.wait_for(1)
@@ -288,17 +184,22 @@ class KeyState:
             waits["tokens_per_minute"] = self.tokens_bucket.wait_for(num_prompt_tokens)
             if math.isinf(waits["tokens_per_minute"]):
                 self.reject("tokens_per_minute")
-                raise APIError(400, f"the prompt's {num_prompt_tokens} tokens are more than this API key's "
-                               f"tokens_per_minute ({limits.tokens_per_minute}); no wait will admit it", "prompt",
-                               code="request_too_large")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"the prompt's {num_prompt_tokens} tokens are more than this API key's "
+                    f"tokens_per_minute ({limits.tokens_per_minute}); no wait will admit it",
+                    "prompt",
+                    code="request_too_large",
+                )
         reason, wait = max(waits.items(), key=lambda kv: kv[1], default=("", 0.0))
         if wait > 0:
             self.reject(reason)
             seconds = retry_after(wait)
             limit = getattr(limits, reason)
             kind = "requests" if reason == "requests_per_minute" else "tokens"
-            raise RateLimited(f"rate limit reached for this API key: {reason} = {limit}; try again in {seconds} s",
-                              kind, seconds)  # fmt: skip
+            raise RateLimited(
+                f"rate limit reached for this API key: {reason} = {limit}; try again in {seconds} s", kind, seconds
+            )
 
     def admit(self, num_prompt_tokens: int) -> None:
         """Admit one request with this many prompt tokens, or raise (401, 400 or 429) and take nothing."""
@@ -335,11 +236,21 @@ class KeyState:
         requests_left = None if self.requests_bucket is None else round(self.requests_bucket.level, 3)
         tokens_left = None if self.tokens_bucket is None else round(self.tokens_bucket.level, 3)
         total = u.prompt_tokens + u.completion_tokens
-        usage = {"requests": u.requests, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                 "total_tokens": total, "rejected_requests": dict(u.rejected)}  # fmt: skip
-        return {"object": "usage", "key_name": self.name, "limits": asdict(self.limits),
-                "remaining": {"requests": requests_left, "tokens": tokens_left},
-                "in_flight_requests": self.in_flight, "usage": usage}  # fmt: skip
+        usage = {
+            "requests": u.requests,
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": total,
+            "rejected_requests": dict(u.rejected),
+        }
+        return {
+            "object": "usage",
+            "key_name": self.name,
+            "limits": asdict(self.limits),
+            "remaining": {"requests": requests_left, "tokens": tokens_left},
+            "in_flight_requests": self.in_flight,
+            "usage": usage,
+        }
 
 
 class KeyStore:
@@ -393,8 +304,13 @@ class KeyStore:
             if self.metrics is not None:
                 self.metrics.reloaded(ok=False)
             return False
-        logger.info("API keys reloaded from %s: %d keys (added: %s; removed: %s)", self.path, len(self),
-                    ", ".join(added) or "none", ", ".join(removed) or "none")  # fmt: skip
+        logger.info(
+            "API keys reloaded from %s: %d keys (added: %s; removed: %s)",
+            self.path,
+            len(self),
+            ", ".join(added) or "none",
+            ", ".join(removed) or "none",
+        )
         if self.metrics is not None:
             self.metrics.reloaded(ok=True)
         return True

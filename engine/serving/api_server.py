@@ -4,7 +4,7 @@ It owns HTTP, auth, tokenization (off the event loop), chat templates, detokeniz
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health and GET /metrics
-(always open). With `--api-keys-file` the keys and their limits come from `gateway.KeyStore`.
+(always open). With `--api-keys-file` the keys and their limits come from `api_keys.KeyStore`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import json
 import logging
 import posixpath
 import re
+import signal
 from typing import Any
 
 from aiohttp import web
 
+from kiln.engine.config import EngineConfig, ServerConfig
+from kiln.engine.models.model_dir import generation_defaults, model_dir
 from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
 from kiln.engine.serving.completion import (
     ServerState,
@@ -31,12 +34,13 @@ from kiln.engine.serving.engine_client import AsyncEngineClient
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.responses import ServerShutdown
+from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
 
 logger = logging.getLogger("kiln")
 
 MAX_BODY_BYTES = 16 << 20
 OPEN_PATHS = ("/health", "/metrics")
-KEY = "kiln.api_key"  # the caller's gateway.KeyState on a request, with --api-keys-file
+KEY = "kiln.api_key"  # the caller's api_keys.KeyState on a request, with --api-keys-file
 
 
 def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Application:
@@ -128,8 +132,13 @@ async def usage(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "kiln",
-            "max_model_len": state.max_model_len}  # fmt: skip
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kiln",
+        "max_model_len": state.max_model_len,
+    }
     return web.json_response({"object": "list", "data": [card]})
 
 
@@ -213,51 +222,58 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 # ---- process lifecycle ---------------------------------------------------------------------------------
 
 
-async def serve(config, host: str, port: int, api_key: str | None, served_model_name: str | None,
-                shutdown_timeout: float, max_num_queued_requests: int | None = None,
-                engine_timeout: float = 60.0, api_keys_file: str | None = None,
-                stream_idle_timeout: float = 30.0) -> int:  # fmt: skip
+async def serve(config: EngineConfig, server: ServerConfig) -> int:
     """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0.
-    SIGHUP reloads `api_keys_file`. A stream left unread for `stream_idle_timeout` seconds is aborted."""
-    import signal  # noqa: PLC0415
-
-    from kiln.engine.models.source import generation_defaults, resolve_model  # noqa: PLC0415
-    from kiln.engine.text.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
-
-    name = served_model_name or config.model
+    SIGHUP reloads `server.api_keys_file`. A stream left unread for `server.stream_idle_timeout` seconds is aborted."""
+    name = server.served_model_name or config.model
     server_metrics = ServerMetrics(name)
-    # A bad key file fails here, before the engine spends minutes starting.
-    keys = None if api_keys_file is None else KeyStore(api_keys_file, KeyMetrics(server_metrics.registry))
+    # A bad key file, tokenizer folder or generation_config.json fails here, before the engine spends minutes starting.
+    keys = None
+    if server.api_keys_file is not None:
+        keys = KeyStore(server.api_keys_file, KeyMetrics(server_metrics.registry))
     loop = asyncio.get_running_loop()
     if keys is not None:  # NOTE: before the socket opens: SIGHUP's default action would kill the server
         loop.add_signal_handler(signal.SIGHUP, keys.reload_or_keep)
-        logger.info("API keys: %d loaded from %s", len(keys), api_keys_file)
-    source = resolve_model(config.model)
-    tokenizer_path = config.tokenizer or (None if source.is_preset else source.model_dir)
-    tokenizer = builtin_tokenizer() if tokenizer_path is None else load_tokenizer(tokenizer_path)
-    # (before the engine starts: a bad file is an error line, not an engine left running)
-    defaults = generation_defaults(source.model_dir) if config.generation_config == "auto" else {}
-    client = AsyncEngineClient(config, engine_timeout)
+        logger.info("API keys: %d loaded from %s", len(keys), server.api_keys_file)
+    tokenizer_path = tokenizer_dir(config.model, config.tokenizer)
+    defaults = generation_defaults(model_dir(config.model)) if config.generation_config == "auto" else {}
+    client = AsyncEngineClient(config, server.engine_timeout)
     ready = await client.start()
+    try:
+        # with the class the engine core resolved it to (as transformers' AutoTokenizer would, which imports torch)
+        tokenizer = load_tokenizer(tokenizer_path, ready.tokenizer_class)
+    except BaseException:
+        await client.shutdown()
+        raise
     if defaults:
-        logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s",
-                    defaults)  # fmt: skip
-    state = ServerState(client, tokenizer, name, api_key, ready.max_model_len, server_metrics,
-                        max_num_seqs=config.max_num_seqs, max_num_queued_requests=max_num_queued_requests,
-                        write_timeout=stream_idle_timeout, sampling_defaults=defaults)  # fmt: skip
+        logger.info(
+            "sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s", defaults
+        )
+    state = ServerState(
+        client,
+        tokenizer,
+        name,
+        server.api_key,
+        ready.max_model_len,
+        server_metrics,
+        max_num_seqs=config.max_num_seqs,
+        max_num_queued_requests=server.max_num_queued_requests,
+        write_timeout=server.stream_idle_timeout,
+        sampling_defaults=defaults,
+    )
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, server.host, server.port)
     await site.start()
-    logger.info("serving %s on http://%s:%d (engine ready: %s)", name, host, port, ready.startup_stats)
-    print(f"kiln: serving {name} on http://{host}:{port}", flush=True)
+    logger.info("serving %s on http://%s:%d (engine ready: %s)", name, server.host, server.port, ready.startup_stats)
+    print(f"kiln: serving {name} on http://{server.host}:{server.port}", flush=True)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()  # NOTE: a dead engine does not stop the server: /health says 503 and requests fail fast
     state.draining = True  # new requests get 503 from here on
-    deadline = loop.time() + shutdown_timeout
+    deadline = loop.time() + server.shutdown_timeout
     while state.in_flight and loop.time() < deadline and client.alive:
         await asyncio.sleep(0.05)
     if state.in_flight:  # drain time is up: what is left ends with a 503 (streams: an error event, then [DONE])

@@ -64,18 +64,24 @@ def encode_within(state: ServerState, text: str, param: str, special_tokens: boo
     if len(text) > head_chars:
         head = state.tokenizer.encode(text[:head_chars], add_special_tokens=special_tokens)
         if len(head) > state.max_model_len + 16:  # merges across the cut change a few tokens at most
-            raise APIError(400, f"the {param} has more than {state.max_model_len} tokens, this model's context",
-                           param, code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"the {param} has more than {state.max_model_len} tokens, this model's context",
+                param,
+                code="context_length_exceeded",
+            )
     return state.tokenizer.encode(text, add_special_tokens=special_tokens)
 
 
-async def encode_chat(state: ServerState, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+async def encode_chat(
+    state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
         try:
-            text = state.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                                       add_generation_prompt=True)  # fmt: skip
+            text = state.tokenizer.apply_chat_template(
+                messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # a template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         return encode_within(state, text, "messages", False)
@@ -115,9 +121,15 @@ def check_model(state: ServerState, body: dict[str, Any]) -> None:
         raise APIError(404, message, "model", type_="not_found_error", code="model_not_found")
 
 
-async def run_request(request: web.Request, state: ServerState, parsed: ParsedRequest, prompts: list[list[int]],
-                      texts: list[str | None], chat: bool,
-                      key: KeyState | None = None) -> web.StreamResponse:  # fmt: skip
+async def run_request(
+    request: web.Request,
+    state: ServerState,
+    parsed: ParsedRequest,
+    prompts: list[list[int]],
+    texts: list[str | None],
+    chat: bool,
+    key: KeyState | None = None,
+) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "the server is shutting down", type_="service_unavailable")
     if not state.client.alive:
@@ -125,18 +137,26 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
     vocab = state.client.ready.vocab_size
     params = parsed.params
     new = len(prompts) * params.n
-    if (state.max_num_queued_requests is not None
-            and state.engine_requests + new > state.max_num_seqs + state.max_num_queued_requests):  # fmt: skip
+    if (
+        state.max_num_queued_requests is not None
+        and state.engine_requests + new > state.max_num_seqs + state.max_num_queued_requests
+    ):
         raise APIError(503, "too many requests are queued; retry later", type_="service_unavailable")
     for ids in prompts:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
         if len(ids) >= state.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {state.max_model_len}",
-                           "prompt", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; this model's context is {state.max_model_len}",
+                "prompt",
+                code="context_length_exceeded",
+            )
         if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:
-            message = (f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
-                       f"of {state.max_model_len}")  # fmt: skip
+            message = (
+                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
+                f"of {state.max_model_len}"
+            )
             raise APIError(400, message, "max_tokens", code="context_length_exceeded")
     try:
         params.verify_vocab(vocab)
@@ -154,8 +174,14 @@ async def run_request(request: web.Request, state: ServerState, parsed: ParsedRe
         for j in range(params.n):
             index = i * params.n + j
             rid = f"{base}-{index}"
-            text = TextStream(state.tokenizer, ids, params.stop, params.skip_special_tokens,
-                              params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
+            text = TextStream(
+                state.tokenizer,
+                ids,
+                params.stop,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
+                params.min_tokens,
+            )
             choices[rid] = Choice(index, rid, ids, text, key=key)
     if key is not None:
         key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request

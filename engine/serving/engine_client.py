@@ -1,5 +1,9 @@
 """The API server's handle on the engine-core process: start it, send requests, route outputs back.
 
+The engine core runs as a program of its own (`python -m kiln.engine.core`), so this process never imports it (nor
+torch): it writes the engine's `EngineCoreArgs` to the program's standard input and talks `kiln.engine.messages` to
+it over two ZMQ sockets.
+
 Outputs for each request land in that request's inbox as they arrive; a handler takes all that is
 waiting at once (so a slow reader gets its tokens merged, never stalls anyone). If the engine
 process dies, every open request gets `EngineDeadError` and `alive` turns False.
@@ -9,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -19,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from kiln.engine import messages
-from kiln.engine.core.process import config_to_dict, run_engine_core
+from kiln.engine.config import EngineConfig
 
 logger = logging.getLogger("kiln")
 
@@ -57,7 +63,7 @@ class Inbox:
 
 
 class AsyncEngineClient:
-    def __init__(self, config, engine_timeout: float = 60.0) -> None:
+    def __init__(self, config: EngineConfig, engine_timeout: float = 60.0) -> None:
         self.config = config
         # NOTE: the engine sends something at least every second (outputs, or an idle heartbeat); this
         # long without a word while requests wait means it is stuck (e.g. SIGSTOP, a hung kernel).
@@ -74,24 +80,24 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self, timeout: float = 3600.0) -> messages.Ready:
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=run_engine_core, name="kiln-engine-core",
-            args=(config_to_dict(self.config), self.input_address, self.output_address, os.getpid()),
-        )  # fmt: skip
-        self.process.start()
+        args = messages.EngineCoreArgs(
+            dataclasses.asdict(self.config), self.input_address, self.output_address, os.getpid()
+        )
+        self.process = subprocess.Popen([sys.executable, "-m", "kiln.engine.core"], stdin=subprocess.PIPE, text=True)
+        self.process.stdin.write(args.to_json())
+        self.process.stdin.close()
         self.context = zmq.asyncio.Context()
         self.input = self.context.socket(zmq.PUSH)
         self.input.connect(self.input_address)
         self.output = self.context.socket(zmq.PULL)
         self.output.connect(self.output_address)
         recv = asyncio.ensure_future(self.output.recv())
-        died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.process.join))
+        died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.process.wait))
         done, _ = await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
             recv.cancel()
             self.process.kill()
-            raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode})")
+            raise RuntimeError(f"the engine core failed to start (exit code {self.process.returncode})")
         message = messages.decode(recv.result())
         if isinstance(message, messages.StartupFailed):
             await asyncio.wait_for(died, timeout=30)
@@ -104,8 +110,9 @@ class AsyncEngineClient:
         died.add_done_callback(lambda _: self._on_death())
         return self.ready
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-                    q: Inbox | None = None) -> Inbox:  # fmt: skip
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any], q: Inbox | None = None
+    ) -> Inbox:
         """Several requests (the n choices of one HTTP request) may share one queue."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
@@ -153,14 +160,14 @@ class AsyncEngineClient:
             await asyncio.sleep(min(1.0, self.engine_timeout / 4))
             if loop.time() - self.last_heard > self.engine_timeout:
                 logger.error("the engine core has not answered for %.0f s; killing it", self.engine_timeout)
-                self.process.kill()  # the process sentinel then fails every open request
+                self.process.kill()  # its wait then fails every open request
                 return
 
     def _on_death(self) -> None:
         if not self.alive:
             return
         self.alive = False
-        logger.error("the engine core process exited (code %s)", self.process.exitcode)
+        logger.error("the engine core process exited (code %s)", self.process.returncode)
         for q in self.queues.values():
             q.put(EngineDeadError("the engine core process died"))
 
@@ -168,10 +175,11 @@ class AsyncEngineClient:
         if self.alive:
             self.input.send(messages.encode(messages.Shutdown()))
         self.alive = False
-        await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
-        if self.process.is_alive():
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 10)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join(5)
+            await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 5)
         for task in self._tasks:
             task.cancel()
         self.context.destroy(linger=0)

@@ -34,12 +34,23 @@ class ServerMetrics:
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens received", labels, registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", labels, registry=r)
         self.requests = Counter("kiln_requests", "Requests finished", labels, registry=r)
-        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Request latency, end to end", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "kiln_time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kiln_inter_token_latency_seconds",
+            "Time between output tokens",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kiln_e2e_request_latency_seconds",
+            "Request latency, end to end",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.model = model_name
         self._itl = self.itl.labels(model_name)  # observed for every token: look its child up once
 
@@ -79,13 +90,17 @@ class KeyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.requests = Counter("kiln_api_key_requests", "Requests admitted", ["key_name"], registry=r)
-        self.rejected_requests = Counter("kiln_api_key_rejected_requests", "Requests rejected by a limit of the key",
-                                         ["key_name", "reason"], registry=r)  # fmt: skip
+        self.rejected_requests = Counter(
+            "kiln_api_key_rejected_requests",
+            "Requests rejected by a limit of the key",
+            ["key_name", "reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kiln_api_key_prompt_tokens", "Prompt tokens admitted", ["key_name"], registry=r)
-        self.generation_tokens = Counter("kiln_api_key_generation_tokens", "Tokens generated", ["key_name"],
-                                         registry=r)  # fmt: skip
-        self.reloads = Counter("kiln_api_key_file_reloads", "Reloads of the API keys file (SIGHUP)", ["outcome"],
-                               registry=r)  # fmt: skip
+        self.generation_tokens = Counter("kiln_api_key_generation_tokens", "Tokens generated", ["key_name"], registry=r)
+        self.reloads = Counter(
+            "kiln_api_key_file_reloads", "Reloads of the API keys file (SIGHUP)", ["outcome"], registry=r
+        )
         self._reasons: set[str] = set()  # the rejection reasons seen (a limit's name each)
 
     def keys_loaded(self, names: Iterable[str], removed: Iterable[str] = ()) -> None:

@@ -15,8 +15,14 @@ from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
@@ -51,13 +57,20 @@ def _check(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
 
 
 def _kind_names(kinds: tuple[type, ...]) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object"}  # fmt: skip
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _sampling_params(body: dict[str, Any], max_tokens_default: int | None, logprobs: int | None,
-                     defaults: dict[str, Any]) -> tuple[SamplingParams, str | None]:  # fmt: skip
+def _sampling_params(
+    body: dict[str, Any], max_tokens_default: int | None, logprobs: int | None, defaults: dict[str, Any]
+) -> tuple[SamplingParams, str | None]:
     """The request's SamplingParams, and the parameter its structured-output constraint came from. `defaults`: the
     model's generation_config.json sampling fields, for those the body leaves out."""
     num = (int, float)
@@ -111,16 +124,18 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
     if response_format is not None:
         kind = response_format.get("type")
         if kind not in ("text", "json_object", "json_schema"):
-            raise APIError(400, "'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
-                           "response_format")  # fmt: skip
+            raise APIError(
+                400, "'response_format.type' must be one of 'text', 'json_object', 'json_schema'", "response_format"
+            )
         if kind == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema object",
-                               "response_format")  # fmt: skip
+                raise APIError(
+                    400, "'response_format.json_schema.schema' must be a JSON schema object", "response_format"
+                )
             given.append(("response_format", {"json": schema}))
     for name, field in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
         value = _check(body, name, (str,))
@@ -144,8 +159,12 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
     if not given:
         return None, None
     if len(given) > 1:
-        raise APIError(400, "give at most one of response_format (json_object or json_schema), guided_json, "
-                       "guided_choice, guided_regex and guided_grammar", given[1][0])  # fmt: skip
+        raise APIError(
+            400,
+            "give at most one of response_format (json_object or json_schema), guided_json, "
+            "guided_choice, guided_regex and guided_grammar",
+            given[1][0],
+        )
     name, fields = given[0]
     try:
         return StructuredOutputParams(**fields), name
@@ -156,6 +175,7 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
 def _ebnf_string(text: str) -> str:
     """`text` as a quoted EBNF literal, matching exactly itself (guided_choice)."""
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
     def escape(c: str) -> str:
         if c in escapes or c.isprintable():
             return escapes.get(c, c)
@@ -183,8 +203,10 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
         prompts: list[str | list[int]] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or (isinstance(p, list) and all(_is_token_id(t) for t in p)) for p in prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or (isinstance(p, list) and all(_is_token_id(t) for t in p)) for p in prompt)
     ):
         prompts = list(prompt)
     else:
@@ -198,8 +220,11 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
     params, constraint_param = _sampling_params(body, 16, logprobs, defaults or {})
     echo = _check(body, "echo", (bool,), False)
     if echo and logprobs is not None:
-        raise APIError(400, "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
-                       "not compute", "echo")  # fmt: skip
+        raise APIError(
+            400,
+            "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does not compute",
+            "echo",
+        )
     if _check(body, "suffix", (str,)):
         raise APIError(400, "'suffix' is not supported", "suffix")
     best_of = _check(body, "best_of", (int,))
@@ -226,8 +251,9 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     stream, include_usage = _stream_flags(body)
     params, constraint_param = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
     _check(body, "user", (str,))
-    return ParsedRequest(None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools,
-                         constraint_param)  # fmt: skip
+    return ParsedRequest(
+        None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools, constraint_param
+    )
 
 
 def _chat_message(m: Any, i: int) -> dict[str, Any]:
@@ -239,8 +265,9 @@ def _chat_message(m: Any, i: int) -> dict[str, Any]:
     content = m.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise APIError(400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported",
-                           "messages")  # fmt: skip
+            raise APIError(
+                400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported", "messages"
+            )
         content = "\n".join(p["text"] for p in content)
     tool_calls = m.get("tool_calls")
     if content is None and m["role"] == "assistant" and tool_calls:
@@ -268,8 +295,9 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         except (ValueError, RecursionError):
             arguments = None
     if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise APIError(400, f"{where}: a tool call is {{'function': {{'name': ..., 'arguments': a JSON object}}}}",
-                       "messages")  # fmt: skip
+        raise APIError(
+            400, f"{where}: a tool call is {{'function': {{'name': ..., 'arguments': a JSON object}}}}", "messages"
+        )
     return {"id": str(call.get("id", "")), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -288,8 +316,12 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not named or tool.get("type") != "function":
             raise APIError(400, "each tool is {'type': 'function', 'function': {'name': ..., ...}}", "tools")
     if choice != "none":
-        raise APIError(400, "this server does not parse tool calls from the output: give 'tool_choice': 'none' "
-                       "(the model is shown the tools) or leave 'tools' out", "tool_choice")  # fmt: skip
+        raise APIError(
+            400,
+            "this server does not parse tool calls from the output: give 'tool_choice': 'none' "
+            "(the model is shown the tools) or leave 'tools' out",
+            "tool_choice",
+        )
     return tools
 
 

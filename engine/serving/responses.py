@@ -46,9 +46,9 @@ async def next_items(queue: Inbox) -> list[Any]:
     if len(items) == 1:
         return items
     merged: list[Any] = []
-    latest: dict[str, messages.RequestOutput] = {}  # since the last non-output item (an error ends it all)
+    latest: dict[str, messages.EngineCoreOutput] = {}  # since the last non-output item (an error ends it all)
     for item in items:
-        if not isinstance(item, messages.RequestOutput):
+        if not isinstance(item, messages.EngineCoreOutput):
             merged.append(item)
             latest.clear()
         elif (first := latest.get(item.request_id)) is None:
@@ -64,7 +64,7 @@ async def next_items(queue: Inbox) -> list[Any]:
     return merged
 
 
-def apply_output(state: ServerState, choice: Choice, out: messages.RequestOutput) -> str:
+def apply_output(state: ServerState, choice: Choice, out: messages.EngineCoreOutput) -> str:
     now = time.monotonic()
     if choice.first_token_time is None:
         choice.first_token_time = now
@@ -99,8 +99,9 @@ def raise_for(item: Any) -> None:
         raise APIError(503, "the server shut down before this request finished", type_="service_unavailable")
     if isinstance(item, messages.RequestFailed):
         internal = item.message.startswith("internal error")
-        raise APIError(500 if internal else 400, item.message, type_="internal_error" if internal else
-                       "invalid_request_error")  # fmt: skip
+        raise APIError(
+            500 if internal else 400, item.message, type_="internal_error" if internal else "invalid_request_error"
+        )
 
 
 async def collect(state: ServerState, choices: dict[str, Choice], queue: Inbox) -> None:
@@ -149,8 +150,10 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
     plain choice entry (no logprobs) from a template around its encoded text, since encoding the whole dict
     at every event was ~10 µs of the API process's CPU per event."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    head = (f'{{"id":{_json(base)},"object":"{kind}","created":{created},"model":{_json(state.served_model_name)},'
-            '"choices":[')  # fmt: skip
+    head = (
+        f'{{"id":{_json(base)},"object":"{kind}","created":{created},"model":{_json(state.served_model_name)},'
+        '"choices":['
+    )
     null_usage = ',"usage":null' if parsed.include_usage else ""
 
     def chunk(choice_bodies: list[str], usage: dict | None = None) -> str:
@@ -163,12 +166,22 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         return f'{_json(choice.finish_reason)},"stop_reason":{_json(choice.stop_reason)}'
 
     if chat:
-        yield chunk([f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                     '"finish_reason":null}' for c in choices.values()])  # fmt: skip
+        yield chunk(
+            [
+                f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                '"finish_reason":null}'
+                for c in choices.values()
+            ]
+        )
     elif parsed.echo:
         n = parsed.params.n
-        yield chunk([f'{{"index":{c.index},"text":{_json(_prompt_text(state, c, texts, n))},"logprobs":null,'
-                     '"finish_reason":null}' for c in choices.values()])  # fmt: skip
+        yield chunk(
+            [
+                f'{{"index":{c.index},"text":{_json(_prompt_text(state, c, texts, n))},"logprobs":null,'
+                '"finish_reason":null}'
+                for c in choices.values()
+            ]
+        )
     text_offsets = dict.fromkeys(choices, 0)  # completions' logprobs: where the next token's text starts
     while any(c.finish_reason is None for c in choices.values()):
         deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
@@ -193,11 +206,13 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 lp = _json(body)
             if chat:
                 content = f'{{"content":{_json(delta)}}}' if delta else "{}"
-                bodies.append(f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},'
-                              f'"finish_reason":{reason(choice)}}}')  # fmt: skip
+                bodies.append(
+                    f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},"finish_reason":{reason(choice)}}}'
+                )
             else:
-                bodies.append(f'{{"index":{choice.index},"text":{_json(delta)},"logprobs":{lp},'
-                              f'"finish_reason":{reason(choice)}}}')  # fmt: skip
+                bodies.append(
+                    f'{{"index":{choice.index},"text":{_json(delta)},"logprobs":{lp},"finish_reason":{reason(choice)}}}'
+                )
         if bodies:
             yield chunk(bodies)
     if parsed.include_usage:
@@ -260,8 +275,9 @@ def _usage(choices: dict[str, Choice]) -> dict[str, int]:
 MIN_LOGPROB = -9999.0
 
 
-def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int,
-                   text_offset: int = 0):  # fmt: skip
+def _logprobs_body(
+    state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int, text_offset: int = 0
+):
     """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
     token and the top k (ranks 1..k). `text_offset`: where the first token's text starts (completions)."""
     decode = state.tokenizer.decode
@@ -275,11 +291,17 @@ def _logprobs_body(state: ServerState, token_ids: list[int], entries: list[list[
         tops.append([(decode([int(t)]), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
     texts = [decode([t]) for t in token_ids]
     if chat:
-        return {"content": [
-            {"token": text, "logprob": lp, "bytes": list(text.encode()),
-             "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top]}
-            for text, lp, top in zip(texts, sampled, tops)
-        ]}  # fmt: skip
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top],
+                }
+                for text, lp, top in zip(texts, sampled, tops)
+            ]
+        }
     tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
     offsets, pos = [], text_offset
     for t in tokens:
@@ -295,13 +317,31 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
         if parsed.logprobs is not None:
             lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
         if chat:
-            bodies.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                           "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+            bodies.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text.text},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         else:
             text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + c.text.text
-            bodies.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                           "stop_reason": c.stop_reason})  # fmt: skip
-    return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": state.served_model_name, "choices": bodies, "usage": _usage(choices)}  # fmt: skip
-
-
+            bodies.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": base,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": state.served_model_name,
+        "choices": bodies,
+        "usage": _usage(choices),
+    }

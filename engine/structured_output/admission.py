@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kiln.engine.messages import RequestFailed
+
 if TYPE_CHECKING:
     from kiln.engine.core.request import Request
     from kiln.engine.core.scheduler import Scheduler
@@ -41,10 +43,11 @@ class GrammarAdmission:
         request.grammar = self.cache().request_grammar(request.sampling_params.structured_output)
         self.waiting[request.request_id] = request
 
-    def admit(self, scheduler: Scheduler, failed: list[tuple[str, str]], idle: bool) -> None:
+    def admit(self, scheduler: Scheduler, idle: bool) -> list[RequestFailed]:
         """Requests whose grammar has compiled go to the scheduler; those whose compile failed or ran out of
-        time go to `failed` (id, message). With nothing else to run (`idle`), wait a moment for a compile
-        rather than spin."""
+        time are returned, failed. With nothing else to run (`idle`), wait a moment for a compile rather than
+        spin."""
+        failed = []
         if idle:
             compiles = [request.grammar.compiled for request in self.waiting.values()]
             concurrent.futures.wait(compiles, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -55,8 +58,9 @@ class GrammarAdmission:
                     continue
                 scheduler.add_request(request)
             except ValueError as e:  # the schema's problem (GrammarError), in words its client can act on
-                failed.append((request_id, str(e)))
+                failed.append(RequestFailed(request_id, str(e)))
             except Exception:  # NOTE: kept waiting, it would raise again at every step and fail every batch
                 logger.exception("request %s: its grammar could not be set up", request_id)
-                failed.append((request_id, "internal error while setting up the grammar"))
+                failed.append(RequestFailed(request_id, "internal error while setting up the grammar"))
             del self.waiting[request_id]
+        return failed

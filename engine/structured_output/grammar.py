@@ -79,11 +79,17 @@ def _string_lengths_as_patterns(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     # Values under these keys are data, not schemas.
-    out = {k: v if k in ("enum", "const", "default", "examples") else _string_lengths_as_patterns(v)
-           for k, v in schema.items()}  # fmt: skip
+    out = {
+        k: v if k in ("enum", "const", "default", "examples") else _string_lengths_as_patterns(v)
+        for k, v in schema.items()
+    }
     lengths = [out.get("minLength"), out.get("maxLength")]
-    if (out.get("type") == "string" and lengths != [None, None] and all(isinstance(n, int | None) for n in lengths)
-            and not {"pattern", "format", "enum", "const"} & set(out)):  # fmt: skip
+    if (
+        out.get("type") == "string"
+        and lengths != [None, None]
+        and all(isinstance(n, int | None) for n in lengths)
+        and not {"pattern", "format", "enum", "const"} & set(out)
+    ):
         out.pop("minLength", None)
         out.pop("maxLength", None)
         out["pattern"] = f"^.{{{lengths[0] or 0},{'' if lengths[1] is None else lengths[1]}}}$"
@@ -140,9 +146,15 @@ class GrammarCache:
     The workers are daemon threads, so a compile that never ends cannot hold up the process's exit.
     """
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
-                 max_entries: int = DEFAULT_MAX_CACHED_GRAMMARS, num_workers: int = 2,
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_entries: int = DEFAULT_MAX_CACHED_GRAMMARS,
+        num_workers: int = 2,
+        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    ) -> None:
         self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
         self.stop_token_ids = list(stop_token_ids)
@@ -151,8 +163,9 @@ class GrammarCache:
         self.entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.num_compiles = 0
         self._jobs: queue.SimpleQueue[tuple[Future, StructuredOutputParams] | None] = queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._work, name=f"kiln-grammar-{i}", daemon=True)
-                         for i in range(num_workers)]  # fmt: skip
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kiln-grammar-{i}", daemon=True) for i in range(num_workers)
+        ]
         for worker in self._workers:
             worker.start()
         self._compiler: xgr.GrammarCompiler | None = None
@@ -191,8 +204,9 @@ class GrammarCache:
             except GrammarError as e:
                 future.set_exception(e)
             except Exception as e:  # a bug, not the schema's fault: still only its requests fail
-                future.set_exception(GrammarError(f"internal error while compiling the grammar: "
-                                                  f"{type(e).__name__}: {e}"))  # fmt: skip
+                future.set_exception(
+                    GrammarError(f"internal error while compiling the grammar: {type(e).__name__}: {e}")
+                )
 
     def _compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         compiler = self._tokenizer_compiler()
@@ -209,8 +223,9 @@ class GrammarCache:
                         self.load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                     )
                 except Exception as e:
-                    raise GrammarError(f"internal error: structured output needs the model's tokenizer: "
-                                       f"{type(e).__name__}: {e}") from None  # fmt: skip
+                    raise GrammarError(
+                        f"internal error: structured output needs the model's tokenizer: {type(e).__name__}: {e}"
+                    ) from None
                 # This cache is the only one: xgrammar's own would grow without bound.
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             return self._compiler
@@ -241,8 +256,9 @@ class GrammarBitmask:
         if not rows:
             return rows
         if logits.shape != (len(grammars), self.vocab_size):
-            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(grammars)} rows of "
-                             f"{self.vocab_size} tokens")  # fmt: skip
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match {len(grammars)} rows of {self.vocab_size} tokens"
+            )
         if self._copied is not None:
             self._copied.synchronize()  # NOTE: the last step's copy may still be reading these host rows
         if len(grammars) > self.host.shape[0]:
@@ -269,4 +285,3 @@ class GrammarBitmask:
         on_cuda = self.device.type == "cuda"
         self.host = torch.zeros(shape, dtype=torch.int32, pin_memory=on_cuda)
         self.on_device = torch.zeros(shape, dtype=torch.int32, device=self.device) if on_cuda else self.host
-

@@ -88,8 +88,15 @@ class TextStream:
     stop token (EOS or one of stop_token_ids) that ends the completion is left out unless `include_stop`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str],
-                 skip_special_tokens: bool, include_stop: bool, min_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        skip_special_tokens: bool,
+        include_stop: bool,
+        min_tokens: int = 0,
+    ) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = list(stop)
         self.include_stop = include_stop

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kiln.engine.models.model_dir import model_dir
+
 if TYPE_CHECKING:  # (transformers is imported when a tokenizer is made: an engine that never makes one skips it)
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -84,14 +86,31 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in a local model directory (never fetched from a hub)."""
+def tokenizer_dir(model: str, tokenizer: str | None = None) -> Path | None:
+    """Where a model's tokenizer is read from: `tokenizer` if given, else the model's directory; None for a preset
+    without one (the built-in tokenizer). Checked: a directory without tokenizer files is an error."""
+    path = Path(tokenizer).expanduser() if tokenizer else model_dir(model)
+    if path is not None and not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    return path
+
+
+def load_tokenizer(path: str | Path | None, tokenizer_class: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a local directory (never fetched from a hub), or for None the built-in one.
+
+    `tokenizer_class` names the transformers class to read it with (`kiln.engine.models.source.
+    resolve_tokenizer_class`: the class AutoTokenizer would choose), which imports no torch; without one,
+    AutoTokenizer chooses, and imports torch and transformers' generation code (2.4 s with scikit-learn installed)."""
+    if path is None:
+        return builtin_tokenizer()
     path = Path(path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
-    # NOTE: imported here, not with the module: transformers' auto classes pull in its generation code (and through
-    # it scikit-learn, where installed: 2.4 s of the engine's 17 s of imports on the device), which an engine
-    # process that never loads a tokenizer does not need.
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    import transformers  # noqa: PLC0415 (see above)
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer_class is None:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    cls = getattr(transformers, tokenizer_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        raise ValueError(f"{tokenizer_class!r} is not a tokenizer class of transformers {transformers.__version__}")
+    return cls.from_pretrained(str(path), local_files_only=True)

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from kiln.engine.core.scheduler import SchedulerOutput
-from kiln.engine.outputs import Logprob
+from kiln.engine.messages import TokenLogprobs
 from kiln.engine.worker.sampler import LogprobsTensors
+
+if TYPE_CHECKING:
+    from kiln.engine.core.request import Request
+    from kiln.engine.core.scheduler import SchedulerOutput
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: list[int | None]  # per scheduled request; None where its prefill is still partial
-    logprobs: list[dict[int, Logprob] | None]
+    logprobs: list[TokenLogprobs | None]
 
 
 @dataclass
@@ -30,8 +33,6 @@ class StepHandle:
     sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
     logprobs_cpu: LogprobsTensors | None = None
     done: torch.cuda.Event | None = None
-    gpu_start: torch.cuda.Event | None = None  # with `time_gpu`: the step's device time
-    gpu_seconds: float | None = None
 
 
 MAX_VIEWS = 1024  # layouts kept: without CUDA graphs every token count is a size of its own
@@ -94,8 +95,10 @@ class InputArena:
                 self._views.clear()
             buf = self.device_bytes if parity < 0 else self.host_bytes[parity]
             offsets = self._offsets(n, r)
-            views = [buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                     for at, shape, dtype in zip(offsets, self._shapes(n, r), DTYPES)]  # fmt: skip
+            views = [
+                buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for at, shape, dtype in zip(offsets, self._shapes(n, r), DTYPES)
+            ]
             fields = self._views[key] = StepInputs(*(v.numpy() for v in views) if numpy else views)
         return fields
 
@@ -119,17 +122,17 @@ class GraphPlan:
     num_reqs: int  # padded request count (a full graph pads requests too)
 
 
-def logprob_dicts(tensors, requests) -> list[dict[int, Logprob] | None]:
-    """vLLM's shape: for each row, {token id: Logprob} with the sampled token and the row's top-N."""
+def logprob_lists(tensors: LogprobsTensors, requests: list[Request]) -> list[TokenLogprobs | None]:
+    """For each row, the sampled token's [token_id, logprob, rank], then the row's top-N not already listed."""
     ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
-    rows: list[dict[int, Logprob] | None] = []
+    rows: list[TokenLogprobs | None] = []
     for j, request in enumerate(requests):
         num = request.sampling_params.logprobs
         if num is None:
             rows.append(None)
             continue
-        entry = {ids[j][0]: Logprob(values[j][0], ranks[j])}
-        for k in range(1, num + 1):
-            entry.setdefault(ids[j][k], Logprob(values[j][k], k))
+        sampled = ids[j][0]
+        entry = [[sampled, values[j][0], ranks[j]]]
+        entry += [[ids[j][k], values[j][k], k] for k in range(1, num + 1) if ids[j][k] != sampled]
         rows.append(entry)
     return rows

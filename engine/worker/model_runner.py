@@ -7,7 +7,6 @@ never change from step to step: what CUDA-graph replay needs, and one allocation
 from __future__ import annotations
 
 import operator
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,12 +17,12 @@ from tqdm import tqdm
 
 from kiln.backends.attention import AttentionBackend, AttentionMetadata, ForwardContext, set_forward_context
 from kiln.compile import CompiledModel
-from kiln.engine.core.request import Request
-from kiln.engine.core.scheduler import SchedulerOutput
-from kiln.engine.outputs import Logprob
+from kiln.engine.messages import TokenLogprobs
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.worker import input_writer
 from kiln.engine.worker import inputs as runner_io
-from kiln.engine.worker.inputs import GraphPlan, InputArena, ModelRunnerOutput, StepHandle, logprob_dicts
+from kiln.engine.worker.input_writer import InputWriter, Rows
+from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput, StepHandle, logprob_lists
 from kiln.engine.worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -34,16 +33,15 @@ from kiln.engine.worker.sampler import (
 )
 
 if TYPE_CHECKING:
+    from kiln.engine.core.request import Request
+    from kiln.engine.core.scheduler import SchedulerOutput
+    from kiln.engine.core.tensor_parallel import TensorParallelWorkers
     from kiln.engine.structured_output.grammar import GrammarBitmask
 
-Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
 Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and their argmax [rows]
 
 # The files that lay out the traced model's inputs (their strides and offsets): the compile cache's key covers them.
-INPUT_SOURCES = (Path(__file__), Path(runner_io.__file__))
-
-# Test-only fault injection: a step fails when any request's prompt holds this token id.
-_FAULT_TOKEN = int(os.environ["KILN_TEST_FAULT_TOKEN"]) if os.environ.get("KILN_TEST_FAULT_TOKEN") else None
+INPUT_SOURCES = (Path(__file__), Path(runner_io.__file__), Path(input_writer.__file__))
 
 
 class ModelRunner:
@@ -62,7 +60,9 @@ class ModelRunner:
         compiled: CompiledModel | None = None,
         cudagraph_mode: str = "none",
         capture_sizes: list[int] | None = None,
+        tp_workers: TensorParallelWorkers | None = None,
     ) -> None:
+        """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too."""
         self.model = model
         self.compiled = compiled
         self.kv_caches = kv_caches
@@ -73,8 +73,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
-        self.time_gpu = False  # record CUDA events around each step (the latency breakdown)
-        self.tp_workers = None  # tensor parallel: rank 0's TensorParallelWorkers (engine/distributed.py)
+        self.tp_workers = tp_workers
         use_graphs = compiled is not None and device.type == "cuda" and cudagraph_mode != "none"
         self.cudagraph_mode = cudagraph_mode if use_graphs else "none"
         self.capture_sizes = sorted(capture_sizes or []) if use_graphs else []
@@ -84,17 +83,8 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens, *self.capture_sizes, 1)
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-
-        self.inputs = InputArena(max_tokens, max_reqs, self.max_blocks_per_seq, device)
-        # Every request's block ids, row by row, kept on the host from step to step: a request's list only grows
-        # (the KV cache manager extends it in place), so a row holding the same list needs only its new tail
-        # written; a step then copies its rows into the arena at once. Per row: the list and how much of it.
-        self._block_table = np.zeros((max_reqs, self.max_blocks_per_seq), dtype=np.int32)
-        self._block_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_reqs
-        self._arange = np.arange(max(max_tokens, max_reqs) + 1)
-        self._parity = 0
-        self._fences: list[torch.cuda.Event | None] = [None, None]
+        self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device)
+        self.inputs = self.writer.arena  # the persistent buffers every step's inputs (and a graph's) live in
         # The last launched step's sampled tokens on the device, and each request's row there.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -109,12 +99,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> StepHandle:
         """Prepare inputs, enqueue the forward pass and sampling; returns without waiting for the GPU."""
-        if _FAULT_TOKEN is not None and any(_FAULT_TOKEN in r.prompt_token_ids for r in batch.requests):
-            raise RuntimeError("injected fault (KILN_TEST_FAULT_TOKEN)")
         handle = StepHandle(batch, [i for i, sample in enumerate(batch.samples) if sample])
-        if self.time_gpu and self.device.type == "cuda":
-            handle.gpu_start = torch.cuda.Event(enable_timing=True)
-            handle.gpu_start.record()
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
@@ -141,10 +126,14 @@ class ModelRunner:
             self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
             if result.logprobs is not None:
-                handle.logprobs_cpu = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (
-                    result.logprobs.token_ids, result.logprobs.logprobs, result.logprobs.ranks)))  # fmt: skip
+                handle.logprobs_cpu = LogprobsTensors(
+                    *(
+                        t.to("cpu", non_blocking=True)
+                        for t in (result.logprobs.token_ids, result.logprobs.logprobs, result.logprobs.ranks)
+                    )
+                )
         if self.device.type == "cuda":
-            handle.done = torch.cuda.Event(enable_timing=handle.gpu_start is not None)
+            handle.done = torch.cuda.Event()
             handle.done.record()
         return handle
 
@@ -156,8 +145,11 @@ class ModelRunner:
         if self._sampling_cache is not None:
             last_params, sampling = self._sampling_cache
             # Generators enter the metadata only on seeded rows: those are the ones to compare.
-            if (len(last_params) == len(params) and all(map(operator.is_, last_params, params))
-                    and all(requests[row].generator is g for row, g in sampling.generators.items())):  # fmt: skip
+            if (
+                len(last_params) == len(params)
+                and all(map(operator.is_, last_params, params))
+                and all(requests[row].generator is g for row, g in sampling.generators.items())
+            ):
                 return sampling
         sampling = SamplingMetadata.build(
             params=params,
@@ -176,20 +168,18 @@ class ModelRunner:
         """Wait for a launched step's tokens (the one host sync of a step) and hand them out per row."""
         batch = handle.batch
         sampled: list[int | None] = [None] * len(batch.requests)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(batch.requests)
+        logprobs: list[TokenLogprobs | None] = [None] * len(batch.requests)
         if handle.done is not None:
             if self.tp_workers is not None:
                 self.tp_workers.wait(handle.done)  # NOTE: a collective with a dead worker would never finish
             else:
                 handle.done.synchronize()
-            if handle.gpu_start is not None:
-                handle.gpu_seconds = handle.gpu_start.elapsed_time(handle.done) / 1e3
         if not handle.sample_rows:
             return ModelRunnerOutput(sampled, logprobs)
         token_ids = handle.sampled_cpu.tolist()
         row_logprobs = None
         if handle.logprobs_cpu is not None:
-            row_logprobs = logprob_dicts(handle.logprobs_cpu, [batch.requests[i] for i in handle.sample_rows])
+            row_logprobs = logprob_lists(handle.logprobs_cpu, [batch.requests[i] for i in handle.sample_rows])
         for j, row in enumerate(handle.sample_rows):
             sampled[row] = token_ids[j]
             if row_logprobs is not None:
@@ -238,123 +228,12 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: SchedulerOutput, plan: GraphPlan,
-                       sample_rows: list[int]) -> tuple[AttentionMetadata, Rows]:  # fmt: skip
-        """Fill the persistent buffers; returns the metadata and where the sampled rows' hidden states are.
-
-        For request i with c computed tokens and n new ones::
-
-            positions:    c, c+1, ..., c+n-1
-            slot_mapping: block_table[i][p // block_size] * block_size + p % block_size, per position p
-
-        Token ids come from the host, except a decode's input that the previous step sampled and the
-        host has not seen yet (async scheduling): it is copied from that step's output on the device.
-        """
-        tokens, carry_dst, carry_src, end = [], [], [], 0
-        for r, c, n in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens):
-            all_token_ids = r.all_token_ids
-            end += n
-            if c + n <= len(all_token_ids):
-                if n == 1:
-                    tokens.append(all_token_ids[c])  # a decode whose input the host has
-                else:
-                    tokens += all_token_ids[c : c + n]
-                continue
-            assert c + n == len(all_token_ids) + 1, "at most one input token can still be on the device"
-            tokens += all_token_ids[c:]
-            tokens.append(0)
-            carry_dst.append(end - 1)
-            carry_src.append(self._prev_rows[r.request_id])
-        input_ids = np.array(tokens, dtype=np.int64)
-        computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
-        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        return self.fill_buffers(input_ids, computed, num_new, batch.block_ids, plan, sample_rows,
-                                 (carry_dst, carry_src))  # fmt: skip
-
-    def fill_buffers(self, input_ids: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
-                     block_ids: list[list[int]], plan: GraphPlan, sample_rows: list[int] = (),
-                     carry: tuple[list[int], list[int]] = ((), ())) -> tuple[AttentionMetadata, Rows]:  # fmt: skip
-        """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over.
-
-        Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
-        scratch block 0; a full graph's padded requests have one token each and an empty context."""
-        p = self._parity
-        if self._fences[p] is not None:
-            self._fences[p].synchronize()  # the copy out of this mirror two steps ago is done
-        num_reqs, num_tokens = len(num_new), len(input_ids)
-        n, padded_reqs = plan.num_tokens, plan.num_reqs
-        host, inputs = self.inputs.views(n, padded_reqs, p, numpy=True), self.inputs.views(n, padded_reqs)
-        seq_lens = computed + num_new
-
-        qsl = host.query_start_loc
-        if num_tokens == num_reqs:  # every request a decode (most steps): a token per request, at its end
-            qsl[:] = self._arange[: padded_reqs + 1]
-            req_of_token, positions, max_query_len = self._arange[:num_reqs], computed, 1
-        else:
-            qsl[0] = 0
-            np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
-            qsl[num_reqs + 1 :] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
-            req_of_token = np.repeat(np.arange(num_reqs), num_new)
-            positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
-            max_query_len = int(num_new.max())
-        block_table, written = self._block_table, self._block_rows
-        for i, ids in enumerate(block_ids):
-            last, num_written = written[i]
-            if last is not ids:
-                num_written = 0
-            elif num_written == len(ids):
-                continue
-            block_table[i, num_written : len(ids)] = ids[num_written:]
-            written[i] = (ids, len(ids))
-        host.block_table[:num_reqs] = block_table[:num_reqs]
-        host.input_ids[:num_tokens] = input_ids
-        host.positions[:num_tokens] = positions
-        host.slot_mapping[:num_tokens] = (
-            block_table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
-        for field in (host.input_ids, host.positions, host.slot_mapping):
-            field[num_tokens:] = 0
-        host.seq_lens[:num_reqs] = seq_lens
-        host.seq_lens[num_reqs:] = 0
-        carry_dst, carry_src = carry
-        k = len(carry_dst)
-        # a decode batch in the previous step's order takes its tokens with a plain copy, others by index
-        carry_by_index = k and not carry_dst == carry_src == list(range(k))
-        if carry_by_index:
-            host.carry[0, :k], host.carry[1, :k] = carry_dst, carry_src
-        logits_indices: Rows = slice(0, len(sample_rows))
-        if sample_rows and (num_tokens != num_reqs or len(sample_rows) != num_reqs):
-            rows = np.asarray(sample_rows, dtype=np.int64)
-            host.logits_indices[: len(sample_rows)] = qsl[1:][rows] - 1
-            logits_indices = inputs.logits_indices[: len(sample_rows)]
-
-        self.inputs.copy(p, n, padded_reqs, num_reqs)  # the step's one host-to-device transfer
-        if k and not carry_by_index:
-            inputs.input_ids[:k].copy_(self._prev_sampled[:k])
-        elif carry_by_index:
-            dst, src = inputs.carry[0, :k], inputs.carry[1, :k]
-            inputs.input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
-        if self.device.type == "cuda":
-            self._fences[p] = torch.cuda.Event()
-            self._fences[p].record()
-        self._parity ^= 1
-
-        full = plan.mode == "full"
-        num_actual_tokens = n if full else num_tokens  # a full graph writes K/V for padding too (to scratch)
-        host_views = self.inputs.views(n, padded_reqs, p)
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_actual_tokens,
-            query_start_loc=inputs.query_start_loc,
-            seq_lens=inputs.seq_lens,
-            block_table=inputs.block_table,
-            slot_mapping=inputs.slot_mapping if full else inputs.slot_mapping[:num_tokens],
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=host_views.query_start_loc,
-            seq_lens_cpu=host_views.seq_lens,
-        )
-        return metadata, logits_indices
+    def prepare_inputs(
+        self, batch: SchedulerOutput, plan: GraphPlan, sample_rows: list[int]
+    ) -> tuple[AttentionMetadata, Rows]:
+        """The step's inputs in the persistent buffers (`InputWriter.prepare`), a decode's input that the last step
+        sampled on the device taken from there."""
+        return self.writer.prepare(batch, plan, sample_rows, self._prev_rows, self._prev_sampled)
 
     # ---- start-up -------------------------------------------------------------------------------------
 
@@ -405,7 +284,7 @@ class ModelRunner:
         blocks = [[0] * -(-int(n) // self.block_size) for n in num_new]
         plan = GraphPlan(mode, num_tokens, len(num_new))
         zeros = np.zeros(len(num_new), dtype=np.int64)
-        metadata, _ = self.fill_buffers(np.zeros(num_tokens, dtype=np.int64), zeros, num_new, blocks, plan)
+        metadata, _ = self.writer.write(np.zeros(num_tokens, dtype=np.int64), zeros, num_new, blocks, plan)
         return metadata, plan
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:

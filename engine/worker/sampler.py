@@ -76,10 +76,16 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None when no row asked for logprobs
 
     @classmethod
-    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              eos_token_ids: Sequence[int], vocab_size: int,
-              device: torch.device | str) -> SamplingMetadata:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
         """Row ``i`` of the step's logits belongs to ``params[i]``. ``output_token_ids[i]`` is every
         token the request has produced so far (it drives min_tokens and the penalties);
         ``generators[i]`` is that request's generator, required when it has a seed.
@@ -88,8 +94,9 @@ class SamplingMetadata:
         device = torch.device(device)
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
-            raise ValueError("params, prompt_token_ids, output_token_ids and generators must have "
-                             f"one entry per row ({num_rows})")
+            raise ValueError(
+                f"params, prompt_token_ids, output_token_ids and generators must have one entry per row ({num_rows})"
+            )
         tensor = lambda data, dtype: _to_device(data, dtype, device)
         greedy = [p.is_greedy for p in params]
         random_rows = [i for i in range(num_rows) if not greedy[i]]
@@ -99,10 +106,8 @@ class SamplingMetadata:
         temperature = top_k = top_p = min_p = greedy_mask = None
         max_top_k, seeded = vocab_size, {}
         if not all_greedy:
-            temperature = tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy)],
-                                 torch.float32)
-            ks = [p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size
-                  for p, g in zip(params, greedy)]
+            temperature = tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy)], torch.float32)
+            ks = [p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size for p, g in zip(params, greedy)]
             if min(ks) < vocab_size:
                 top_k, max_top_k = tensor(ks, torch.int64), max(k for k in ks if k < vocab_size)
             if any(params[i].top_p < 1.0 for i in random_rows):
@@ -131,11 +136,11 @@ class SamplingMetadata:
             raise ValueError(f"logit_bias / EOS / stop_token_ids outside [0, {vocab_size})")
         logit_bias = min_tokens_block = None
         if bias_rows:
-            logit_bias = SparseLogitUpdate(tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64),
-                                           tensor(bias_values, torch.float32))
+            logit_bias = SparseLogitUpdate(
+                tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64), tensor(bias_values, torch.float32)
+            )
         if block_rows:
-            min_tokens_block = SparseLogitUpdate(tensor(block_rows, torch.int64),
-                                                 tensor(block_ids, torch.int64), None)
+            min_tokens_block = SparseLogitUpdate(tensor(block_rows, torch.int64), tensor(block_ids, torch.int64), None)
 
         penalty_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         penalties = None
@@ -148,18 +153,30 @@ class SamplingMetadata:
                 repetition=column(p.repetition_penalty for p in rows_params),
                 frequency=column(p.frequency_penalty for p in rows_params),
                 presence=column(p.presence_penalty for p in rows_params),
-                prompt_token_ids=tensor(_padded([prompt_token_ids[i] for i in penalty_rows], vocab_size),
-                                        torch.int64) if use_prompt else None,
-                output_token_ids=tensor(_padded([output_token_ids[i] for i in penalty_rows], vocab_size),
-                                        torch.int64),
+                prompt_token_ids=tensor(_padded([prompt_token_ids[i] for i in penalty_rows], vocab_size), torch.int64)
+                if use_prompt
+                else None,
+                output_token_ids=tensor(_padded([output_token_ids[i] for i in penalty_rows], vocab_size), torch.int64),
             )
 
         requested = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(num_rows=num_rows, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random,
-                   greedy_mask=greedy_mask, temperature=temperature, top_k=top_k, max_top_k=max_top_k,
-                   top_p=top_p, min_p=min_p, generators=seeded, logit_bias=logit_bias,
-                   min_tokens_block=min_tokens_block, penalties=penalties,
-                   max_num_logprobs=max(requested) if requested else None)
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=seeded,
+            logit_bias=logit_bias,
+            min_tokens_block=min_tokens_block,
+            penalties=penalties,
+            max_num_logprobs=max(requested) if requested else None,
+        )
 
 
 @dataclass
@@ -180,8 +197,10 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.shape != (metadata.num_rows, metadata.vocab_size):
-            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the metadata "
-                             f"({metadata.num_rows}, {metadata.vocab_size})")
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match the metadata "
+                f"({metadata.num_rows}, {metadata.vocab_size})"
+            )
         if plain_greedy(metadata):
             # NOTE: the argmax of the logits in their own dtype: bf16 or fp16 to float32 is exact, so the argmax (ties
             # included) is float32's, without a cast of the whole vocabulary each step (a kernel at batch 1)
@@ -268,8 +287,9 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     return logits.softmax(dim=-1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Sets to -inf the tokens outside each row's top-k, then outside the smallest set whose
     (renormalised) mass reaches top_p; the most likely token always stays. Ties at the cut stay."""
     vocab = logits.shape[-1]
@@ -321,7 +341,7 @@ def _padded(rows: list[Sequence[int]], pad: int) -> np.ndarray:
     # At least one column, so an all-empty batch still scatters (into the pad column only).
     out = np.full((len(rows), max(1, max(len(r) for r in rows))), pad, dtype=np.int64)
     for i, row in enumerate(rows):
-        out[i, :len(row)] = row
+        out[i, : len(row)] = row
     return out
 
 

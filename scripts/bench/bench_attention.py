@@ -6,8 +6,8 @@ tables; batch x context grid. Bandwidth = K and V bytes read / time, against 4.3
 measured copy bandwidth). SDPA reads the same K/V laid out contiguously ([B, 8, ctx, 128]).
 
 Prefill (--prefill): the unified kernel on batches of prefill chunks (each request's chunk attending causally to
-itself and to its cached context), its tiles' pages loaded in the iteration that uses them and one ahead; FLOP/s
-counts the causal half.
+itself and to its cached context); FLOP/s counts the causal half. The decode kernel's split counts and launch
+configs are swept by `scripts/dev/sweep_decode.py`.
 
     python scripts/bench/bench_attention.py [--max-tokens 4194304] [--shapes 64x256,1x32768] [--prefill]
 
@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import torch
 import triton
 import triton.language as tl
 
 from kiln.backends.attention import AttentionMetadata, get_attention_backend
-from kiln.backends.attention.decode_merge import MERGES
-from kiln.backends.attention.triton_backend import unified_attention
-from kiln.backends.attention.triton_decode import decode_splits, split_kv_decode
+from kiln.backends.attention.triton_decode import decode_splits
+from kiln.backends.attention.triton_unified import unified_attention
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -109,9 +107,18 @@ def read_roofline(kv_bytes: int, dtype) -> tuple[float, float]:
 
 
 @triton.jit
-def _paged_read_kernel(k_ptr, v_ptr, block_table_ptr, out_ptr, stride_block_table, ROWS: tl.constexpr,
-                       COLS: tl.constexpr, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       WIDE: tl.constexpr):  # fmt: skip
+def _paged_read_kernel(
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    out_ptr,
+    stride_block_table,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     """Program (request, run of ROWS tokens, COLS-wide slice of a token's row): looks up the run's pages in the
     block table, then loads its K and V rows at once (nothing waits on anything but the pages) and sums them.
     WIDE: 64-bit offsets (a cache of 2**31 elements or more), as the decode kernel's."""
@@ -129,8 +136,15 @@ def _paged_read_kernel(k_ptr, v_ptr, block_table_ptr, out_ptr, stride_block_tabl
 # (tokens a program, elements of a token's row a program, warps) tried for the paged read: whole pages (all 8 heads'
 # rows, 2 KB a token) and one head's slice (256 bytes a token), as the decode kernel reads them, up to a request's
 # whole context a program; the fastest one is reported
-PAGED_READ_CONFIGS = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 8), (8, 1024, 4), (64, 128, 2), (128, 128, 4),
-                      (256, 128, 8)]  # fmt: skip
+PAGED_READ_CONFIGS = [
+    (16, 1024, 4),
+    (16, 1024, 8),
+    (32, 1024, 8),
+    (8, 1024, 4),
+    (64, 128, 2),
+    (128, 128, 4),
+    (256, 128, 8),
+]
 
 
 def paged_read_floor(caches: list, block_table: torch.Tensor, context: int) -> tuple[float, float, dict]:
@@ -142,14 +156,27 @@ def paged_read_floor(caches: list, block_table: torch.Tensor, context: int) -> t
 
     def read(cache, rows, cols, warps):
         _paged_read_kernel[(batch, context // rows, row // cols)](
-            cache[0], cache[1], block_table, out, block_table.stride(0), ROWS=rows, COLS=cols, ROW=row,
-            BLOCK_SIZE=BLOCK_SIZE, WIDE=cache[0].numel() >= 2**31, num_warps=warps)  # fmt: skip
+            cache[0],
+            cache[1],
+            block_table,
+            out,
+            block_table.stride(0),
+            ROWS=rows,
+            COLS=cols,
+            ROW=row,
+            BLOCK_SIZE=BLOCK_SIZE,
+            WIDE=cache[0].numel() >= 2**31,
+            num_warps=warps,
+        )
 
     configs = [c for c in PAGED_READ_CONFIGS if c[0] <= context and row % c[1] == 0]
     times = {c: graph_time_ms(lambda c=c: read(caches[0], *c)) for c in configs}
     best = min(times, key=times.get)
-    return times[best], back_to_back_ms(lambda cache: read(cache, *best), caches), {
-        "x".join(map(str, c)): t * 1e3 for c, t in times.items()}
+    return (
+        times[best],
+        back_to_back_ms(lambda cache: read(cache, *best), caches),
+        {"x".join(map(str, c)): t * 1e3 for c, t in times.items()},
+    )
 
 
 def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
@@ -169,15 +196,15 @@ def decode_inputs(batch: int, context: int) -> tuple:
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     slot_mapping = block_table[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1  # the new token: last slot
-    metadata = AttentionMetadata(batch, qsl.to(device), seq_lens.to(device), block_table, slot_mapping, 1, context,
-                                 qsl, seq_lens)  # fmt: skip
+    metadata = AttentionMetadata(
+        batch, qsl.to(device), seq_lens.to(device), block_table, slot_mapping, 1, context, qsl, seq_lens
+    )
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k_new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     return kv_cache, metadata, q, k_new, torch.randn_like(k_new), torch.empty_like(q)
 
 
-def bench_decode(batch: int, context: int, backend, splits: list[int], min_tokens: list[int],
-                 configs: dict[str, dict]) -> dict:  # fmt: skip
+def bench_decode(batch: int, context: int, backend) -> dict:
     dtype, device = torch.bfloat16, "cuda"
     kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
     ms = graph_time_ms(lambda: backend.forward(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out))
@@ -185,44 +212,41 @@ def bench_decode(batch: int, context: int, backend, splits: list[int], min_token
     caches = [kv_cache] + [kv_cache.clone() for _ in range(kv_copies(kv_bytes) - 1)]
     b2b_ms = back_to_back_ms(lambda c: backend.forward(q, k_new, v_new, c, metadata, HEAD_DIM**-0.5, out), caches)
     chosen = decode_splits(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, backend.num_sms)
-    # The decode kernel alone (it writes the K/V too) at each split count: what the split heuristic should pick
-    sweep = {s: graph_time_ms(lambda s=s: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5, out,
-                                                          s)) * 1e3 for s in splits}  # fmt: skip
-    # ... and at the chosen split count, with each smallest split size (MIN_SPLIT_TOKENS is the default)
-    min_sweep = {t: graph_time_ms(lambda t=t: split_kv_decode(q, k_new, v_new, kv_cache, metadata, HEAD_DIM**-0.5,
-                                                              out, chosen, t)) * 1e3 for t in min_tokens}  # fmt: skip
-    # ... and with each launch config (keys per tile, warps, stages; pages loaded ahead), a replay and back to back
-    config_sweep, config_b2b = {}, {}
-    for name, c in configs.items():
-        decode = lambda cache, c=c: split_kv_decode(
-            q, k_new, v_new, cache, metadata, HEAD_DIM**-0.5, out, **{"num_splits": chosen, **c})  # noqa: E731  # fmt: skip
-        try:
-            config_sweep[name] = graph_time_ms(lambda d=decode: d(kv_cache)) * 1e3
-            config_b2b[name] = back_to_back_ms(decode, caches) * 1e3
-        except Exception as e:  # e.g. a tile too big for shared memory
-            print(f"config {name}: {type(e).__name__}: {str(e)[:200]}")
-            config_sweep[name] = config_b2b[name] = float("nan")
     paged_ms, paged_b2b_ms, paged_configs = paged_read_floor(caches, metadata.block_table, context)
     kv_cache = caches = None  # free them before SDPA's copy is made
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
     q4 = q.unsqueeze(2)
     sdpa = lambda kv: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q4, kv[0], kv[1], scale=HEAD_DIM**-0.5, enable_gqa=True)  # fmt: skip
+        q4, kv[0], kv[1], scale=HEAD_DIM**-0.5, enable_gqa=True
+    )
     sdpa_ms = graph_time_ms(lambda: sdpa((k, v)))
     sdpa_b2b_ms = back_to_back_ms(sdpa, [(k, v)] + [(k.clone(), v.clone()) for _ in range(kv_copies(kv_bytes) - 1)])
     k = v = None
     read_ms, read_b2b_ms = read_roofline(kv_bytes, dtype)
     util = lambda t_ms: kv_bytes / (t_ms * 1e-3) / PEAK_BYTES_PER_S  # noqa: E731
-    return {"batch": batch, "context": context, "kiln_us": ms * 1e3, "kiln_util": util(ms),
-            "sdpa_us": sdpa_ms * 1e3, "sdpa_util": util(sdpa_ms), "splits": chosen,
-            "kiln_b2b_us": b2b_ms * 1e3, "kiln_b2b_util": util(b2b_ms), "sdpa_b2b_us": sdpa_b2b_ms * 1e3,
-            "sdpa_b2b_util": util(sdpa_b2b_ms), "read_us": read_ms * 1e3, "read_util": util(read_ms),
-            "read_b2b_us": read_b2b_ms * 1e3, "read_b2b_util": util(read_b2b_ms),
-            "paged_us": paged_ms * 1e3, "paged_util": util(paged_ms), "paged_b2b_us": paged_b2b_ms * 1e3,
-            "paged_b2b_util": util(paged_b2b_ms), "paged_config_us": paged_configs,
-            "split_sweep_us": sweep, "min_split_tokens_us": min_sweep,
-            "config_us": config_sweep, "config_b2b_us": config_b2b}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": context,
+        "kiln_us": ms * 1e3,
+        "kiln_util": util(ms),
+        "sdpa_us": sdpa_ms * 1e3,
+        "sdpa_util": util(sdpa_ms),
+        "splits": chosen,
+        "kiln_b2b_us": b2b_ms * 1e3,
+        "kiln_b2b_util": util(b2b_ms),
+        "sdpa_b2b_us": sdpa_b2b_ms * 1e3,
+        "sdpa_b2b_util": util(sdpa_b2b_ms),
+        "read_us": read_ms * 1e3,
+        "read_util": util(read_ms),
+        "read_b2b_us": read_b2b_ms * 1e3,
+        "read_b2b_util": util(read_b2b_ms),
+        "paged_us": paged_ms * 1e3,
+        "paged_util": util(paged_ms),
+        "paged_b2b_us": paged_b2b_ms * 1e3,
+        "paged_b2b_util": util(paged_b2b_ms),
+        "paged_config_us": paged_configs,
+    }
 
 
 # (requests, new tokens a request, cached tokens a request) of the prefill points
@@ -239,16 +263,14 @@ def bench_prefill(reqs: int, new: int, cached: int) -> dict:
     qsl = torch.arange(0, (reqs + 1) * new, new, dtype=torch.int32)
     seq_lens = torch.full((reqs,), seq, dtype=torch.int32)
     slots = torch.zeros(reqs * new, dtype=torch.int64, device=device)  # unused: the kernel reads the cache only
-    metadata = AttentionMetadata(reqs * new, qsl.to(device), seq_lens.to(device), block_table, slots, new, seq, qsl,
-                                 seq_lens)  # fmt: skip
+    metadata = AttentionMetadata(
+        reqs * new, qsl.to(device), seq_lens.to(device), block_table, slots, new, seq, qsl, seq_lens
+    )
     q = torch.randn(reqs * new, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     out = torch.empty_like(q)
-    # pages in the iteration, pages ahead, pages ahead and the lean loop below each block's first row
-    times = [graph_time_ms(lambda a=ahead, b=lean: unified_attention(q, kv_cache, metadata, HEAD_DIM**-0.5, out, a, b))
-             * 1e3 for ahead, lean in ((False, False), (True, False), (True, True))]  # fmt: skip
+    us = graph_time_ms(lambda: unified_attention(q, kv_cache, metadata, HEAD_DIM**-0.5, out)) * 1e3
     flops = 4 * reqs * NUM_HEADS * HEAD_DIM * new * (cached + (new + 1) / 2)  # QK^T and PV over the visible keys
-    return {"reqs": reqs, "new": new, "cached": cached, "us": times[0], "prefetch_us": times[1],
-            "lean_us": times[2], "tflops": [flops / t * 1e-6 for t in times]}  # fmt: skip
+    return {"reqs": reqs, "new": new, "cached": cached, "us": us, "tflops": flops / us * 1e-6}
 
 
 def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) -> list[dict]:
@@ -264,115 +286,93 @@ def bench_fused(num_tokens: int, hidden: int = 4096, intermediate: int = 14336) 
         "rms_norm+residual": (lambda: norm(x, r), lambda: fused_kernels.rms_norm(x, norm.weight, 1e-5, r)),
         "rope q,k": (lambda: rope(pos, qk), lambda: fused_kernels.rotary_embedding(qk, pos, rope.cos_sin)),
         "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: fused_kernels.silu_and_mul(gate_up)),
-    }  # fmt: skip
+    }
     rows = []
     for name, (plain, fused) in cases.items():
-        rows.append({"kernel": name, "tokens": num_tokens, "torch_us": triton.testing.do_bench(plain) * 1e3,
-                     "triton_us": triton.testing.do_bench(fused) * 1e3})  # fmt: skip
+        rows.append(
+            {
+                "kernel": name,
+                "tokens": num_tokens,
+                "torch_us": triton.testing.do_bench(plain) * 1e3,
+                "triton_us": triton.testing.do_bench(fused) * 1e3,
+            }
+        )
     return rows
-
-
-def print_sweep(rows: list[dict], key: str, columns: dict, what: str) -> None:
-    print(f"\n{'batch':>5} {'context':>7} {'chosen':>6} " + " ".join(f"{c:>9}" for c in columns.values())
-          + f"   ({what})")  # fmt: skip
-    for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['splits']:>6} " + " ".join(f"{r[key][c]:>9.1f}" for c in columns))
-
-
-def parse_config(name: str) -> dict:
-    """TILExWARPSxSTAGES, then p (pages an iteration ahead) or l (lean: no masks on full tiles, 32-bit offsets;
-    without it the masked loop, not the default), then sN (N splits at any context), then mN (splits of N tokens or
-    more), then -MERGE (one of decode_merge.MERGES) -> split_kv_decode's keywords."""
-    merges = "|".join(MERGES)
-    m = re.fullmatch(rf"(\d+)x(\d+)x(\d+)(p|l)?(?:s(\d+))?(?:m(\d+))?(?:-({merges}))?", name)
-    if not m:
-        raise SystemExit(f"bad launch config {name!r}: TILExWARPSxSTAGES[p|l][sN][mN][-MERGE], e.g. 64x2x3, "
-                         f"64x2x2ls2m128, 128x4x2ls64m128-heads")  # fmt: skip
-    kwargs = {"config": (int(m[1]), int(m[2]), int(m[3])), "prefetch_pages": m[4] == "p", "lean": m[4] == "l"}
-    if m[5]:  # its own split count, the one-split cut-off off
-        kwargs.update(num_splits=int(m[5]), unsplit_tokens=0)
-    if m[6]:  # its own smallest split (tokens)
-        kwargs.update(min_split_tokens=int(m[6]))
-    if m[7]:  # its own merge of the splits
-        kwargs.update(merge=m[7])
-    return kwargs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip batch x context above this (memory)")
     p.add_argument("--json")
-    p.add_argument("--split-sweep", default="", help="also time the decode kernels at these split counts, e.g. 1,2,4")
-    p.add_argument("--min-split-sweep", default="", help="... and at these smallest split sizes (tokens), e.g. 64,128")
-    p.add_argument("--config-sweep", default="",
-                   help="... and at these launch configs TILExWARPSxSTAGES, e.g. 64x4x3,128x8x2 (then p: each "
-                   "tile's pages loaded an iteration ahead, or l: the lean loop; sN: N splits at any context; e.g. "
-                   "64x2x3p, 64x2x2l, 32x2x2ls2)")  # fmt: skip
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS),
-                   help="the decode points at this preset's attention shapes")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        choices=sorted(PRESETS),
+        help="the decode points at this preset's attention shapes",
+    )
     args = p.parse_args()
     use_model_shapes(args.model)
     pin_triton_setup()  # the kernels built as the engine builds them (its ptxas and libdevice)
     shapes = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
     grid = {(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS}
     if shapes - grid:  # a point outside the grid would be passed over without a word
-        raise SystemExit(f"--shapes {args.shapes}: not in the grid (batch {DECODE_BATCHES} x context "
-                         f"{DECODE_CONTEXTS}): {sorted(shapes - grid)}")  # fmt: skip
-    configs = {c: parse_config(c) for c in args.config_sweep.split(",") if c}
-    splits = [int(x) for x in args.split_sweep.split(",") if x]
-    min_tokens = [int(x) for x in args.min_split_sweep.split(",") if x]
+        raise SystemExit(
+            f"--shapes {args.shapes}: not in the grid (batch {DECODE_BATCHES} x context "
+            f"{DECODE_CONTEXTS}): {sorted(shapes - grid)}"
+        )
     backend = get_attention_backend("triton")
     rows = []
     for batch in DECODE_BATCHES:
         for context in DECODE_CONTEXTS:
             if batch * context <= args.max_tokens and (not shapes or (batch, context) in shapes):
-                rows.append(bench_decode(batch, context, backend, splits, min_tokens, configs))
+                rows.append(bench_decode(batch, context, backend))
                 torch.cuda.empty_cache()
-    print(f"\ndecode attention, {args.model} shapes ({NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim "
-          f"{HEAD_DIM}), bf16, CUDA graph, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s")  # fmt: skip
-    print("one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b); read: the "
-          "plainest read of the same bytes (the ceiling); paged: the same K/V read through the block table, nothing "
-          "else computed (the floor of a paged kernel)")  # fmt: skip
-    print(f"{'batch':>5} {'context':>7} {'kiln us':>9} {'kiln util':>9} {'sdpa us':>9} {'sdpa util':>9} | "
-          f"{'kiln b2b':>9} {'util':>5} {'sdpa b2b':>9} {'util':>5} | "
-          f"{'read us':>8} {'util':>5} {'read b2b':>8} {'util':>5} | {'paged us':>8} {'util':>5} {'paged b2b':>8} "
-          f"{'util':>5}")  # fmt: skip
+    print(
+        f"\ndecode attention, {args.model} shapes ({NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim "
+        f"{HEAD_DIM}), bf16, CUDA graph, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, triton {triton.__version__}; util = KV bytes / time / 4.3 TB/s"
+    )
+    print(
+        "one call a replay | eight calls back to back in one graph, over copies of the K/V (b2b); read: the "
+        "plainest read of the same bytes (the ceiling); paged: the same K/V read through the block table, nothing "
+        "else computed (the floor of a paged kernel)"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'kiln us':>9} {'kiln util':>9} {'sdpa us':>9} {'sdpa util':>9} | "
+        f"{'kiln b2b':>9} {'util':>5} {'sdpa b2b':>9} {'util':>5} | "
+        f"{'read us':>8} {'util':>5} {'read b2b':>8} {'util':>5} | {'paged us':>8} {'util':>5} {'paged b2b':>8} "
+        f"{'util':>5}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
-              f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%} | {r['kiln_b2b_us']:>9.1f} {r['kiln_b2b_util']:>5.0%} "
-              f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%} | {r['read_us']:>8.1f} {r['read_util']:>5.0%} "
-              f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%} | {r['paged_us']:>8.1f} {r['paged_util']:>5.0%} "
-              f"{r['paged_b2b_us']:>8.1f} {r['paged_b2b_util']:>5.0%}")  # fmt: skip
-    paged_names = sorted({c for r in rows for c in r["paged_config_us"]}, key=lambda c: PAGED_READ_CONFIGS.index(
-        tuple(int(v) for v in c.split("x"))))  # fmt: skip
-    print(f"\n{'batch':>5} {'context':>7} " + " ".join(f"{c:>11}" for c in paged_names)
-          + "   (paged read, tokens x row elements x warps a program, us, a replay)")  # fmt: skip
+        print(
+            f"{r['batch']:>5} {r['context']:>7} {r['kiln_us']:>9.1f} {r['kiln_util']:>9.0%} "
+            f"{r['sdpa_us']:>9.1f} {r['sdpa_util']:>9.0%} | {r['kiln_b2b_us']:>9.1f} {r['kiln_b2b_util']:>5.0%} "
+            f"{r['sdpa_b2b_us']:>9.1f} {r['sdpa_b2b_util']:>5.0%} | {r['read_us']:>8.1f} {r['read_util']:>5.0%} "
+            f"{r['read_b2b_us']:>8.1f} {r['read_b2b_util']:>5.0%} | {r['paged_us']:>8.1f} {r['paged_util']:>5.0%} "
+            f"{r['paged_b2b_us']:>8.1f} {r['paged_b2b_util']:>5.0%}"
+        )
+    paged_names = sorted(
+        {c for r in rows for c in r["paged_config_us"]},
+        key=lambda c: PAGED_READ_CONFIGS.index(tuple(int(v) for v in c.split("x"))),
+    )
+    print(
+        f"\n{'batch':>5} {'context':>7} "
+        + " ".join(f"{c:>11}" for c in paged_names)
+        + "   (paged read, tokens x row elements x warps a program, us, a replay)"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>7} " + " ".join(f"{r['paged_config_us'].get(c, float('nan')):>11.1f}"
-                                                              for c in paged_names))  # fmt: skip
-    if splits:
-        print_sweep(rows, "split_sweep_us", {s: f"{s} splits" for s in splits}, "decode kernel alone, us")
-    if min_tokens:
-        print_sweep(rows, "min_split_tokens_us", {t: f">= {t} tok" for t in min_tokens},
-                    "decode kernel at the chosen split count, smallest split, us")  # fmt: skip
-    if configs:
-        print_sweep(rows, "config_us", {name: name for name in configs},
-                    "decode kernel at the chosen split count, tile x warps x stages, us, a replay")  # fmt: skip
-        print_sweep(rows, "config_b2b_us", {name: name for name in configs},
-                    "the same, us, eight back to back")  # fmt: skip
+        print(
+            f"{r['batch']:>5} {r['context']:>7} "
+            + " ".join(f"{r['paged_config_us'].get(c, float('nan')):>11.1f}" for c in paged_names)
+        )
     prefill = [bench_prefill(*shape) for shape in PREFILL_SHAPES] if args.prefill else []
     if prefill:
-        print("\nprefill attention (unified kernel), Llama-3.1-8B shapes, bf16, CUDA graph; pages: loaded in the "
-              "iteration that uses them | one ahead | one ahead, lean loop below each block's first row")  # fmt: skip
-        print(f"{'reqs':>4} {'new':>5} {'cached':>6} {'us':>9} {'TFLOP/s':>8} | {'ahead us':>9} {'TFLOP/s':>8} | "
-              f"{'lean us':>9} {'TFLOP/s':>8}")  # fmt: skip
+        print(f"\nprefill attention (unified kernel), {args.model} shapes, bf16, CUDA graph")
+        print(f"{'reqs':>4} {'new':>5} {'cached':>6} {'us':>9} {'TFLOP/s':>8}")
         for r in prefill:
-            flops = r["tflops"]
-            print(f"{r['reqs']:>4} {r['new']:>5} {r['cached']:>6} {r['us']:>9.1f} {flops[0]:>8.1f} | "
-                  f"{r['prefetch_us']:>9.1f} {flops[1]:>8.1f} | {r['lean_us']:>9.1f} {flops[2]:>8.1f}")  # fmt: skip
+            print(f"{r['reqs']:>4} {r['new']:>5} {r['cached']:>6} {r['us']:>9.1f} {r['tflops']:>8.1f}")
     fused = bench_fused(1) + bench_fused(4096)
     print(f"\n{'fused kernel':<20} {'tokens':>6} {'torch us':>9} {'triton us':>9}")
     for r in fused:

@@ -16,6 +16,7 @@ L2, as in a real step. Bandwidth = weight bytes / time, against 4.3 TB/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -28,9 +29,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import graph_time_ms  # noqa: E402
 
+from kiln.backends import environment  # noqa: E402
 from kiln.backends.kernels import fused as fused_kernels  # noqa: E402
 from kiln.backends.kernels import gemv as gemv_module  # noqa: E402
-from kiln.backends.kernels import pdl  # noqa: E402
 from kiln.backends.kernels.gemv import add_norm_linear, default_config, gemv, gemv_rope, gemv_silu_mul  # noqa: E402
 from kiln.engine.models.presets import PRESETS  # noqa: E402
 
@@ -46,8 +47,11 @@ def layer_shapes(preset: dict) -> dict[str, tuple[int, int]]:
 
 
 def sweep_configs(k: int) -> list[tuple[int, int, int]]:
-    return [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8))
-            if bk <= triton.next_power_of_2(k) and bn * bk <= 16384]  # fmt: skip
+    return [
+        (bn, bk, w)
+        for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8))
+        if bk <= triton.next_power_of_2(k) and bn * bk <= 16384
+    ]
 
 
 def time_us(fn, weights: list[torch.Tensor]) -> float:
@@ -57,11 +61,12 @@ def time_us(fn, weights: list[torch.Tensor]) -> float:
 
 def with_pdl(on: bool, fn):
     """fn() with Kiln's kernels launched with programmatic dependent launch or without (`kiln.backends.kernels.pdl`)."""
-    saved, pdl.ENABLED = pdl.ENABLED, on
+    saved = environment.ENV
+    environment.ENV = dataclasses.replace(saved, pdl=on)
     try:
         return fn()
     finally:
-        pdl.ENABLED = saved
+        environment.ENV = saved
 
 
 def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
@@ -73,9 +78,12 @@ def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
         return lambda w: fn(fused_kernels.rms_norm(x, norm_weight, 1e-6, residual)[0], w)
 
     if layer == "gate_up":
-        return ((lambda w: gemv_silu_mul(x, w)), (lambda w: fused_kernels.silu_and_mul(gemv(x, w))),
-                (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, epilogue="silu_mul")),
-                norm_first(gemv_silu_mul))  # fmt: skip
+        return (
+            (lambda w: gemv_silu_mul(x, w)),
+            (lambda w: fused_kernels.silu_and_mul(gemv(x, w))),
+            (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, epilogue="silu_mul")),
+            norm_first(gemv_silu_mul),
+        )
     if layer == "qkv":
         cs = torch.randn(1, head_dim, device="cuda", dtype=torch.bfloat16)
         cos, sin = cs[:, : head_dim // 2], cs[:, head_dim // 2 :]
@@ -85,23 +93,29 @@ def epilogue_fns(layer: str, x: torch.Tensor, head_dim: int, rot_rows: int):
             heads = y[:, :rot_rows].unflatten(1, (-1, head_dim))
             return fused_kernels.rotate(heads, cos, sin, out=heads)
 
-        return ((lambda w: gemv_rope(x, w, None, cos, sin, rot_rows)), unfused,
-                (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, None, "rope", cos, sin, rot_rows)),
-                norm_first(lambda xn, w: gemv_rope(xn, w, None, cos, sin, rot_rows)))  # fmt: skip
+        return (
+            (lambda w: gemv_rope(x, w, None, cos, sin, rot_rows)),
+            unfused,
+            (lambda w: add_norm_linear(x, residual, norm_weight, 1e-6, w, None, "rope", cos, sin, rot_rows)),
+            norm_first(lambda xn, w: gemv_rope(xn, w, None, cos, sin, rot_rows)),
+        )
     return None
 
 
-def bench(n: int, k: int, rows: list[int], sweep: bool, layer: str = "", head_dim: int = 0,
-          rot_rows: int = 0) -> dict:  # fmt: skip
+def bench(n: int, k: int, rows: list[int], sweep: bool, layer: str = "", head_dim: int = 0, rot_rows: int = 0) -> dict:
     nbytes = n * k * 2
     copies = max(2, min(64, -(-(256 << 20) // nbytes)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows}
     x = xs.get(1, torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
-    result = {"n": n, "k": k, "default": default_config(n, k),
-              "cublas_us": {m: time_us(lambda w, m=m: F.linear(xs[m], w), weights) for m in rows},
-              "kiln_us": time_us(lambda w: gemv(x, w), weights),
-              "kiln_no_pdl_us": with_pdl(False, lambda: time_us(lambda w: gemv(x, w), weights))}  # fmt: skip
+    result = {
+        "n": n,
+        "k": k,
+        "default": default_config(n, k),
+        "cublas_us": {m: time_us(lambda w, m=m: F.linear(xs[m], w), weights) for m in rows},
+        "kiln_us": time_us(lambda w: gemv(x, w), weights),
+        "kiln_no_pdl_us": with_pdl(False, lambda: time_us(lambda w: gemv(x, w), weights)),
+    }
     fns = epilogue_fns(layer, x, head_dim, rot_rows)
     if fns is not None:  # the layer's one-row kernel with its epilogue inside, against it followed by its kernel
         times = [time_us(fn, weights) for fn in fns]
@@ -124,8 +138,10 @@ def main() -> None:
     args = parser.parse_args()
     gemv_module.NORM_MAX_K = 1 << 30  # "+norm": the norm inside the matmul at every K, not only where models put it
     rows = [int(m) for m in args.rows.split(",")]
-    print(f"\none-row matmul, bf16, CUDA graph, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1")  # fmt: skip
+    print(
+        f"\none-row matmul, bf16, CUDA graph, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}; util = weight bytes / time / 4.3 TB/s; kiln at M=1"
+    )
     header = f"{'model':14} {'layer':8} {'N':>6} {'K':>6} " + " ".join(f"{f'cuBLAS M={m}':>12}" for m in rows)
     header += f" {'util':>5} {'kiln us':>8} {'util':>5} {'no PDL':>7} {'+epilogue':>9} {'unfused':>8}"
     header += f" {'+norm':>7} {'norm, then':>10}"
@@ -143,11 +159,17 @@ def main() -> None:
                 return f"{n * k * 2 / (us * 1e-6) / PEAK_BYTES_PER_S:5.0%}"
 
             cublas = r["cublas_us"]
-            epilogue = (f" {r['fused_us']:9.2f} {r['unfused_us']:8.2f} {r['norm_fused_us']:7.2f} "
-                        f"{r['norm_unfused_us']:10.2f}" if "fused_us" in r else "")  # fmt: skip
-            line = (f"{model:14} {layer:8} {n:6} {k:6} " + " ".join(f"{cublas[m]:12.2f}" for m in rows)
-                    + f" {util(cublas[rows[0]])} {r['kiln_us']:8.2f} {util(r['kiln_us'])} {r['kiln_no_pdl_us']:7.2f}"
-                    + epilogue)  # fmt: skip
+            epilogue = (
+                f" {r['fused_us']:9.2f} {r['unfused_us']:8.2f} {r['norm_fused_us']:7.2f} {r['norm_unfused_us']:10.2f}"
+                if "fused_us" in r
+                else ""
+            )
+            line = (
+                f"{model:14} {layer:8} {n:6} {k:6} "
+                + " ".join(f"{cublas[m]:12.2f}" for m in rows)
+                + f" {util(cublas[rows[0]])} {r['kiln_us']:8.2f} {util(r['kiln_us'])} {r['kiln_no_pdl_us']:7.2f}"
+                + epilogue
+            )
             if args.sweep:
                 line += f" {r['best_us']:8.2f} {util(r['best_us'])}  {r['best']}"
             print(line, flush=True)

@@ -1,7 +1,8 @@
 """Decode latency: tokens/s and memory-bandwidth use at batch 1, 8, 64, in eager, compiled, and
 compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + compile) as the peer.
 
-Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s.
+Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s, counting what a step reads: every
+weight once, but of an untied input embedding only the batch's rows (`weight_bytes_read`).
 
     python scripts/bench/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
     python scripts/bench/bench_latency.py --model llama-3.1-8b --modes graphs --batches 1 --prompt-lens 32,2048,8192
@@ -38,11 +39,22 @@ MODES = {
 }
 
 
+def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
+    """The weight bytes a decode step of `num_tokens` tokens reads on one GPU: every parameter (a tied embedding once:
+    the LM head reads it whole), except that an untied input embedding gives only one row a token."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if embed is not head:
+        row = embed.shape[1] * embed.element_size()
+        weights -= embed.numel() * embed.element_size() - min(num_tokens, embed.shape[0]) * row
+    return weights
+
+
 def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weights = weight_bytes_read(llm.engine.executor.model, batch)
     c = llm.engine.model_config
     avg_context = prompt_len + DECODE_STEPS / 2
-    kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.shard.size)  # under TP: what one GPU reads
+    kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.executor.shard.size)  # under TP: what one GPU reads
     kv = 2 * c.num_layers * kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
     return weights + kv
 
@@ -65,8 +77,11 @@ def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> t
     llm.engine.step_timing = type(llm.engine.step_timing)()
     long = timed(DECODE_STEPS + 1)
     t = llm.engine.step_timing
-    print(f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
-          f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step", flush=True)
+    print(
+        f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
+        f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step",
+        flush=True,
+    )
     step = (long - timed(1)) / DECODE_STEPS  # prefill cancels out
     return batch / step, step_bytes(llm, batch, prompt_len) / step / PEAK_BYTES_PER_S
 
@@ -113,17 +128,28 @@ def breakdown(llm: LLM, batch: int, steps: int = 64) -> dict:
     engine.abort_requests(list(engine.scheduler.requests))
     while engine.has_unfinished_requests():
         engine.step()
-    return {"batch": batch, "step_ms": wall * 1e3, "host_ms": timing.host_seconds / timing.steps * 1e3,
-            "wait_ms": timing.wait_seconds / timing.steps * 1e3, "kernel_ms": kernel * 1e3,
-            "gpu_idle": max(0.0, 1 - kernel / wall), "tokens_per_s": batch / wall}  # fmt: skip
+    return {
+        "batch": batch,
+        "step_ms": wall * 1e3,
+        "host_ms": timing.host_seconds / timing.steps * 1e3,
+        "wait_ms": timing.wait_seconds / timing.steps * 1e3,
+        "kernel_ms": kernel * 1e3,
+        "gpu_idle": max(0.0, 1 - kernel / wall),
+        "tokens_per_s": batch / wall,
+    }
 
 
 def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> list[dict]:
     rows = []
     for mode in args.modes.split(","):
         for async_scheduling in (False, True):
-            kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
-                          gpu_memory_utilization=0.8, async_scheduling=async_scheduling)  # fmt: skip
+            kwargs = dict(
+                MODES[mode],
+                max_model_len=args.max_model_len,
+                max_num_seqs=max(batches),
+                gpu_memory_utilization=0.8,
+                async_scheduling=async_scheduling,
+            )
             if mode == "graphs" and sizes:
                 kwargs["cudagraph_capture_sizes"] = sizes
             llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
@@ -131,9 +157,12 @@ def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> li
                 row = breakdown(llm, batch)
                 row["mode"] = f"{mode}{' + async' if async_scheduling else ''}"
                 rows.append(row)
-                print(f"{row['mode']:<18} {batch:>5} step {row['step_ms']:7.3f} ms  host {row['host_ms']:7.3f}  "
-                      f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
-                      f"{row['tokens_per_s']:9.0f} tok/s", flush=True)  # fmt: skip
+                print(
+                    f"{row['mode']:<18} {batch:>5} step {row['step_ms']:7.3f} ms  host {row['host_ms']:7.3f}  "
+                    f"wait {row['wait_ms']:7.3f}  kernels {row['kernel_ms']:7.3f}  GPU idle {row['gpu_idle']:4.0%}  "
+                    f"{row['tokens_per_s']:9.0f} tok/s",
+                    flush=True,
+                )
             llm.close()  # (its KV cache too: the next mode's engine sizes its own from what is free)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -179,8 +208,14 @@ def hf_tokens_per_s(model_name: str, batch: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           cache_implementation="static", pad_token_id=0)  # fmt: skip
+            model.generate(
+                ids,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -199,9 +234,12 @@ def main() -> None:
     p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
     p.add_argument("--json")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--prompt-lens", default=str(PROMPT_LEN),
-                   help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
-                   "this much context and more; the model length grows to fit the longest)")  # fmt: skip
+    p.add_argument(
+        "--prompt-lens",
+        default=str(PROMPT_LEN),
+        help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
+        "this much context and more; the model length grows to fit the longest)",
+    )
     p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
     p.add_argument("--plot", help="PNG path for the breakdown plot")
     p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
@@ -229,30 +267,51 @@ def main() -> None:
         return
     rows = []
     for mode in args.modes.split(","):
-        kwargs = dict(MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches),
-                      gpu_memory_utilization=0.8)  # fmt: skip
+        kwargs = dict(
+            MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches), gpu_memory_utilization=0.8
+        )
         if mode == "graphs" and sizes:
             kwargs["cudagraph_capture_sizes"] = sizes
         llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
         for prompt_len in prompt_lens:
             for batch in batches:
                 tps, util = decode_tokens_per_s(llm, batch, prompt_len)
-                rows.append({"engine": f"kiln {mode}", "batch": batch, "prompt": prompt_len, "tokens_per_s": tps,
-                             "bw_util": util, "startup_s": llm.engine.startup_seconds})  # fmt: skip
+                rows.append(
+                    {
+                        "engine": f"kiln {mode}",
+                        "batch": batch,
+                        "prompt": prompt_len,
+                        "tokens_per_s": tps,
+                        "bw_util": util,
+                        "startup_s": llm.engine.startup_stats["total_seconds"],
+                    }
+                )
         llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
         del llm
     if args.hf:
         for batch in (int(b) for b in args.hf_batches.split(",")):
             tps = hf_tokens_per_s(args.model, batch)
-            rows.append({"engine": "hf static+compile", "batch": batch, "prompt": PROMPT_LEN, "tokens_per_s": tps,
-                         "bw_util": float("nan"), "startup_s": float("nan")})  # fmt: skip
-    print(f"\ndecode latency: {args.model}, bf16, dummy weights, {DECODE_STEPS} steps after the prompt, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
-          f"(BW util: what one GPU reads)")  # fmt: skip
+            rows.append(
+                {
+                    "engine": "hf static+compile",
+                    "batch": batch,
+                    "prompt": PROMPT_LEN,
+                    "tokens_per_s": tps,
+                    "bw_util": float("nan"),
+                    "startup_s": float("nan"),
+                }
+            )
+    print(
+        f"\ndecode latency: {args.model}, bf16, dummy weights, {DECODE_STEPS} steps after the prompt, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
+        f"(BW util: what one GPU reads)"
+    )
     print(f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
     for r in rows:
-        print(f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
-              f"{r['startup_s']:>10.1f}")  # fmt: skip
+        print(
+            f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
+            f"{r['startup_s']:>10.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

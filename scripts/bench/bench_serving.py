@@ -29,8 +29,14 @@ def make_requests(num: int, input_len: int, output_len: int, vocab: int, seed: i
 
 
 async def one_request(session, url, model, prompt, max_tokens, api_key, results) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
     times: list[float] = []
@@ -44,8 +50,14 @@ async def one_request(session, url, model, prompt, max_tokens, api_key, results)
             if raw.startswith(b"data: {") and _NONEMPTY_TEXT.search(raw):
                 times.append(time.perf_counter())
     end = time.perf_counter()
-    results.append({"ttft": times[0] - start if times else end - start, "e2e": end - start, "tokens": max_tokens,
-                    "itl": [b - a for a, b in zip(times, times[1:])]})  # fmt: skip
+    results.append(
+        {
+            "ttft": times[0] - start if times else end - start,
+            "e2e": end - start,
+            "tokens": max_tokens,
+            "itl": [b - a for a, b in zip(times, times[1:])],
+        }
+    )
 
 
 async def run_load(args, requests) -> tuple[list[dict], float]:
@@ -103,8 +115,12 @@ def main() -> None:
     p.add_argument("--offline-model", default=None, help="also run the requests offline with LLM(this model)")
     p.add_argument("--offline-only", action="store_true", help="skip HTTP (run after the server is stopped)")
     p.add_argument("--tokenizer", default=None, help="the offline run's tokenizer directory (give it the server's)")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="the API server's pid: report its CPU share and its engine core's while loaded")  # fmt: skip
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="the API server's pid: report its CPU share and its engine core's while loaded",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     if args.model is None and not args.offline_only:
@@ -121,13 +137,18 @@ def main() -> None:
     tpot = [(r["e2e"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok]
     itl = [x for r in ok for x in r["itl"]]
     summary = {
-        "requests": len(results), "errors": len(results) - len(ok), "seconds": elapsed,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "seconds": elapsed,
         "output_tokens_per_s": tokens / elapsed,
-        "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5), "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
-        "tpot_p50_ms": 1e3 * pct(tpot, 0.5), "tpot_p99_ms": 1e3 * pct(tpot, 0.99),
-        "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
+        "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
+        "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
+        "tpot_p50_ms": 1e3 * pct(tpot, 0.5),
+        "tpot_p99_ms": 1e3 * pct(tpot, 0.99),
+        "itl_p50_ms": 1e3 * pct(itl, 0.5),
+        "itl_p99_ms": 1e3 * pct(itl, 0.99),
         "mean_e2e_s": statistics.fmean(r["e2e"] for r in ok) if ok else float("nan"),
-    }  # fmt: skip
+    }
     # A share near 1.0 means that process (one Python thread doing most of the work) limits the run.
     for name, before, after in zip(("api_server_cpu_share", "engine_core_cpu_share"), cpu_before, cpu_after):
         summary[name] = (after - before) / elapsed
@@ -141,8 +162,10 @@ def main() -> None:
         summary["offline_tokens_per_s"] = tokens / (time.perf_counter() - start)
         if not args.offline_only:
             summary["http_share_of_offline"] = summary["output_tokens_per_s"] / summary["offline_tokens_per_s"]
-    print(f"\nserving: {args.model} at {args.url}, {args.num_requests} requests, input {args.input_len}, "
-          f"output {args.output_len}, rate {args.rate or 'inf'}/s, concurrency {args.concurrency}")  # fmt: skip
+    print(
+        f"\nserving: {args.model} at {args.url}, {args.num_requests} requests, input {args.input_len}, "
+        f"output {args.output_len}, rate {args.rate or 'inf'}/s, concurrency {args.concurrency}"
+    )
     for key, value in summary.items():
         print(f"  {key:<24} {value:>12.2f}" if isinstance(value, float) else f"  {key:<24} {value:>12}")
     if args.json:

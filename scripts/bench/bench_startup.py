@@ -21,8 +21,15 @@ import tempfile
 import time
 
 # (warm_up: the dummy steps before capture, the Dynamo trace and Inductor among them on a cold start)
-STAGES = ["load_seconds", "dynamo_seconds", "inductor_seconds", "cache_load_seconds", "kv_sizing_seconds",
-          "warm_up_seconds", "capture_seconds"]  # fmt: skip
+STAGES = [
+    "load_seconds",
+    "dynamo_seconds",
+    "inductor_seconds",
+    "cache_load_seconds",
+    "kv_sizing_seconds",
+    "warm_up_seconds",
+    "capture_seconds",
+]
 
 
 PYCACHE = os.path.join(tempfile.gettempdir(), "kiln-bench-pycache")
@@ -31,8 +38,15 @@ PYCACHE = os.path.join(tempfile.gettempdir(), "kiln-bench-pycache")
 def fill_bytecode_cache() -> None:
     env = {**os.environ, "PYTHONPYCACHEPREFIX": PYCACHE}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    subprocess.run([sys.executable, "-c", "import kiln.engine.core.engine_core, kiln.compile.saved_graph, "
-                    "torch._inductor.standalone_compile"], env=env, check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import kiln.engine.core.engine_core, kiln.compile.saved_graph, torch._inductor.standalone_compile",
+        ],
+        env=env,
+        check=True,
+    )
 
 
 # A profiled start also lists every Triton kernel it compiles (not found in Triton's cache), with its seconds and
@@ -68,19 +82,38 @@ def start_once(model: str, cache_dir: str, extra: dict, profile: str | None = No
         " flush=True)"
     )
     if profile:
-        code = (f"{LOG_TRITON_COMPILES}\nimport cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); "
-                f"p.disable(); f = open({profile!r}, 'w'); f.writelines(COMPILED); s = pstats.Stats(p, stream=f); "
-                "s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(40); "
-                "s.print_callers('make_cubin'); f.close()")  # fmt: skip
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
-           "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"), "PYTHONPYCACHEPREFIX": PYCACHE}  # fmt: skip
+        code = (
+            f"{LOG_TRITON_COMPILES}\nimport cProfile, pstats; p = cProfile.Profile(); p.enable(); exec({code!r}); "
+            f"p.disable(); f = open({profile!r}, 'w'); f.writelines(COMPILED); s = pstats.Stats(p, stream=f); "
+            "s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(40); "
+            "s.print_callers('make_cubin'); f.close()"
+        )
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+        "PYTHONPYCACHEPREFIX": PYCACHE,
+    }
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryFile("w+") as stderr:
         start = time.perf_counter()
         command = [sys.executable, "-c", code]
         if py_spy:
-            command = ["py-spy", "record", "--native", "--idle", "--threads", "--rate", "250", "--format", "raw",
-                       "--output", py_spy, "--", *command]  # fmt: skip
+            command = [
+                "py-spy",
+                "record",
+                "--native",
+                "--idle",
+                "--threads",
+                "--rate",
+                "250",
+                "--format",
+                "raw",
+                "--output",
+                py_spy,
+                "--",
+                *command,
+            ]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         line = process.stdout.readline()  # the stats, printed once the engine is ready
         while line and not line.startswith("{"):  # (py-spy's own lines)
@@ -106,11 +139,18 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--json")
     p.add_argument("--profile-warm", metavar="PREFIX", help="profile each warm start (cProfile), to PREFIX_MODEL.txt")
-    p.add_argument("--prime", action="store_true",
-                   help="one unmeasured start of the first model first (in a cache of its own), so no measured "
-                   "cold start also pays for the machine's cold OS caches (6-8 s of the first start on the H200)")
-    p.add_argument("--py-spy", metavar="PREFIX", help="then one more warm start (not measured) sampled by py-spy, its "
-                   "collapsed stacks to PREFIX_MODEL.txt (py-spy on PATH; `scripts/dev/pyspy_summary.py` reads them)")
+    p.add_argument(
+        "--prime",
+        action="store_true",
+        help="one unmeasured start of the first model first (in a cache of its own), so no measured "
+        "cold start also pays for the machine's cold OS caches (6-8 s of the first start on the H200)",
+    )
+    p.add_argument(
+        "--py-spy",
+        metavar="PREFIX",
+        help="then one more warm start (not measured) sampled by py-spy, its "
+        "collapsed stacks to PREFIX_MODEL.txt (py-spy on PATH; `scripts/dev/pyspy_summary.py` reads them)",
+    )
     args = p.parse_args()
     fill_bytecode_cache()
     if args.prime:
@@ -132,14 +172,19 @@ def main() -> None:
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     print(f"{model}: no py-spy profile ({type(e).__name__}: {str(e)[-500:]})", flush=True)
         rows += [{"model": model, "start": "cold", **cold}, {"model": model, "start": "warm", **warm}]
-    print(f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "
-          + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)
-          + f" {'compiles':>9} {'hits':>5} {'graphs':>7} {'triton':>7}")  # fmt: skip
+    print(
+        f"\n{'model':<14} {'start':<5} {'wall s':>7} {'imports':>8} {'engine':>7} "
+        + " ".join(f"{s.removesuffix('_seconds'):>10}" for s in STAGES)
+        + f" {'compiles':>9} {'hits':>5} {'graphs':>7} {'triton':>7}"
+    )
     for r in rows:
-        print(f"{r['model']:<14} {r['start']:<5} {r['wall_seconds']:>7.1f} {r['import_seconds']:>8.1f} "
-              f"{r['total_seconds']:>7.1f} " + " ".join(f"{r[s]:>10.1f}" for s in STAGES)
-              + f" {r['inductor_compiles']:>9} {r['cache_hits']:>5} {r['cudagraphs_captured']:>7}"
-              f" {r.get('triton_compiles', -1):>7}")  # fmt: skip
+        print(
+            f"{r['model']:<14} {r['start']:<5} {r['wall_seconds']:>7.1f} {r['import_seconds']:>8.1f} "
+            f"{r['total_seconds']:>7.1f} "
+            + " ".join(f"{r[s]:>10.1f}" for s in STAGES)
+            + f" {r['inductor_compiles']:>9} {r['cache_hits']:>5} {r['cudagraphs_captured']:>7}"
+            f" {r.get('triton_compiles', -1):>7}"
+        )
     for model in dict.fromkeys(r["model"] for r in rows):
         cold, warm = (r["wall_seconds"] for r in rows if r["model"] == model)
         print(f"{model}: warm / cold = {warm / cold:.2f}")

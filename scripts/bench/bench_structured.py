@@ -33,8 +33,11 @@ from kiln.engine.text.tokenizer import synthetic_tokenizer
 
 PROMPT_LEN = 32
 WARMUP_STEPS = 4  # prefill and the first decodes are not timed
-SCHEMA = {"type": "object", "required": ["values"],
-          "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["values"],
+    "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}},
+}
 
 
 def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_scheduling: bool) -> dict:
@@ -42,8 +45,9 @@ def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_sched
     engine = llm.engine
     engine.async_scheduling = async_scheduling  # NOTE: read at every step; the bench flips it between runs
     so = StructuredOutputParams(json=SCHEMA) if constrained else None
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=WARMUP_STEPS + steps + 2, ignore_eos=True,
-                            structured_output=so)  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=WARMUP_STEPS + steps + 2, ignore_eos=True, structured_output=so
+    )
     vocab = min(engine.model_config.vocab_size, 1000)
     for i in range(batch):
         engine.add_request(f"bench-{batch}-{i}", [(7 * i + j) % vocab + 1 for j in range(PROMPT_LEN)], params)
@@ -60,7 +64,7 @@ def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_sched
     try:
         ends, fills, tokens = [time.perf_counter()], [0.0], {}  # after each step: the clock, the fill total
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
             ends.append(time.perf_counter())
             fills.append(fill_seconds)
@@ -69,8 +73,10 @@ def timed_steps(llm: LLM, batch: int, steps: int, constrained: bool, async_sched
         GrammarBitmask.fill = fill
     first, last = WARMUP_STEPS, WARMUP_STEPS + steps
     if min(tokens.values()) < params.max_tokens or len(ends) <= last:
-        raise RuntimeError(f"batch {batch}: a request stopped after {min(tokens.values())} of {params.max_tokens} "
-                           "tokens, so the batch shrank inside the timed steps")
+        raise RuntimeError(
+            f"batch {batch}: a request stopped after {min(tokens.values())} of {params.max_tokens} "
+            "tokens, so the batch shrank inside the timed steps"
+        )
     return {"step_ms": 1e3 * (ends[last] - ends[first]) / steps, "fill_ms": 1e3 * (fills[last] - fills[first]) / steps}
 
 
@@ -84,9 +90,13 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.2-1b", help="a preset (dummy weights) or a local model directory")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per run")
-    p.add_argument("--vocab", choices=["synthetic", "model"], default=None,
-                   help="synthetic: a made-up vocabulary of the model's size (default for presets); "
-                        "model: the model's own tokenizer (default for directories)")  # fmt: skip
+    p.add_argument(
+        "--vocab",
+        choices=["synthetic", "model"],
+        default=None,
+        help="synthetic: a made-up vocabulary of the model's size (default for presets); "
+        "model: the model's own tokenizer (default for directories)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="default on CPU; CUDA graphs otherwise")
     p.add_argument("--json")
     args = p.parse_args()
@@ -94,8 +104,11 @@ def main() -> None:
     source = resolve_model(args.model)
     vocab = args.vocab or ("synthetic" if source.is_preset else "model")
     on_gpu = torch.cuda.is_available()
-    kwargs = dict(max_model_len=PROMPT_LEN + WARMUP_STEPS + args.steps + 16, max_num_seqs=max(batches),
-                  enforce_eager=args.enforce_eager or not on_gpu)  # fmt: skip
+    kwargs = dict(
+        max_model_len=PROMPT_LEN + WARMUP_STEPS + args.steps + 16,
+        max_num_seqs=max(batches),
+        enforce_eager=args.enforce_eager or not on_gpu,
+    )
     if on_gpu:
         kwargs["gpu_memory_utilization"] = 0.8
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,8 +127,11 @@ def main() -> None:
         rows = []
         for batch in batches:
             row = {"batch": batch}
-            for name, constrained, use_async in (("async", False, True), ("sync", False, False),
-                                                 ("constrained", True, True)):  # fmt: skip
+            for name, constrained, use_async in (
+                ("async", False, True),
+                ("sync", False, False),
+                ("constrained", True, True),
+            ):
                 result = timed_steps(llm, batch, args.steps, constrained, use_async)
                 row[f"{name}_ms"] = result["step_ms"]
                 if constrained:
@@ -123,20 +139,36 @@ def main() -> None:
             rows.append(row)
     device = torch.cuda.get_device_name() if on_gpu else "CPU"
     mode = "eager" if kwargs["enforce_eager"] else "CUDA graphs"
-    print(f"\nstructured output: {args.model} ({'dummy weights' if source.is_preset else 'checkpoint'}), {mode}, "
-          f"{device}, torch {torch.__version__}, {vocab} vocabulary of {source.model_config.vocab_size}, "
-          f"prompt {PROMPT_LEN}, {args.steps} decode steps")  # fmt: skip
+    print(
+        f"\nstructured output: {args.model} ({'dummy weights' if source.is_preset else 'checkpoint'}), {mode}, "
+        f"{device}, torch {torch.__version__}, {vocab} vocabulary of {source.model_config.vocab_size}, "
+        f"prompt {PROMPT_LEN}, {args.steps} decode steps"
+    )
     print(f"grammar compile: first {first_compile_s:.2f} s (tokenizer included), next {compile_s * 1e3:.0f} ms")
-    print(f"{'batch':>5} {'unconstr. ms':>12} {'sync ms':>8} {'constr. ms':>10} {'mask fill ms':>12} "
-          f"{'vs sync':>8} {'vs async':>8}")  # fmt: skip
+    print(
+        f"{'batch':>5} {'unconstr. ms':>12} {'sync ms':>8} {'constr. ms':>10} {'mask fill ms':>12} "
+        f"{'vs sync':>8} {'vs async':>8}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['async_ms']:>12.2f} {r['sync_ms']:>8.2f} {r['constrained_ms']:>10.2f} "
-              f"{r['fill_ms']:>12.2f} {r['constrained_ms'] / r['sync_ms'] - 1:>+8.0%} "
-              f"{r['constrained_ms'] / r['async_ms'] - 1:>+8.0%}")  # fmt: skip
+        print(
+            f"{r['batch']:>5} {r['async_ms']:>12.2f} {r['sync_ms']:>8.2f} {r['constrained_ms']:>10.2f} "
+            f"{r['fill_ms']:>12.2f} {r['constrained_ms'] / r['sync_ms'] - 1:>+8.0%} "
+            f"{r['constrained_ms'] / r['async_ms'] - 1:>+8.0%}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "device": device, "vocab": vocab, "first_compile_s": first_compile_s,
-                       "compile_s": compile_s, "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "model": args.model,
+                    "device": device,
+                    "vocab": vocab,
+                    "first_compile_s": first_compile_s,
+                    "compile_s": compile_s,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

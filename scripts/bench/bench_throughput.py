@@ -24,18 +24,25 @@ from kiln.engine.models.source import resolve_model
 
 def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, min(vocab, 10000) - 1) for _ in range(rng.randint(min_len, max_len))]
-               for _ in range(num_seqs)]  # fmt: skip
+    prompts = [
+        [rng.randint(0, min(vocab, 10000) - 1) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)
+    ]
     output_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     return prompts, output_lens
 
 
 def bench_kiln(args, prompts, output_lens) -> dict:
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
-              dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              cudagraph_capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",")),
-              async_scheduling=not args.no_async_scheduling)  # fmt: skip
+    llm = LLM(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        cudagraph_capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",")),
+        async_scheduling=not args.no_async_scheduling,
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     sync()
@@ -48,10 +55,17 @@ def bench_kiln(args, prompts, output_lens) -> dict:
     assert num_out == sum(output_lens)
     t = llm.engine.step_timing
     mode = "eager" if args.enforce_eager else "compiled+graphs"
-    return {"engine": f"kiln {mode}{'' if args.no_async_scheduling else ' + async'}", "seconds": elapsed,
-            "output_tokens": num_out, "tokens_per_s": num_out / elapsed, "steps": t.steps,
-            "host_s": t.host_seconds, "wait_s": t.wait_seconds,
-            "preemptions": llm.engine.scheduler.num_preemptions, "kv_blocks": llm.engine.num_kv_blocks}  # fmt: skip
+    return {
+        "engine": f"kiln {mode}{'' if args.no_async_scheduling else ' + async'}",
+        "seconds": elapsed,
+        "output_tokens": num_out,
+        "tokens_per_s": num_out / elapsed,
+        "steps": t.steps,
+        "host_s": t.host_seconds,
+        "wait_s": t.wait_seconds,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        "kv_blocks": llm.engine.num_kv_blocks,
+    }
 
 
 def bench_hf(args, prompts, output_lens) -> dict:
@@ -69,8 +83,15 @@ def bench_hf(args, prompts, output_lens) -> dict:
         ids = torch.tensor([[0] * (prompt_len - len(p)) + p for p in batch], device="cuda")
         mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in batch], device="cuda")
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                                 do_sample=False, cache_implementation="static", pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
         return (out.shape[1] - prompt_len) * len(batch)
 
     run(batches[0], new_tokens)  # warm-up: includes torch.compile of the decode step
@@ -79,8 +100,12 @@ def bench_hf(args, prompts, output_lens) -> dict:
     num_out = sum(run(b, new_tokens) for b in batches)
     sync()
     elapsed = time.perf_counter() - start
-    return {"engine": f"hf generate (static cache + compile, batch {args.hf_batch})", "seconds": elapsed,
-            "output_tokens": num_out, "tokens_per_s": num_out / elapsed}  # fmt: skip
+    return {
+        "engine": f"hf generate (static cache + compile, batch {args.hf_batch})",
+        "seconds": elapsed,
+        "output_tokens": num_out,
+        "tokens_per_s": num_out / elapsed,
+    }
 
 
 def sync() -> None:
@@ -113,16 +138,20 @@ def main() -> int:
     if args.hf:
         results.append(bench_hf(args, prompts, output_lens))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\nthroughput: {args.model} ({args.dtype}), {args.num_seqs} seqs, "
-          f"lengths U[{args.min_len}, {args.max_len}], "
-          f"{'eager' if args.enforce_eager else 'compiled'}, {device}, torch {torch.__version__}")  # fmt: skip
+    print(
+        f"\nthroughput: {args.model} ({args.dtype}), {args.num_seqs} seqs, "
+        f"lengths U[{args.min_len}, {args.max_len}], "
+        f"{'eager' if args.enforce_eager else 'compiled'}, {device}, torch {torch.__version__}"
+    )
     print(f"{'engine':<48} {'output tokens':>14} {'seconds':>9} {'tokens/s':>10}")
     for r in results:
         print(f"{r['engine']:<48} {r['output_tokens']:>14} {r['seconds']:>9.2f} {r['tokens_per_s']:>10.0f}")
     if "steps" in results[0]:
         r = results[0]
-        print(f"kiln: {r['steps']} steps, host {r['host_s']:.2f} s, waiting for the GPU {r['wait_s']:.2f} s, "
-              f"{r['preemptions']} preemptions, {r['kv_blocks']} KV blocks")  # fmt: skip
+        print(
+            f"kiln: {r['steps']} steps, host {r['host_s']:.2f} s, waiting for the GPU {r['wait_s']:.2f} s, "
+            f"{r['preemptions']} preemptions, {r['kv_blocks']} KV blocks"
+        )
     if args.json:
         with open(args.json, "a") as f:
             for r in results:

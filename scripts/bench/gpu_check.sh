@@ -5,26 +5,22 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
-#   | timeline (TIMELINE_SHAPES=64x256,...: the decode programs' own time stamps, scripts/dev/decode_timeline.py;
-#     TIMELINE_CONFIGS=,32x2x3 launch configs as CONFIG_SWEEP's, the empty one the default; TIMELINE_CONTIGUOUS=1 also
-#     each request's pages in order)
+#   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
+#     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
 # LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths),
 # KERNEL_TESTS=0 the kernel tests out of `tests` (their limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most
 # of it),
-# PROFILE_HOST=1 adds a cProfile of the host to a profile step, SPLIT_SWEEP=1,2,4,8 a split-count sweep to `attention`
-# (MIN_SPLIT_SWEEP=64,128 one of the smallest split size, CONFIG_SWEEP=64x4x3,128x8x2 one of tile x warps x
-# stages; ATTENTION_SHAPES=64x256,1x32768 only those points; ATTENTION_TIMEOUT=200 its limit,
-# ATTENTION_PREFILL=1 adds the prefill points, ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes).
+# PROFILE_HOST=1 adds a cProfile of the host to a profile step; ATTENTION_SHAPES=64x256,1x32768 only those points of
+# `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
+# ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes.
 # Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
-# env:KILN_DECODE_DELAY=START,TILE (before attention or timeline): the decode kernel's delay probe, SM cycles spun at
-# each program's start and after each key tile (what its time hangs on; BENCHMARKS.md, seventeenth session).
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
-# (e.g. on nvidia-h200-x2: TP=2 bash scripts/bench/gpu_check.sh gputests:tests/test_gpu_tensor_parallel.py
+# (e.g. on nvidia-h200-x2: TP=2 bash scripts/bench/gpu_check.sh gputests:tests/engine/core/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
 # A step past its time limit gets SIGABRT first: with PYTHONFAULTHANDLER set, its log ends with every thread's
 # Python stack (where it hung), then SIGKILL 15 s later.
@@ -75,7 +71,7 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
       [ "${KERNEL_TESTS:-1}" = 0 ] && continue
-      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/test_fused_kernels.py tests/test_attention.py 2>&1 \
+      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/backends/kernels/test_fused_kernels.py tests/backends/attention/test_attention.py 2>&1 \
         | tee "$OUT/pytest_kernels.log" | tail -n 5
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
     startup)
@@ -85,8 +81,8 @@ for step in $steps; do
       tail -n 6 "$OUT/startup.log" >> "$summary" ;;
     attention)
       base=$(fresh "$OUT/attention$tag")
-      timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/bench/bench_attention.py ${SPLIT_SWEEP:+--split-sweep $SPLIT_SWEEP} \
-        ${MIN_SPLIT_SWEEP:+--min-split-sweep $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--config-sweep $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
+      timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/bench/bench_attention.py \
+        ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
       echo "-- attention${tag}" >> "$summary"
       grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
     ncu)
@@ -96,12 +92,12 @@ for step in $steps; do
         --section WarpStateStats --section SchedulerStats ${NCU_ARGS:-} \
         python3 scripts/dev/ncu_decode.py ${NCU_SHAPES:+--shapes $NCU_SHAPES} > "$OUT/ncu.txt" 2>&1
       echo "ncu: rc $? ($(grep -c . "$OUT/ncu.txt") lines)" >> "$summary" ;;
-    timeline)
-      # each decode program's stamps: start, metadata, PDL wait, K/V write, each tile, end (TIMELINE_SHAPES=64x256,...)
-      base=$(fresh "$OUT/timeline$tag")
-      timeout -s ABRT -k 15 ${TIMELINE_TIMEOUT:-200} python3 scripts/dev/decode_timeline.py ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} ${TIMELINE_CONFIGS:+--configs $TIMELINE_CONFIGS} ${TIMELINE_CONTIGUOUS:+--contiguous} \
-        --raw "$base.pt" > "$base.log" 2>&1
-      echo "timeline$tag: rc $?" >> "$summary"; cat "$base.log" >> "$summary" ;;
+    sweep)
+      base=$(fresh "$OUT/sweep$tag")
+      timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/dev/sweep_decode.py ${SPLIT_SWEEP:+--splits $SPLIT_SWEEP} \
+        ${MIN_SPLIT_SWEEP:+--min-split $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--configs $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} \
+        ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} 2>&1 | tee "$base.log" | tail -n 30
+      echo "-- sweep${tag}" >> "$summary"; grep -A60 "^decode kernel alone" "$base.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60

@@ -47,8 +47,12 @@ def _children(pid: int) -> list[int]:
 
 async def worker(session, args, stats, deadline, rng) -> None:
     while time.monotonic() < deadline:
-        body = {"prompt": [rng.randint(10, args.vocab - 1) for _ in range(rng.randint(16, args.max_input))],
-                "max_tokens": rng.randint(8, args.max_output), "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "prompt": [rng.randint(10, args.vocab - 1) for _ in range(rng.randint(16, args.max_input))],
+            "max_tokens": rng.randint(8, args.max_output),
+            "ignore_eos": True,
+            "stream": True,
+        }
         cancel_at = rng.randint(1, 20) if rng.random() < args.cancel_fraction else None
         try:
             async with session.post(f"{args.url}/v1/completions", json=body) as resp:
@@ -73,10 +77,12 @@ async def worker(session, args, stats, deadline, rng) -> None:
 async def soak(args) -> dict:
     stats = {"served": 0, "cancelled": 0, "errors": 0}
     deadline = time.monotonic() + args.minutes * 60
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:  # fmt: skip
-        await asyncio.gather(*(worker(session, args, stats, deadline, random.Random(i))
-                               for i in range(args.concurrency)))  # fmt: skip
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        await asyncio.gather(
+            *(worker(session, args, stats, deadline, random.Random(i)) for i in range(args.concurrency))
+        )
     return stats
 
 
@@ -98,9 +104,13 @@ def main() -> None:
     deadline = time.time() + 60
     while time.time() < deadline and metric(args.url, "kiln_num_requests_running") > 0:
         time.sleep(0.5)
-    result = {**stats, "rss_before_mib": rss_before, "rss_after_mib": rss_mib(args.server_pid),
-              "kv_free_blocks_baseline": baseline_blocks,
-              "kv_free_blocks_after": metric(args.url, "kiln_kv_cache_free_blocks")}  # fmt: skip
+    result = {
+        **stats,
+        "rss_before_mib": rss_before,
+        "rss_after_mib": rss_mib(args.server_pid),
+        "kv_free_blocks_baseline": baseline_blocks,
+        "kv_free_blocks_after": metric(args.url, "kiln_kv_cache_free_blocks"),
+    }
     result["kv_back_to_baseline"] = result["kv_free_blocks_after"] == baseline_blocks
     print(json.dumps(result, indent=1))
     if args.json:

@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.backends.attention import decode_merge
-from kiln.backends.attention import triton_backend as ta
 from kiln.backends.attention import triton_decode as td
+from kiln.backends.attention import triton_unified as ta
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.backends.kernels import gemv
 from kiln.compile import pin_triton_setup
@@ -42,9 +42,15 @@ from kiln.engine.models.presets import PRESETS
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
-    "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "arrivals_ptr": "*i32",
-    "slot_mapping_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-}  # fmt: skip
+    "part_acc_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+    "arrivals_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "block_table_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+}
 FLOATS = {"qk_scale", "eps"}
 
 
@@ -68,9 +74,12 @@ def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int =
     # 256-token steps). NOTE: without these hints Triton cannot prove its loads aligned and pipelines no loop (no
     # cp.async): the kernel compiled here was then not the one that runs.
     aligned = [n for n in names if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))]
-    source = ASTSource(fn=kernel, signature={n: arg_type(n) for n in names},
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
+    source = ASTSource(
+        fn=kernel,
+        signature={n: arg_type(n) for n in names},
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
     return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -81,8 +90,9 @@ def resources(compiled) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        report = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                check=True).stdout  # fmt: skip
+        report = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     found = {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", report)}
     waits = [int(n) for n in re.findall(r"async_wait[^{\n]*\{num = (\d+)", compiled.asm["ttgir"])]
     return {**found, "SHARED": compiled.metadata.shared, "BUF": max(waits, default=-1)}
@@ -91,33 +101,39 @@ def resources(compiled) -> dict[str, int]:
 def shapes(model: str) -> dict:
     p = PRESETS[model]
     head_dim = p.get("head_dim") or p["hidden_size"] // p["num_attention_heads"]
-    return dict(hidden=p["hidden_size"], inter=p["intermediate_size"], heads=p["num_attention_heads"],
-                kv_heads=p["num_key_value_heads"], head_dim=head_dim)  # fmt: skip
+    return dict(
+        hidden=p["hidden_size"],
+        inter=p["intermediate_size"],
+        heads=p["num_attention_heads"],
+        kv_heads=p["num_key_value_heads"],
+        head_dim=head_dim,
+    )
 
 
 def decode_variants(model: str):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
-    defaults = (td.PREFETCH_PAGES, td.DECODE_LEAN)
-    configs = [(*c, *defaults) for c in (td.DECODE_CONFIG, td.DECODE_CONFIG_FEW, td.DECODE_CONFIG_MANY)]
-    configs.append((*td.DECODE_CONFIG, td.PREFETCH_PAGES, not td.DECODE_LEAN))  # the default config's other loop
-    configs.append((*td.DECODE_CONFIG, not td.PREFETCH_PAGES, False))  # ... and its other page loading
+    head_dim_p = triton.next_power_of_2(s["head_dim"])
     for num_splits in (1, 64):
-        for tile_n, warps, stages, prefetch, lean in configs:
+        for tile_n, warps, stages in (td.DECODE_CONFIG, td.DECODE_CONFIG_FEW, td.DECODE_CONFIG_MANY):
             if num_splits > 1 and (tile_n, warps, stages) == td.DECODE_CONFIG_MANY:
                 continue  # never launched: it is chosen from 2,048 programs on, where decode_num_splits gives one split
-            pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
-            lean = lean and not prefetch and pow2
-            head_dim_p = triton.next_power_of_2(s["head_dim"])
-            constexprs = dict(NUM_HEADS=s["heads"], NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv,
-                              GROUP=max(16, triton.next_power_of_2(q_per_kv)), HEAD_DIM=s["head_dim"],
-                              HEAD_DIM_P=head_dim_p, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SPLITS=num_splits,
-                              USE_PDL=True, PREFETCH_PAGES=prefetch, LEAN=lean,
-                              **decode_merge.merge_constexprs(decode_merge.DECODE_MERGE, q_per_kv, head_dim_p,
-                                                              num_splits, warps))  # fmt: skip
-            name = f"splits {num_splits}, {tile_n}x{warps}x{stages}{'p' if prefetch else ''}{'l' if lean else ''}"
-            yield name, td._decode_split_kernel, constexprs, warps, stages
+            constexprs = dict(
+                NUM_HEADS=s["heads"],
+                NUM_KV_HEADS=s["kv_heads"],
+                Q_PER_KV=q_per_kv,
+                GROUP=max(16, triton.next_power_of_2(q_per_kv)),
+                HEAD_DIM=s["head_dim"],
+                HEAD_DIM_P=head_dim_p,
+                BLOCK_SIZE=16,
+                TILE_N=tile_n,
+                NUM_SPLITS=num_splits,
+                MERGE_CHUNK=decode_merge.merge_chunk(q_per_kv, head_dim_p, num_splits, warps),
+                LEAN=s["head_dim"] == head_dim_p,
+                USE_PDL=True,
+            )
+            yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", td._decode_split_kernel, constexprs, warps, stages
 
 
 def prefill_variants(model: str):
@@ -125,31 +141,47 @@ def prefill_variants(model: str):
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
     group = triton.next_power_of_2(q_per_kv)
-    pow2 = s["head_dim"] == triton.next_power_of_2(s["head_dim"])
-    defaults = (ta.PREFILL_PREFETCH_PAGES, ta.PREFILL_LEAN and pow2)
-    loops = (defaults, (defaults[0], not defaults[1] and pow2), (not defaults[0], False))
-    for block_m, (prefetch, lean) in itertools.product((64, 16), dict.fromkeys(loops)):
-        constexprs = dict(NUM_KV_HEADS=s["kv_heads"], Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=max(block_m // group, 1),
-                          HEAD_DIM=s["head_dim"], HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]), BLOCK_SIZE=16,
-                          TILE_N=32, PREFETCH_PAGES=prefetch, LEAN=lean)  # fmt: skip
-        name = f"block_m {block_m}{', pages ahead' if prefetch else ''}{', lean' if lean else ''}"
-        yield name, ta._unified_attention_kernel, constexprs, 4, 3
+    for block_m in (64, 16):
+        constexprs = dict(
+            NUM_KV_HEADS=s["kv_heads"],
+            Q_PER_KV=q_per_kv,
+            GROUP=group,
+            BLOCK_Q=max(block_m // group, 1),
+            HEAD_DIM=s["head_dim"],
+            HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]),
+            BLOCK_SIZE=16,
+            TILE_N=32,
+            LEAN=s["head_dim"] == triton.next_power_of_2(s["head_dim"]),
+        )
+        yield f"block_m {block_m}", ta._unified_attention_kernel, constexprs, 4, 3
 
 
 def gemv_variants(model: str):
     """The one-row matmul at the model's four layers, with the epilogues the models use, default configs."""
     s = shapes(model)
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    layers = {"qkv": (q + 2 * kv, s["hidden"], "rope"), "o": (s["hidden"], q, ""),
-              "gate_up": (2 * s["inter"], s["hidden"], "silu_mul"), "down": (s["hidden"], s["inter"], "")}  # fmt: skip
+    layers = {
+        "qkv": (q + 2 * kv, s["hidden"], "rope"),
+        "o": (s["hidden"], q, ""),
+        "gate_up": (2 * s["inter"], s["hidden"], "silu_mul"),
+        "down": (s["hidden"], s["inter"], ""),
+    }
     for layer, (n, k, epilogue) in layers.items():
         # the layer norm comes inside the projections that follow one (qkv, gate_up)
         for ep, norm in itertools.product(dict.fromkeys(("", epilogue)), (False, True) if epilogue else (False,)):
             block_n, block_k, warps = gemv.default_config(n, k)
             if ep:
                 block_n = max(1, block_n // 2)
-            constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=False, EPILOGUE=ep,
-                              HALF=s["head_dim"] // 2, NORM=norm, USE_PDL=True)  # fmt: skip
+            constexprs = dict(
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                EVEN_K=k % block_k == 0,
+                HAS_BIAS=False,
+                EPILOGUE=ep,
+                HALF=s["head_dim"] // 2,
+                NORM=norm,
+                USE_PDL=True,
+            )
             yield f"{layer} {ep or 'plain'}{' +norm' if norm else ''}", gemv._gemv_kernel, constexprs, warps, 3
 
 
@@ -170,14 +202,20 @@ def main() -> None:
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     pin_triton_setup()  # the ptxas and libdevice the engine compiles with (torch's, where its Inductor has them)
     ptxas = os.environ.get("TRITON_PTXAS_PATH", "Triton's own")
-    print(f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}, ptxas {ptxas}); STACK = bytes "
-          "spilled a thread; BUF = the most copy groups a loop's wait leaves in flight (0: one buffer, each "
-          "iteration waits for all its loads; -1: no pipelined loop; p: pages loaded an iteration ahead)")  # fmt: skip
+    print(
+        f"Kiln's Triton kernels compiled for sm_90 (triton {triton.__version__}, ptxas {ptxas}); STACK = bytes "
+        "spilled a thread; BUF = the most copy groups a loop's wait leaves in flight (0: one buffer, each "
+        "iteration waits for all its loads; -1: no pipelined loop; p: pages loaded an iteration ahead)"
+    )
     print(f"{'model':14} {'kernel':22} {'variant':28} {'REG':>4} {'STACK':>6} {'SHARED':>7} {'BUF':>4}")
     seen: dict[tuple, dict[str, int]] = {}
     spills = []
-    families = {"decode": decode_variants, "prefill": prefill_variants, "gemv": gemv_variants,
-                "qk_norm_rope": qk_norm_rope_variants}  # fmt: skip
+    families = {
+        "decode": decode_variants,
+        "prefill": prefill_variants,
+        "gemv": gemv_variants,
+        "qk_norm_rope": qk_norm_rope_variants,
+    }
     for model in args.models.split(","):
         for family in args.families.split(","):
             variants = families[family]
@@ -191,8 +229,11 @@ def main() -> None:
                 spilled = r.get("STACK", 0) + r.get("LOCAL", 0)
                 if spilled > spill_allowed(family, variant):
                     spills.append(f"{model} {family} {variant}")
-                print(f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7} "
-                      f"{r['BUF']:4}", flush=True)  # fmt: skip
+                print(
+                    f"{model:14} {family:22} {variant:28} {r.get('REG', 0):4} {spilled:6} {r.get('SHARED', 0):7} "
+                    f"{r['BUF']:4}",
+                    flush=True,
+                )
     if spills:
         print("spills: " + "; ".join(spills))
     if args.check and spills:

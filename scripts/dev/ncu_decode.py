@@ -7,13 +7,17 @@ driver for Nsight Compute (`ncu`), which profiles each launch (`scripts/bench/gp
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
-from bench_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _read_kernel, decode_inputs
 
-from kiln.backends.attention.triton_decode import decode_splits, split_kv_decode
-from kiln.compile import pin_triton_setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _read_kernel, decode_inputs  # noqa: E402
+
+from kiln.backends.attention.triton_decode import decode_splits, split_kv_decode  # noqa: E402
+from kiln.compile import pin_triton_setup  # noqa: E402
 
 READ_CONFIG = (4096, 4, 8)  # elements a block, blocks a program, warps: among the fastest on the H200
 

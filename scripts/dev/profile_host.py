@@ -27,15 +27,25 @@ import torch
 
 from kiln.engine import LLM, SamplingParams
 
-PARTS = ("schedule", "prepare_inputs", "sampling_metadata", "collect", "update", "llm_run", "other", "host", "model",
-         "gc")
+PARTS = (
+    "schedule",
+    "prepare_inputs",
+    "sampling_metadata",
+    "collect",
+    "update",
+    "llm_run",
+    "other",
+    "host",
+    "model",
+    "gc",
+)
 
 
 def make_model_dir(path: Path) -> Path:
     import sys  # noqa: PLC0415
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import make_tiny_model_dir  # noqa: PLC0415
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from helpers.models import make_tiny_model_dir  # noqa: PLC0415
 
     make_tiny_model_dir(path, "llama")
     config = json.loads((path / "config.json").read_text())
@@ -151,14 +161,21 @@ def main() -> None:
     prompts = [[rng.randint(1, 500) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_seqs)]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp))
-        llm = LLM(str(model_dir), enforce_eager=True, max_num_seqs=args.num_seqs, max_model_len=2048,
-                  num_kv_blocks=args.num_seqs * 2048 // 16 + 1,
-                  async_scheduling=not args.no_async_scheduling)  # fmt: skip
+        llm = LLM(
+            str(model_dir),
+            enforce_eager=True,
+            max_num_seqs=args.num_seqs,
+            max_model_len=2048,
+            num_kv_blocks=args.num_seqs * 2048 // 16 + 1,
+            async_scheduling=not args.no_async_scheduling,
+        )
         runs = [run_once(llm, prompts, args.steps, args.num_seqs, args.stub_model) for _ in range(args.repeats)]
     best = {part: min(run[part] for run in runs) for part in PARTS}
     mode = "sync" if args.no_async_scheduling else "async"
-    print(f"host µs per step, {args.num_seqs} decoding sequences, {mode} scheduling, "
-          f"min over {args.repeats} runs of {min(r['steps'] for r in runs)}+ steps:")
+    print(
+        f"host µs per step, {args.num_seqs} decoding sequences, {mode} scheduling, "
+        f"min over {args.repeats} runs of {min(r['steps'] for r in runs)}+ steps:"
+    )
     for part in PARTS:
         print(f"  {part:18s} {best[part] * 1e6:9.0f}")
 

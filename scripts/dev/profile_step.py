@@ -1,14 +1,19 @@
 """Where a decode step's GPU time goes, kernel by kernel (torch.profiler), for one model and batch:
 
-    python scripts/dev/profile_step.py --model llama-3.2-1b --batch 1 --top 25
+python scripts/dev/profile_step.py --model llama-3.2-1b --batch 1 --top 25
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_latency import weight_bytes_read  # noqa: E402
 
 from kiln.engine import LLM, SamplingParams
 
@@ -39,9 +44,15 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--host", action="store_true", help="then cProfile the host side of LLM.generate")
     args = p.parse_args()
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=2048,
-              max_num_seqs=max(args.batch, 8), gpu_memory_utilization=0.8,
-              enforce_eager=args.enforce_eager, cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))  # fmt: skip
+    llm = LLM(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=2048,
+        max_num_seqs=max(args.batch, 8),
+        gpu_memory_utilization=0.8,
+        enforce_eager=args.enforce_eager,
+        cudagraph_capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
@@ -55,18 +66,24 @@ def main() -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    weights = sum(t.numel() * t.element_size() for t in engine.model.parameters())
-    print(f"\n{args.model} batch {args.batch}: GPU time per step {total / args.steps:.1f} us "
-          f"(weights {weights / 1e9:.2f} GB: {weights / 4.3e12 * 1e6:.0f} us at 4.3 TB/s), "
-          f"{sum(e.count for e in events) / args.steps:.0f} kernels per step")  # fmt: skip
+    weights = weight_bytes_read(engine.executor.model, args.batch)
+    print(
+        f"\n{args.model} batch {args.batch}: GPU time per step {total / args.steps:.1f} us "
+        f"(weights {weights / 1e9:.2f} GB: {weights / 4.3e12 * 1e6:.0f} us at 4.3 TB/s), "
+        f"{sum(e.count for e in events) / args.steps:.0f} kernels per step"
+    )
     nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
-    if engine.shard.size > 1:
-        print(f"NCCL (all-reduce / all-gather) on rank 0: {nccl / args.steps:.1f} us per step ({nccl / total:.1%}), "
-              "waiting for the other ranks included")  # fmt: skip
+    if engine.executor.shard.size > 1:
+        print(
+            f"NCCL (all-reduce / all-gather) on rank 0: {nccl / args.steps:.1f} us per step ({nccl / total:.1%}), "
+            "waiting for the other ranks included"
+        )
     print(f"{'us/step':>8} {'share':>6} {'calls/step':>10}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
-        print(f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
-              f"{e.count / args.steps:10.1f}  {e.key[:110]}")  # fmt: skip
+        print(
+            f"{e.self_device_time_total / args.steps:8.1f} {e.self_device_time_total / total:6.1%} "
+            f"{e.count / args.steps:10.1f}  {e.key[:110]}"
+        )
     if args.host:
         engine.abort_requests([f"profile-{i}" for i in range(args.batch)])
         while engine.has_unfinished_requests():  # the step in flight

@@ -1,0 +1,264 @@
+"""Start-up: from an `EngineConfig` to a model executor, one rank's model on its device, ready to step.
+
+    resolve the model ─► build it (this rank's shard) ─► [rank 0 of several: start the other ranks]
+      ─► load the weights ─► size the KV cache (profile a step) ─► allocate it ─► the model runner
+      ─► warm up (the one Dynamo trace, every kernel variant) ─► capture the CUDA graphs
+
+Rank 0 (the engine core) and each tensor-parallel worker run the same `build_executor`, so every rank builds the
+same shapes, traces the same graph and captures the same graphs; only rank 0 starts the workers and keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.backends.attention import AttentionBackend, default_backend_name, get_attention_backend
+from kiln.cache import KVCacheSpec, allocate_kv_caches
+from kiln.compile import (
+    CompileCache,
+    CompileCounters,
+    CompiledModel,
+    JsonFolder,
+    cache_key_inputs,
+    cache_root,
+    default_capture_sizes,
+    pin_triton_setup,
+)
+from kiln.engine.config import DTYPES, EngineConfig, kiln_version
+from kiln.engine.core.kv_sizing import num_kv_blocks
+from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_ranks
+from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.layers import use_fused_kernels
+from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
+from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
+from kiln.engine.models.source import ModelSource, resolve_model
+from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class ModelExecutor:
+    """One rank's model, KV cache and runner, built and warmed up. Rank 0's also holds the tensor-parallel workers
+    it started (`tp_workers`); `close` stops them and gives the GPU memory back."""
+
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    load_format: str  # "dummy" or "safetensors"
+    shard: TensorParallelShard
+    model: nn.Module
+    compiled: CompiledModel | None  # None with enforce_eager
+    kv_spec: KVCacheSpec
+    kv_caches: list[torch.Tensor]
+    num_kv_blocks: int
+    max_model_len: int  # the configured one, or the model's, lowered to what the KV cache holds
+    runner: ModelRunner
+    counters: CompileCounters
+    tp_workers: TensorParallelWorkers | None
+    startup_stats: dict[str, Any]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.source.model_config
+
+    def close(self) -> None:
+        """Stop and reap the tensor-parallel workers, and give back the GPU memory this executor holds (CUDA
+        graphs, KV cache, weights) even while the object itself stays referenced. Idempotent."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+        if self.compiled is not None:
+            self.compiled.release_graphs()
+        self.runner = self.compiled = self.kv_caches = self.model = None
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def model_memo(config: EngineConfig) -> JsonFolder | None:
+    """Where what transformers made of the model's config and tokenizer is kept: beside the compile cache (None where
+    that is disabled)."""
+    root = cache_root(config.compile_cache_dir)
+    return None if root is None else JsonFolder(root / "models")
+
+
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """The configured device (auto: CUDA when there is one). A tensor-parallel worker (rank > 0) runs on the GPU it
+    chose before start-up."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+    if rank > 0 and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """The configured dtype; auto: float32 on the CPU (its bf16 matmuls are slow, and the reference tests run in
+    fp32), else the checkpoint's half-precision dtype, else bfloat16."""
+    if config.dtype != "auto":
+        return getattr(torch, DTYPES[config.dtype])
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return getattr(torch, checkpoint_dtype)
+    return torch.bfloat16
+
+
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """max_model_len, checked against what the model computes right (its positions, a sliding window)."""
+    max_model_len = config.max_model_len or model_config.max_context
+    if max_model_len > model_config.max_context:
+        window = model_config.sliding_window
+        if window is not None and max_model_len > window:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds this model's sliding window of {window} tokens: Kiln does not "
+                "implement sliding-window attention, and past the window its outputs would differ from the model's"
+            )
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context} positions")
+    return max_model_len
+
+
+def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
+    """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several)."""
+    start = time.perf_counter()
+    pin_triton_setup()  # before anything compiles
+    source = resolve_model(config.model, model_memo(config))
+    model_config = source.model_config
+    device = resolve_device(config, rank)
+    dtype = resolve_dtype(config, device, source.checkpoint_dtype_name)
+    load_format = config.load_format
+    if load_format == "auto":
+        load_format = "dummy" if source.is_preset else "safetensors"
+    if source.is_preset and load_format != "dummy":
+        raise ValueError(f"preset {config.model!r} has no checkpoint: use load_format='dummy'")
+    max_model_len = context_length(config, model_config)
+    torch.manual_seed(config.seed)
+    shard = TensorParallelShard(rank, config.tensor_parallel_size)
+    model = build_model(model_config, dtype, device, max_model_len, shard)
+    backend = get_attention_backend(config.attention_backend or default_backend_name(device))
+    cudagraph_mode = _cudagraph_mode(config, device, backend)
+    counters = CompileCounters()
+    compiled = None
+    if not config.enforce_eager:
+        compiled = _compiled_model(config, model, model_config, dtype, device, backend, max_model_len, counters)
+    tp_workers = None
+    if shard.size > 1 and rank == 0:
+        # Rank 0 starts the other ranks once the shapes are known to split, so they load their weights alongside it.
+        release = compiled.release_graphs if compiled is not None else None
+        tp_workers = TensorParallelWorkers(config, device, release)
+    try:
+        if load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_checkpoint(model, source.model_dir)
+        load_seconds = time.perf_counter() - start
+        # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
+        # forms itself.
+        use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
+        kv_spec = KVCacheSpec(
+            model_config.num_layers,
+            kv_heads_per_rank(model_config.num_kv_heads, shard.size),
+            model_config.head_dim,
+            config.block_size,
+            dtype,
+        )
+        sizing_start = time.perf_counter()
+
+        def make_runner(kv_caches, max_model_len, compiled=None, cudagraph_mode="none", tp_workers=None):
+            sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
+            return ModelRunner(
+                model, kv_caches, backend, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                max_model_len, model_config.vocab_size, model_config.eos_token_ids, device, compiled, cudagraph_mode,
+                sizes, tp_workers,
+            )  # fmt: skip
+
+        cache = compiled.backend.cache if compiled is not None else None
+        num_blocks = num_kv_blocks(
+            config, kv_spec, device, max_model_len, cudagraph_mode != "none", cache,
+            lambda kv_caches: make_runner(kv_caches, max_model_len),
+        )  # fmt: skip
+        if shard.size > 1:
+            num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
+        max_model_len = _fit_context(config, max_model_len, num_blocks)
+        kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
+        counters.kv_sizing_seconds = time.perf_counter() - sizing_start
+        if compiled is not None or device.type == "cuda":
+            with counters.timed("warm_up_seconds"):
+                runner.warm_up()  # the one Dynamo trace, and the Triton kernels' compiles
+        if compiled is not None and runner.cudagraph_mode != "none":
+            runner.capture_cudagraphs(counters)
+    except BaseException as error:
+        if tp_workers is not None:
+            # NOTE: the traceback keeps this half-built start-up alive, and with it workers waiting in a collective
+            # (and the process group, which a next engine needs): stop them now.
+            try:
+                tp_workers.raise_if_dead(error)  # a worker that failed first is the cause to report
+            finally:
+                tp_workers.close()
+        raise
+    cache_dir = str(cache.directory) if cache is not None and cache.enabled else None
+    stats = {
+        "total_seconds": time.perf_counter() - start,
+        "load_seconds": load_seconds,
+        "num_kv_blocks": num_blocks,
+        "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
+        "compile_cache_dir": cache_dir,
+        **counters.as_dict(),
+    }
+    return ModelExecutor(
+        source, device, dtype, load_format, shard, model, compiled, kv_spec, kv_caches, num_blocks, max_model_len,
+        runner, counters, tp_workers, stats,
+    )  # fmt: skip
+
+
+def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it."""
+    usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is the padding's scratch block
+    if usable_tokens >= max_model_len:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"the KV cache holds {usable_tokens} tokens, fewer than max_model_len={max_model_len}; "
+            "lower max_model_len or give the KV cache more memory"
+        )
+    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, usable_tokens)
+    return usable_tokens
+
+
+def _cudagraph_mode(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> str:
+    """The configured CUDA-graph mode, or "none" when nothing is compiled, off the GPU, or with an attention
+    backend that cannot run inside a graph (the torch one reads host metadata; warned)."""
+    if config.enforce_eager or device.type != "cuda" or config.cudagraph_mode == "none":
+        return "none"
+    if not backend.cudagraph_safe:
+        logger.warning("the %s attention backend cannot run in CUDA graphs: no graphs", backend.name)
+        return "none"
+    return config.cudagraph_mode
+
+
+def _compiled_model(config: EngineConfig, model: nn.Module, model_config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device, backend: AttentionBackend, max_model_len: int,
+                    counters: CompileCounters) -> CompiledModel:  # fmt: skip
+    """The model wrapped for its one trace, with its compile cache (keyed by everything that shapes the code)."""
+    settings = {
+        "cudagraph_mode": config.cudagraph_mode,
+        "capture_sizes": config.cudagraph_capture_sizes,
+        "max_model_len": max_model_len,
+        "attention_backend": backend.name,
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
+    key = cache_key_inputs(
+        kiln_version(), model, dataclasses.asdict(model_config), dtype, device, settings, INPUT_SOURCES
+    )
+    return CompiledModel(model, CompileCache(cache_root(config.compile_cache_dir), key), counters)

@@ -1,0 +1,170 @@
+"""A step's inputs, from a scheduled batch to the persistent device buffers the model (and a CUDA graph) reads:
+token ids, positions, slot mapping and the attention metadata, written with numpy into a pinned host mirror and
+copied over in one transfer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kiln.backends.attention import AttentionMetadata
+from kiln.engine.worker.inputs import GraphPlan, InputArena
+
+if TYPE_CHECKING:
+    from kiln.engine.core.scheduler import SchedulerOutput
+
+Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a slice when that is all of them
+
+
+class InputWriter:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        max_blocks_per_seq = -(-max_model_len // block_size)
+        self.arena = InputArena(max_tokens, max_reqs, max_blocks_per_seq, device)
+        # Every request's block ids, row by row, kept on the host from step to step: a request's list only grows
+        # (the KV cache manager extends it in place), so a row holding the same list needs only its new tail
+        # written; a step then copies its rows into the arena at once. Per row: the list and how much of it.
+        self._block_table = np.zeros((max_reqs, max_blocks_per_seq), dtype=np.int32)
+        self._block_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_reqs
+        self._arange = np.arange(max(max_tokens, max_reqs) + 1)
+        # The host mirror this step writes (two alternate), and the copy out of each (done once its event fires).
+        self._parity = 0
+        self._fences: list[torch.cuda.Event | None] = [None, None]
+
+    def prepare(
+        self,
+        batch: SchedulerOutput,
+        plan: GraphPlan,
+        sample_rows: list[int],
+        prev_rows: dict[str, int],
+        prev_sampled: torch.Tensor | None,
+    ) -> tuple[AttentionMetadata, Rows]:
+        """Fill the persistent buffers; returns the metadata and where the sampled rows' hidden states are.
+
+        For request i with c computed tokens and n new ones::
+
+            positions:    c, c+1, ..., c+n-1
+            slot_mapping: block_table[i][p // block_size] * block_size + p % block_size, per position p
+
+        Token ids come from the host, except a decode's input that the previous step sampled and the
+        host has not seen yet (async scheduling): it is copied from that step's output on the device
+        (`prev_sampled`, the request's row there `prev_rows[request_id]`).
+        """
+        tokens, carry_dst, carry_src, end = [], [], [], 0
+        for r, c, n in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens):
+            all_token_ids = r.all_token_ids
+            end += n
+            if c + n <= len(all_token_ids):
+                if n == 1:
+                    tokens.append(all_token_ids[c])  # a decode whose input the host has
+                else:
+                    tokens += all_token_ids[c : c + n]
+                continue
+            assert c + n == len(all_token_ids) + 1, "at most one input token can still be on the device"
+            tokens += all_token_ids[c:]
+            tokens.append(0)
+            carry_dst.append(end - 1)
+            carry_src.append(prev_rows[r.request_id])
+        input_ids = np.array(tokens, dtype=np.int64)
+        computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        carry = (carry_dst, carry_src)
+        return self.write(input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled)
+
+    def write(
+        self,
+        input_ids: np.ndarray,
+        computed: np.ndarray,
+        num_new: np.ndarray,
+        block_ids: list[list[int]],
+        plan: GraphPlan,
+        sample_rows: list[int] = (),
+        carry: tuple[list[int], list[int]] = ((), ()),
+        prev_sampled: torch.Tensor | None = None,
+    ) -> tuple[AttentionMetadata, Rows]:
+        """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over.
+
+        Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
+        scratch block 0; a full graph's padded requests have one token each and an empty context."""
+        p = self._parity
+        if self._fences[p] is not None:
+            self._fences[p].synchronize()  # the copy out of this mirror two steps ago is done
+        num_reqs, num_tokens = len(num_new), len(input_ids)
+        n, padded_reqs = plan.num_tokens, plan.num_reqs
+        host, inputs = self.arena.views(n, padded_reqs, p, numpy=True), self.arena.views(n, padded_reqs)
+        seq_lens = computed + num_new
+
+        qsl = host.query_start_loc
+        if num_tokens == num_reqs:  # every request a decode (most steps): a token per request, at its end
+            qsl[:] = self._arange[: padded_reqs + 1]
+            req_of_token, positions, max_query_len = self._arange[:num_reqs], computed, 1
+        else:
+            qsl[0] = 0
+            np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
+            qsl[num_reqs + 1 :] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
+            req_of_token = np.repeat(np.arange(num_reqs), num_new)
+            positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
+            max_query_len = int(num_new.max())
+        block_table, written = self._block_table, self._block_rows
+        for i, ids in enumerate(block_ids):
+            last, num_written = written[i]
+            if last is not ids:
+                num_written = 0
+            elif num_written == len(ids):
+                continue
+            block_table[i, num_written : len(ids)] = ids[num_written:]
+            written[i] = (ids, len(ids))
+        host.block_table[:num_reqs] = block_table[:num_reqs]
+        host.input_ids[:num_tokens] = input_ids
+        host.positions[:num_tokens] = positions
+        host.slot_mapping[:num_tokens] = (
+            block_table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        for field in (host.input_ids, host.positions, host.slot_mapping):
+            field[num_tokens:] = 0
+        host.seq_lens[:num_reqs] = seq_lens
+        host.seq_lens[num_reqs:] = 0
+        carry_dst, carry_src = carry
+        k = len(carry_dst)
+        # a decode batch in the previous step's order takes its tokens with a plain copy, others by index
+        carry_by_index = k and not carry_dst == carry_src == list(range(k))
+        if carry_by_index:
+            host.carry[0, :k], host.carry[1, :k] = carry_dst, carry_src
+        logits_indices: Rows = slice(0, len(sample_rows))
+        if sample_rows and (num_tokens != num_reqs or len(sample_rows) != num_reqs):
+            rows = np.asarray(sample_rows, dtype=np.int64)
+            host.logits_indices[: len(sample_rows)] = qsl[1:][rows] - 1
+            logits_indices = inputs.logits_indices[: len(sample_rows)]
+
+        self.arena.copy(p, n, padded_reqs, num_reqs)  # the step's one host-to-device transfer
+        if k and not carry_by_index:
+            inputs.input_ids[:k].copy_(prev_sampled[:k])
+        elif carry_by_index:
+            dst, src = inputs.carry[0, :k], inputs.carry[1, :k]
+            inputs.input_ids.index_copy_(0, dst, prev_sampled.index_select(0, src))
+        if self.device.type == "cuda":
+            self._fences[p] = torch.cuda.Event()
+            self._fences[p].record()
+        self._parity ^= 1
+
+        full = plan.mode == "full"
+        num_actual_tokens = n if full else num_tokens  # a full graph writes K/V for padding too (to scratch)
+        host_views = self.arena.views(n, padded_reqs, p)
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_actual_tokens,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_table=inputs.block_table,
+            slot_mapping=inputs.slot_mapping if full else inputs.slot_mapping[:num_tokens],
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=host_views.query_start_loc,
+            seq_lens_cpu=host_views.seq_lens,
+        )
+        return metadata, logits_indices

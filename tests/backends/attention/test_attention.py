@@ -1,0 +1,353 @@
+"""Attention backends against a float64 reference: mixed prefill chunks and decodes, random block tables."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+
+from kiln.backends.attention import (
+    AttentionMetadata,
+    available_backends,
+    decode_merge,
+    get_attention_backend,
+    triton_decode,
+)
+from kiln.backends.attention.triton_decode import (
+    DECODE_CONFIG,
+    DECODE_CONFIG_FEW,
+    DECODE_CONFIG_MANY,
+    FEW_REQUESTS,
+    MAX_MERGE_FLOATS,
+    decode_config,
+    decode_merge_width,
+    decode_num_splits,
+    split_kv_decode,
+)
+from kiln.backends.attention.triton_unified import unified_attention, write_kv
+from kiln.backends.kernels.arrivals import arrival_counts
+from kiln.engine.config import ATTENTION_BACKENDS, EngineConfig
+
+from helpers.attention import make_paged_batch, reference_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
+
+CASES = [
+    # (query_lens, context_lens): decodes (q=1), fresh prefills (ctx=0), chunks continuing a prefill
+    ([1, 1, 1], [5, 17, 40]),
+    ([7], [0]),
+    ([1, 9, 1, 16, 3], [30, 0, 1, 21, 47]),
+]
+
+
+@pytest.mark.parametrize("query_lens,context_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (8, 1, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_torch_backend_matches_reference(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size):
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu"
+    )
+    scale = head_dim**-0.5
+    out = torch.zeros_like(q)
+    get_attention_backend("torch").forward(q, k, v, kv_cache, metadata, scale, out)
+    torch.testing.assert_close(out.double(), reference_attention(q, history, query_lens, scale), atol=1e-5, rtol=1e-5)
+    # the new K/V landed in the cache at their slots
+    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (4, 2, 80)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_backend_matches_reference(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size):
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
+    )
+    scale = head_dim**-0.5
+    out = torch.zeros_like(q)
+    get_attention_backend("triton").forward(q, k, v, kv_cache, metadata, scale, out)
+    ref = reference_attention(q, history, query_lens, scale)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    flat_k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[metadata.slot_mapping], k)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_unified_kernel_page_loading(head_dim, block_size):
+    """The unified kernel's pages loaded a tile ahead, with (head_dim 64) and without (80: not a power of two) the
+    keys every row of a block sees in the lean loop first (a chunk with 70 tokens of context and 45 new crosses
+    several tiles and pages, in both loops; the last tile runs past the table's pages in use, which the ahead load
+    must mask)."""
+    query_lens, context_lens = [45, 1, 9, 1], [70, 33, 0, 100]
+    num_heads, num_kv_heads = 8, 2
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
+    )
+    write_kv(kv_cache, k, v, metadata.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, kv_cache, metadata, head_dim**-0.5, out)
+    torch.testing.assert_close(
+        out.double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5), atol=TOL, rtol=TOL
+    )
+
+
+def with_padded_request(q, k, v, m: AttentionMetadata):
+    """The batch with one more request as the runner pads one: one token, no context (seq_len 0), its K/V bound
+    for the scratch block 0's first slot."""
+    qsl = torch.cat([m.query_start_loc_cpu, m.query_start_loc_cpu[-1:] + 1])
+    seq_lens = torch.cat([m.seq_lens_cpu, torch.zeros(1, dtype=torch.int32)])
+    table = torch.cat([m.block_table, torch.zeros_like(m.block_table[:1])])
+    slots = torch.cat([m.slot_mapping, torch.zeros_like(m.slot_mapping[:1])])
+    padded = AttentionMetadata(
+        m.num_actual_tokens + 1,
+        qsl.to(q.device),
+        seq_lens.to(q.device),
+        table,
+        slots,
+        m.max_query_len,
+        m.max_seq_len,
+        qsl,
+        seq_lens,
+    )
+    extra = lambda x: torch.cat([x, torch.randn_like(x[:1])])  # noqa: E731
+    return extra(q), extra(k), extra(v), padded
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_unified_kernel_one_query_a_block_and_a_padded_request(head_dim):
+    """16 query heads to a KV head (a program's block is one query token: BLOCK_Q 1) and, after the real requests,
+    a padded one as the runner pads a mixed batch (one token, no context: seq_len 0): the real outputs match the
+    reference, the padded row's is finite; in the lean loop (head_dim 64) and without it (80)."""
+    query_lens, context_lens = [9, 1, 14], [40, 70, 0]
+    num_heads, num_kv_heads = 16, 1
+    q, k, v, kv_cache, m, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    write_kv(kv_cache, k, v, m.slot_mapping)
+    q_padded, _, _, padded = with_padded_request(q, k, v, m)
+    out = torch.full_like(q_padded, float("nan"))
+    unified_attention(q_padded, kv_cache, padded, head_dim**-0.5, out)
+    torch.testing.assert_close(
+        out[:-1].double().cpu(), reference_attention(q, history, query_lens, head_dim**-0.5), atol=TOL, rtol=TOL
+    )
+    assert torch.isfinite(out[-1]).all()
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [CASES[2], ([1, 1, 1, 1], [3, 40, 100, 17])])
+def test_triton_backend_takes_views_of_one_qkv_buffer(query_lens, context_lens):
+    """The model passes q, k (rotated side by side) and v as strided views, not contiguous tensors."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(len(q), -1, head_dim)
+    q_view, k_view = qk.split([num_heads, num_kv_heads], dim=1)
+    v_view = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(len(q), num_kv_heads, head_dim)
+    assert not (q_view.is_contiguous() or k_view.is_contiguous() or v_view.is_contiguous())
+    out = torch.zeros_like(q)
+    get_attention_backend("triton").forward(q_view, k_view, v_view, kv_cache, metadata, head_dim**-0.5, out)
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    flat_v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(flat_v[metadata.slot_mapping], v)
+
+
+@pytest.mark.parametrize(
+    "num_splits,min_split_tokens,config,unsplit_tokens",
+    [
+        (1, 16, None, 0),
+        (3, 16, None, 0),
+        (8, 16, None, 0),
+        (1, 128, None, 0),
+        (3, 128, None, 0),
+        (8, 128, None, 0),
+        (3, 16, DECODE_CONFIG_MANY, 0),
+        (1, 16, DECODE_CONFIG_MANY, 0),
+        (8, 16, None, 112),
+        (3, 16, DECODE_CONFIG_FEW, 0),
+        (1, 16, DECODE_CONFIG_FEW, 112),
+        (8, 16, DECODE_CONFIG_MANY, 112),
+        (32, 16, None, 0),
+        (32, 16, DECODE_CONFIG_FEW, 0),
+    ],
+)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (8, 2, 80)])
+def test_split_kv_decode(num_splits, min_split_tokens, config, unsplit_tokens, num_heads, num_kv_heads, head_dim):
+    """Contexts from under one page to many splits' worth: some requests use every split, some fewer, some one
+    (written directly: also every context up to `unsplit_tokens`), in the lean loop and (head_dim 80, not a power of
+    two) the general one; the last split to finish merges the rest; the new K/V reach the cache from the same kernel,
+    before it reads them there: what their slots held before (NaN here) never reaches the output. Twice, because the
+    arrival counts must be back at zero for the next kernel. Both launch configs (the large grids' has a smaller key
+    tile). At 32 splits the 300-token request uses 19, which the last merges in steps (`merge_chunk`: 16 a step with
+    two warps and 4 query heads a kv head of 64 dims, so a full step and a partial one)."""
+    query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = float("nan")
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        split_kv_decode(
+            q,
+            k,
+            v,
+            kv_cache,
+            metadata,
+            head_dim**-0.5,
+            out,
+            num_splits,
+            min_split_tokens,
+            config,
+            unsplit_tokens=unsplit_tokens,
+        )
+        torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+        assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
+        # the kernel wrote each token's K/V into its slot (the reference read them from k, v)
+        flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
+        torch.testing.assert_close(flat[0, metadata.slot_mapping], k)
+        torch.testing.assert_close(flat[1, metadata.slot_mapping], v)
+        kv_cache.reshape(2, -1, num_kv_heads, head_dim)[:, metadata.slot_mapping] = float("nan")  # written again
+
+
+@pytest.mark.parametrize("num_splits,config,unsplit_tokens", [(1, None, 0), (3, None, 0), (8, DECODE_CONFIG_MANY, 112)])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_split_kv_decode_lean_and_masked_loops(num_splits, config, unsplit_tokens, head_dim):
+    """The decode loop in both forms against the reference: without masks on full tiles and with 32-bit offsets,
+    then the partial tile masked (head_dim 64), and every tile masked (80, not a power of two); a padded request last
+    (no context), whose output is finite and whose splits' count is back at zero."""
+    query_lens, context_lens = [1, 1, 1, 1, 1], [3, 40, 100, 17, 300]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 8, 2, head_dim, 16, torch.float32, DEVICE
+    )
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    kv_cache.reshape(2, -1, 2, head_dim)[:, metadata.slot_mapping] = float("nan")
+    q, k, v, padded = with_padded_request(q, k, v, metadata)
+    out = torch.full_like(q, float("nan"))
+    split_kv_decode(
+        q, k, v, kv_cache, padded, head_dim**-0.5, out, num_splits, 16, config, unsplit_tokens=unsplit_tokens
+    )
+    torch.testing.assert_close(out[:-1].double().cpu(), ref, atol=TOL, rtol=TOL)
+    assert torch.isfinite(out[-1]).all()
+    assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(14, 2), (8, 8)])
+def test_split_kv_decode_merge(num_heads, num_kv_heads):
+    """The last split's merge against the reference, at 32 splits of 16 tokens: 7 query heads a kv head (a power of
+    two padded) and one; the requests use 1, 3, 19 and all 32 splits, so the merge skips steps past the splits used
+    and masks the rest of a partial step."""
+    query_lens, context_lens = [1, 1, 1, 1], [10, 40, 300, 600]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, 64, 16, torch.float32, DEVICE
+    )
+    ref = reference_attention(q, history, query_lens, 64**-0.5)
+    out = torch.full_like(q, float("nan"))
+    split_kv_decode(q, k, v, kv_cache, metadata, 64**-0.5, out, 32, 16, unsplit_tokens=0)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
+
+
+def test_kv_write_skips_negative_slots():
+    kv_cache = torch.zeros(2, 4, 16, 2, 64, device=DEVICE)
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    write_kv(kv_cache, key, key + 1, torch.tensor([17, -1, 63], device=DEVICE))
+    flat = kv_cache.reshape(2, -1, 2, 64)
+    torch.testing.assert_close(flat[0, [17, 63]], key[[0, 2]])
+    torch.testing.assert_close(flat[1, [17, 63]], key[[0, 2]] + 1)
+    assert flat[:, [i for i in range(64) if i not in (17, 63)]].abs().sum() == 0
+
+
+def test_merge_chunk():
+    """The merge's step: its loads of fp32 accumulators about 64 registers a thread, a power of two, no more than
+    the splits."""
+    assert decode_merge.merge_chunk(4, 128, 64, 2) == 8  # [8, 4, 128] over 64 threads: 64 a thread
+    assert decode_merge.merge_chunk(4, 128, 64, 4) == 16  # [16, 4, 128] over 128 threads: 64
+    assert decode_merge.merge_chunk(4, 64, 32, 2) == 16
+    assert decode_merge.merge_chunk(1, 128, 3, 2) == 4  # one head: all (3, padded to 4) in one step
+    for q_per_kv, head_dim, splits, warps in itertools.product((1, 2, 4, 8), (64, 128), (2, 5, 64), (1, 2, 4)):
+        chunk = decode_merge.merge_chunk(q_per_kv, head_dim, splits, warps)
+        assert chunk & (chunk - 1) == 0 and chunk <= triton.next_power_of_2(splits)
+        per_thread = triton.next_power_of_2(q_per_kv) * chunk * head_dim / (32 * warps)
+        assert per_thread <= 64 and (per_thread > 32 or chunk in (1, triton.next_power_of_2(splits)))
+
+
+def test_decode_config_by_grid_size():
+    assert decode_config(2047, 256) == DECODE_CONFIG != DECODE_CONFIG_MANY == decode_config(2048, 256)
+    assert decode_config(4096, 512) == DECODE_CONFIG_MANY
+    assert decode_config(512, 1) == decode_config(2047, FEW_REQUESTS) == DECODE_CONFIG_FEW != DECODE_CONFIG
+    assert decode_config(512, FEW_REQUESTS + 1) == DECODE_CONFIG
+
+
+def test_decode_num_splits_fills_the_gpu():
+    assert decode_num_splits(1, 8, 132) == 32  # the few-request config: two programs an SM
+    assert decode_num_splits(1, 2, 132) == 64  # capped
+    assert decode_num_splits(16, 8, 132) == 4
+    assert decode_num_splits(64, 8, 132) == 1
+    assert decode_num_splits(256, 8, 132) == 1
+    for num_reqs in range(1, 513):  # one to two waves' worth of programs of the launch config, few kernel variants
+        splits = decode_num_splits(num_reqs, 8, 132)
+        per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
+        assert splits == 64 or per_sm * 132 // 2 < num_reqs * 8 * splits <= per_sm * 132 or splits == 1
+    assert {decode_num_splits(n, 8, 132) for n in range(1, 513)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_decode_num_splits_caps_the_merge():
+    """No more splits than keep the partials one (request, kv head)'s last split merges within MAX_MERGE_FLOATS;
+    below the cap the grid alone decides."""
+    assert decode_merge_width(28, 4, 128) == 7 * 128  # Qwen2.5-7B: 7 query heads a kv head
+    assert decode_merge_width(14, 2, 80) == 7 * 128  # head_dim padded to a power of two, as the partials are
+    for heads, kv_heads, head_dim in ((28, 4, 128), (14, 2, 64), (32, 8, 128), (32, 8, 64), (64, 8, 128), (8, 1, 256)):
+        width = decode_merge_width(heads, kv_heads, head_dim)
+        for num_reqs in range(1, 300):
+            grid = decode_num_splits(num_reqs, kv_heads, 132)
+            splits = decode_num_splits(num_reqs, kv_heads, 132, merge_width=width)
+            assert splits * width <= MAX_MERGE_FLOATS or splits == 1
+            assert splits == grid or (splits < grid and 2 * splits * width > MAX_MERGE_FLOATS)
+            assert splits & (splits - 1) == 0  # a power of two: few kernel variants
+    # Qwen2.5-7B at batch 1 now takes 32 splits where the grid gives 64; Qwen2.5-0.5B keeps 64
+    assert decode_num_splits(1, 4, 132) == 64 == decode_num_splits(1, 2, 132, merge_width=decode_merge_width(14, 2, 64))
+    assert decode_num_splits(1, 4, 132, merge_width=decode_merge_width(28, 4, 128)) == 32
+
+
+def test_large_grid_config_runs_unsplit():
+    """The large-grid config is chosen from 2,048 programs on, more than a split count above one ever gives (at
+    most four programs an SM), so it never runs split: `kernel_resources.py` checks its registers at one split only."""
+    for num_sms in (132, 114, 78):
+        for num_kv_heads in (1, 2, 4, 8, 16, 32):
+            for num_reqs in range(1, 1025):
+                splits = decode_num_splits(num_reqs, num_kv_heads, num_sms)
+                if decode_config(num_reqs * num_kv_heads * splits, num_reqs) == DECODE_CONFIG_MANY:
+                    assert splits == 1
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch.*triton"):
+        get_attention_backend("flash")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch.*triton"):
+        EngineConfig(attention_backend="flash")
+    # the names the flags and the config take (without importing the backends) are the registry's
+    assert sorted(ATTENTION_BACKENDS) == available_backends()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1] * 30 + [64, 200], [700] * 30 + [0, 300]),  # mixed: unified kernel
+        ([1] * 8, [8000, 1, 31, 16, 4000, 17, 2, 300]),  # decode only: split-KV
+    ],
+)
+def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, context_lens):
+    q, k, v, kv_cache, metadata, history = make_paged_batch(query_lens, context_lens, 32, 8, 128, 16, dtype, "cuda")
+    out = torch.zeros_like(q)
+    get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5, out)
+    ref = reference_attention(q, history, query_lens, 128**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,234 @@
+"""Tensor parallelism on CPU: 2 ranks over gloo (rank 0 in this process, rank 1 a spawned worker).
+
+Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank),
+Qwen3 (1 KV head: replicated on both ranks) and Qwen2 (QKV biases, tied embeddings, and an odd vocabulary
+that pads the last rank's shard), eager and compiled; a killed worker fails the engine fast; shutdown, a
+failed start-up, and dropping the engine, leave no child process behind. Without processes: how the
+layers cut their weights for more ranks than the CPU tests start.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.config import EngineConfig
+from kiln.engine.core.tensor_parallel import RanksOutOfStepError, TensorParallelWorkers
+from kiln.engine.models.parallel import QKVParallelLinear, TensorParallelShard, VocabParallelEmbedding
+from kiln.engine.models.source import resolve_model
+from kiln.engine.worker import model_runner
+
+from helpers.fault_injection.sitecustomize import failing_launch
+from helpers.models import make_tiny_model_dir
+
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12]]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+# Small KV caches (the CPU default is 1 GiB per rank) and a budget that chunks the 41-token prompt, so
+# steps mix prefill chunks with decodes.
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def qwen2_odd_vocab_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen2-odd-vocab"), "qwen2", vocab_size=509)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir):
+    return {"llama": tiny_llama_dir, "qwen3": tiny_model_dir_qwen3, "qwen2": qwen2_odd_vocab_dir}[request.param]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """TP=1 outputs of the same engine, and a check against Hugging Face's greedy tokens."""
+    single = LLM(str(model_dir), enforce_eager=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def assert_matches_hf(prompt: list[int], tokens: list[int]) -> None:
+        """Equal up to a near-tie of the reference's top two logits, where either token is a right argmax."""
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        for i, (got, want) in enumerate(zip(tokens, expected)):
+            if got != want:
+                with torch.no_grad():
+                    top2 = hf(torch.tensor([prompt + expected[:i]])).logits[0, -1].topk(2).values
+                assert top2[0] - top2[1] <= 1e-5, f"token {i} differs ({got} vs {want}) without a near-tie"
+                return
+
+    return single, assert_matches_hf
+
+
+def _assert_reaped(processes: list[multiprocessing.Process]) -> None:
+    """Exited and waited for (an exit code is only known once reaped): no zombie, no orphan."""
+    assert processes and all(p.exitcode is not None for p in processes)
+    assert not set(processes) & set(multiprocessing.active_children())
+
+
+def _assert_no_workers() -> None:
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("kiln-tp-worker")]
+    assert not dist.is_initialized()
+
+
+def test_tiny_models_exercise_split_and_replicated_kv_heads(tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir):
+    llama, qwen3, qwen2 = (
+        resolve_model(str(d)).model_config for d in (tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir)
+    )
+    assert llama.num_heads % 2 == 0 and llama.num_kv_heads == 2  # one KV head per rank
+    assert qwen3.num_heads % 2 == 0 and qwen3.num_kv_heads == 1  # the one KV head on both ranks
+    assert qwen2.qkv_bias and qwen2.tie_word_embeddings and qwen2.vocab_size % 2 == 1
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_tp2_equals_tp1_and_hf(model_dir, reference, enforce_eager):
+    single, assert_matches_hf = reference
+    with LLM(str(model_dir), enforce_eager=enforce_eager, tensor_parallel_size=2, **ENGINE) as llm:
+        workers = llm.engine.executor.tp_workers.processes
+        config = llm.engine.model_config
+        assert llm.engine.executor.kv_spec.num_kv_heads == max(config.num_kv_heads // 2, 1)
+        assert llm.engine.executor.model.model.layers[0].self_attn.num_heads == config.num_heads // 2
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        if not enforce_eager:
+            stats = llm.engine.startup_stats
+            assert stats["dynamo_traces"] == 1 and stats["compute_pieces"] == config.num_layers + 1
+    _assert_reaped(workers)
+    assert all(p.exitcode == 0 for p in workers)  # told to stop, not killed
+    for prompt, got, want in zip(PROMPTS, outputs, single):
+        got, want = got.outputs[0], want.outputs[0]
+        assert got.token_ids == want.token_ids
+        for lp_got, lp_want in zip(got.logprobs, want.logprobs):
+            assert lp_got.keys() == lp_want.keys()
+            assert all(math.isclose(lp_got[t].logprob, lp_want[t].logprob, abs_tol=1e-4) for t in lp_got)
+        assert_matches_hf(prompt, got.token_ids)
+
+
+def test_dummy_weights_do_not_depend_on_tp_size(tiny_model_dir_qwen3):
+    """Each rank draws every whole tensor from the seed and keeps its slice: the same model as TP=1."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(load_format="dummy", enforce_eager=True, **ENGINE)
+    single = LLM(str(tiny_model_dir_qwen3), **kwargs).generate(PROMPTS, params, use_tqdm=False)
+    with LLM(str(tiny_model_dir_qwen3), tensor_parallel_size=2, **kwargs) as llm:
+        split = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
+
+
+def test_killed_worker_fails_fast(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = llm.engine.executor.tp_workers.processes
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # the engine runs
+    killer = threading.Timer(0.5, os.kill, (workers[0].pid, signal.SIGKILL))
+    start = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel worker .* exited with code -9"):
+            llm.generate(PROMPTS, long, use_tqdm=False)  # killed mid-generation, inside a collective or between
+    finally:
+        killer.cancel()
+    assert time.monotonic() - start < 10.0
+    # The engine stays down: a new request fails at once, it does not wait on the dead rank.
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker"):
+        llm.generate(PROMPTS[:1], long, use_tqdm=False)
+    assert time.monotonic() - start < 2.0
+    llm.close()
+    _assert_reaped(workers)
+
+
+def test_a_rank0_only_failure_is_fatal_not_retried(tiny_llama_dir, monkeypatch):
+    """A step that fails on rank 0 alone (the fault hook exists only in this process) cannot be retried
+    request by request as with one rank: the workers may be inside its collectives. The server's
+    isolating step raises instead of pairing collectives wrongly."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = list(llm.engine.executor.tp_workers.processes)
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", failing_launch(model_runner.ModelRunner.launch, 7))
+    llm.engine.add_request("faulty", [7, 8, 9], SamplingParams(max_tokens=2))
+    with pytest.raises(RanksOutOfStepError, match="injected fault"):
+        llm.engine.step(isolate_failures=True)
+    llm.close()
+    _assert_reaped(workers)
+
+
+def test_dropped_engine_reaps_its_workers(tiny_llama_dir):
+    """No close(): garbage collection stops the workers (and a new TP engine can start after it)."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    workers = list(llm.engine.executor.tp_workers.processes)
+    del llm
+    gc.collect()
+    _assert_reaped(workers)
+
+
+def test_failed_start_up_stops_its_workers(tiny_llama_dir, tmp_path):
+    """A start-up that fails once the workers run stops them at once, though the traceback keeps the
+    half-built engine. An error every rank raises is rank 0's to report, not a worker's exit."""
+    held = []  # NOTE: the tracebacks, kept as a caller or a REPL would keep them
+    with pytest.raises(ValueError, match="KV cache holds") as failure:
+        LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **{**ENGINE, "num_kv_blocks": 4})
+    held.append(failure)
+    _assert_no_workers()
+    with pytest.raises(FileNotFoundError, match="no tokenizer") as failure:  # before the engine: no worker starts
+        LLM(str(tiny_llama_dir), tokenizer=str(tmp_path), enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    held.append(failure)
+    _assert_no_workers()
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig(model="llama-3.2-1b", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs GPUs 1\.\.2, but 2 are visible"):
+        TensorParallelWorkers(config, torch.device("cuda", 1))
+    _assert_no_workers()
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
+@torch.no_grad()
+def test_qkv_shards_pair_query_heads_with_their_kv_heads(num_kv_heads):
+    """4 ranks, 8 query heads: each local query head must find, through the rank's own GQA grouping, the KV
+    head Hugging Face pairs it with (query head h reads KV head h // (8 / num_kv_heads))."""
+    hidden, head_dim, num_heads, tp_size = 4, 2, 8, 4
+    full = {
+        "q": torch.arange(num_heads).repeat_interleave(head_dim).float(),
+        "k": 100 + torch.arange(num_kv_heads).repeat_interleave(head_dim).float(),
+        "v": 200 + torch.arange(num_kv_heads).repeat_interleave(head_dim).float(),
+    }
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, True, TensorParallelShard(rank, tp_size))
+        for name, rows in full.items():
+            layer.load_weight("weight", rows[:, None].expand(-1, hidden), name)
+            layer.load_weight("bias", rows, name)
+        q, k, v = layer.bias.split([layer.num_heads * head_dim, *[layer.num_kv_heads * head_dim] * 2])
+        assert torch.equal(layer.weight[:, 0], layer.bias)
+        per_group = layer.num_heads // layer.num_kv_heads
+        for j in range(layer.num_heads):
+            h = int(q[j * head_dim])
+            assert h == rank * layer.num_heads + j
+            kv_head = h // (num_heads // num_kv_heads)
+            assert k[j // per_group * head_dim] == 100 + kv_head and v[j // per_group * head_dim] == 200 + kv_head
+
+
+@pytest.mark.parametrize(("vocab_size", "tp_size"), [(509, 2), (509, 4), (5, 4)])
+@torch.no_grad()
+def test_vocab_shards_join_to_the_vocabulary(vocab_size, tp_size):
+    """The LM head's all-gather puts the ranks' rows side by side: the vocabulary, then padding only."""
+    full = torch.arange(vocab_size, dtype=torch.float32)[:, None].expand(-1, 3)
+    shards = []
+    for rank in range(tp_size):
+        layer = VocabParallelEmbedding(vocab_size, 3, TensorParallelShard(rank, tp_size))
+        layer.weight.fill_(float("nan"))
+        layer.load_weight("weight", full, None)
+        shards.append(layer.weight)
+    joined = torch.cat(shards)
+    assert torch.equal(joined[:vocab_size], full) and not joined[vocab_size:].any()

@@ -1,0 +1,322 @@
+"""Structured output's parts on their own: params and OpenAI parsing, the grammar cache and its time limit, and the
+token bitmask against a plain-Python reference. (Tiny models under constraints, offline and over HTTP:
+test_structured_output.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
+from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.structured_output.grammar import GrammarBitmask, GrammarCache, GrammarError, check_grammar
+from kiln.engine.text.tokenizer import builtin_tokenizer
+
+TOKENIZER_VOCAB = 512
+MODEL_VOCAB = 600  # wider than the tokenizer, as padded embeddings are: ids 512..599 are never allowed
+EOS = 511
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return builtin_tokenizer(TOKENIZER_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer):
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS])
+    yield grammars
+    grammars.shutdown()
+
+
+def ready(cache: GrammarCache, params: StructuredOutputParams):
+    grammar = cache.request_grammar(params)
+    grammar.compiled.result(timeout=30)
+    assert grammar.poll()
+    return grammar
+
+
+def allowed(row: torch.Tensor, vocab_size: int = MODEL_VOCAB) -> set[int]:
+    bits = (row.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
+    return set(bits.flatten()[:vocab_size].nonzero().flatten().tolist())
+
+
+def token_texts(tokenizer) -> dict[int, str]:
+    """Each token's own text, for tokens that are whole UTF-8 (byte pieces decode to U+FFFD)."""
+    texts = {t: tokenizer.decode([t]) for t in range(TOKENIZER_VOCAB) if t not in tokenizer.all_special_ids}
+    return {t: s for t, s in texts.items() if s and "\ufffd" not in s}
+
+
+# ---- params and parsing --------------------------------------------------------------------------------
+
+
+def test_params_normalise_and_travel_as_dicts():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    params = SamplingParams(structured_output=StructuredOutputParams(json=schema))
+    so = params.structured_output
+    assert so.kind == "json"
+    assert so.spec == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert StructuredOutputParams(json=so.spec) == so  # text or dict: one cache key, key order kept
+    wire = dataclasses.asdict(params)  # what the API server sends (msgpack takes only plain data)
+    assert wire["structured_output"] == {"json": so.spec, "json_object": False, "regex": None, "grammar": None}
+    assert SamplingParams(**wire) == params
+    assert (StructuredOutputParams(json_object=True).kind, StructuredOutputParams(json_object=True).spec) == (
+        "json_object",
+        "",
+    )
+    assert StructuredOutputParams(regex="[0-9]+").spec == "[0-9]+"
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ({}, "exactly one of json, json_object, regex, grammar; got none"),
+        ({"regex": "a", "grammar": 'root ::= "a"'}, "got regex, grammar"),
+        ({"regex": ""}, "structured_output.regex must be a non-empty string"),
+        ({"grammar": 5}, "structured_output.grammar must be a non-empty string"),
+        ({"json": "[1, 2]"}, "structured_output.json must be a JSON schema object"),
+        ({"json": "{not json"}, "structured_output.json is not valid JSON"),
+        ({"json": {"x": float("nan")}}, "structured_output.json cannot be written as JSON"),
+        ({"json_object": 1}, "structured_output.json_object must be a bool"),
+        ({"choice": ["a"]}, "structured_output must be a dict with keys among"),
+        ({"regex": "a" * (256 * 1024 + 1)}, "at most 262144 characters"),
+    ],
+)
+def test_bad_params_name_the_problem(value, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        SamplingParams(structured_output=value)
+    with pytest.raises(ValueError, match="structured_output"):
+        SamplingParams(structured_output="{}")
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        ({"response_format": {"type": "json_object"}}, StructuredOutputParams(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            StructuredOutputParams(json=SCHEMA),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+        ({"guided_regex": "[a-z]+"}, StructuredOutputParams(regex="[a-z]+")),
+        ({"guided_grammar": 'root ::= "yes" | "no"'}, StructuredOutputParams(grammar='root ::= "yes" | "no"')),
+        ({}, None),
+    ],
+)
+def test_openai_bodies_parse_to_a_constraint(extra, expected):
+    completion = parse_completion({"prompt": "hi", **extra}).params.structured_output
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], **extra}).params.structured_output
+    assert completion == chat == expected
+
+
+@pytest.mark.parametrize(
+    "extra,param,match",
+    [
+        ({"response_format": "json"}, "response_format", "'response_format' must be an object"),
+        ({"response_format": {"type": "xml"}}, "response_format", "'response_format.type' must be one of"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "'response_format.json_schema.schema'"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format",
+            "must be a JSON schema object",
+        ),
+        ({"guided_regex": 5}, "guided_regex", "'guided_regex' must be a string"),
+        ({"guided_regex": ""}, "guided_regex", "must be a non-empty string"),
+        ({"guided_grammar": ["a"]}, "guided_grammar", "'guided_grammar' must be a string"),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "guided_regex",
+            "at most one of response_format (json_object or json_schema), guided_json, guided_choice, guided_regex",
+        ),
+    ],
+)
+def test_bad_openai_bodies_get_400_naming_the_parameter(extra, param, match):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, chat)):
+        with pytest.raises(APIError) as excinfo:
+            parse({**body, **extra})
+        assert excinfo.value.status == 400 and excinfo.value.param == param
+        assert match in excinfo.value.message
+
+
+# ---- compiling ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (StructuredOutputParams(json={"type": "bogus"}), 'invalid JSON schema: Unsupported type "bogus"'),
+        (StructuredOutputParams(json={"$ref": "#/$defs/missing"}), "invalid JSON schema"),
+        (
+            StructuredOutputParams(regex="([a-z]"),
+            "invalid regex: Regex parsing error at position 7: The parenthesis is not closed",
+        ),
+        (
+            StructuredOutputParams(grammar="root ::= item"),
+            'invalid EBNF grammar: EBNF parser error at line 1, column 10: Rule "item" is not defined',
+        ),
+    ],
+)
+def test_bad_constraints_fail_with_a_clean_message(cache, params, match):
+    for error in (_raised(check_grammar, params), _raised(lambda p: ready(cache, p), params)):
+        message = str(error)
+        assert isinstance(error, GrammarError) and message.startswith(match), message
+        assert "/project" not in message and "Check failed" not in message and not message.startswith("[")
+
+
+def _raised(fn, *args) -> BaseException:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        return e
+    raise AssertionError(f"{fn} raised nothing")
+
+
+def test_cache_compiles_once_per_constraint_and_keeps_the_newest(tokenizer):
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS], max_entries=2)
+    try:
+        a, b, c = (StructuredOutputParams(regex=r) for r in ("a+", "b+", "c+"))
+        first = grammars.get(a)
+        assert grammars.get(StructuredOutputParams(regex="a+")) is first and grammars.num_compiles == 1
+        assert grammars.get(StructuredOutputParams(json_object=True)) is not grammars.get(b)
+        assert grammars.num_compiles == 3 and list(grammars.entries) == [("json_object", ""), ("regex", "b+")]
+        grammars.get(StructuredOutputParams(json_object=True))  # used: now the newest
+        grammars.get(c)
+        assert list(grammars.entries) == [("json_object", ""), ("regex", "c+")]
+        assert grammars.get(a) is not first and grammars.num_compiles == 5
+        bad = StructuredOutputParams(regex="(")
+        failed = grammars.get(bad)
+        assert isinstance(failed.exception(timeout=30), GrammarError)
+        assert grammars.get(bad) is failed  # a bad schema sent again fails at once
+    finally:
+        grammars.shutdown()
+
+
+def test_a_slow_compile_fails_its_request_at_the_time_limit_without_blocking(tokenizer):
+    release = threading.Event()
+
+    def stuck_tokenizer():  # stands in for a pathological schema: the worker is busy for as long as it likes
+        release.wait(30)
+        return tokenizer
+
+    grammars = GrammarCache(stuck_tokenizer, MODEL_VOCAB, [EOS], timeout_s=0.2)
+    try:
+        grammar = grammars.request_grammar(StructuredOutputParams(regex="[0-9]+"))
+        start = time.monotonic()
+        assert not grammar.poll()
+        assert time.monotonic() - start < 0.05  # polling never waits for the compile
+        time.sleep(0.25)
+        with pytest.raises(GrammarError, match=r"compiling the regex took longer than 0.2 s"):
+            grammar.poll()
+        release.set()
+        # The compile finishes on its own and is cached for the next request.
+        assert grammars.get(StructuredOutputParams(regex="[0-9]+")).result(timeout=30) is not None
+        assert grammars.request_grammar(StructuredOutputParams(regex="[0-9]+")).poll()
+    finally:
+        release.set()
+        grammars.shutdown()
+
+
+# ---- the mask against a reference -----------------------------------------------------------------------
+
+
+def test_mask_allows_exactly_the_tokens_a_reference_allows(cache, tokenizer):
+    """A regex's mask, step by step, is the set of tokens that keep the text a prefix of a match
+    (checked with Python's `re` on each token's text); EOS only once the text matches whole."""
+    digits = re.compile(r"[0-9]{1,3}-[a-z]{2}")
+    prefixes = {s[:i] for s in ("123-ab",) for i in range(len(s) + 1)}
+    texts = token_texts(tokenizer)
+
+    def is_prefix(text: str) -> bool:  # a prefix of some match of [0-9]{1,3}-[a-z]{2}
+        return bool(re.fullmatch(r"[0-9]{0,3}|[0-9]{1,3}-[a-z]{0,2}", text))
+
+    grammar = ready(cache, StructuredOutputParams(regex=digits.pattern))
+    mask = GrammarBitmask(2, MODEL_VOCAB, torch.device("cpu"))
+    text = ""
+    for token in tokenizer.encode("123-ab"):
+        mask.fill([grammar], [1])
+        got = allowed(mask.host[1])
+        expected = {t for t, s in texts.items() if is_prefix(text + s)} | ({EOS} if digits.fullmatch(text) else set())
+        # Tokens with no text of their own (byte pieces) may be allowed too; nothing else.
+        assert expected <= got and got - expected <= set(range(TOKENIZER_VOCAB)) - set(texts) - {EOS}
+        assert not got & set(range(TOKENIZER_VOCAB, MODEL_VOCAB))
+        assert grammar.accept_token(token)
+        text += tokenizer.decode([token])
+        assert text in prefixes
+    mask.fill([grammar], [0])
+    assert allowed(mask.host[0]) == {EOS}  # the match is complete: only the stop token is left
+    assert not grammar.accept_token(tokenizer.encode("7")[0])  # rejected, state unchanged
+    assert grammar.accept_token(EOS) and grammar.is_terminated
+
+
+def test_apply_masks_constrained_rows_only(cache, tokenizer):
+    """Rows with a grammar keep exactly the logits of tokens that can start a match (a reference from each
+    token's text), -inf elsewhere, padding ids included; rows without one are untouched."""
+    logits = torch.randn(4, MODEL_VOCAB, generator=torch.Generator().manual_seed(0))
+    yes_no = ready(cache, StructuredOutputParams(grammar='root ::= "yes" | "no"'))
+    number = ready(cache, StructuredOutputParams(regex="[0-9]+"))
+    texts = token_texts(tokenizer)
+    starts = {
+        1: {t for t, s in texts.items() if "yes".startswith(s) or "no".startswith(s)},
+        3: {t for t, s in texts.items() if s.isascii() and s.isdigit()},
+    }
+    expected = logits.clone()
+    for row, keep in starts.items():
+        barred = torch.ones(MODEL_VOCAB, dtype=torch.bool)
+        barred[sorted(keep)] = False
+        expected[row, barred] = float("-inf")
+    mask = GrammarBitmask(2, MODEL_VOCAB, torch.device("cpu"))  # grows to the batch
+    assert mask.apply(logits, [None, yes_no, None, number]) == [1, 3]
+    assert torch.equal(logits, expected)
+    assert mask.apply(logits, [None] * 4) == [] and torch.equal(logits, expected)  # nothing constrained
+
+
+def test_length_limited_strings_hold_no_raw_control_characters(cache):
+    """xgrammar's own length-limited strings would take a raw tab (invalid JSON); Kiln hands the limits
+    over as a pattern, which does not."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}},
+        "required": ["s"],
+    }
+    for text, valid in (
+        ('{"s": "a\tb"}', False),
+        ('{"s": "abcd"}', True),
+        ('{"s": "abcde"}', False),
+        ('{"s": ""}', False),
+        ('{"s": "été"}', True),
+    ):
+        matcher = ready(cache, StructuredOutputParams(json=schema)).matcher
+        assert (matcher.accept_string(text) and matcher.is_completed()) == valid, text
+
+
+def test_batch_fill_equals_one_by_one(cache, tokenizer):
+    specs = [
+        StructuredOutputParams(regex="[a-z]+ [0-9]+"),
+        StructuredOutputParams(json=SCHEMA),
+        StructuredOutputParams(json_object=True),
+        StructuredOutputParams(grammar='root ::= "a" root | "b"'),
+    ]
+    grammars = [ready(cache, p) for p in specs]
+    for g, prefix in zip(grammars, ("abc 1", '{"ok": ', "{", "aa")):
+        for token in tokenizer.encode(prefix):
+            assert g.accept_token(token)
+    together = GrammarBitmask(8, MODEL_VOCAB, torch.device("cpu"))
+    together.fill(grammars, [7, 0, 3, 5])
+    alone = GrammarBitmask(1, MODEL_VOCAB, torch.device("cpu"))
+    for g, row in zip(grammars, (7, 0, 3, 5)):
+        alone.fill([g], [0])
+        assert torch.equal(together.host[row], alone.host[0])

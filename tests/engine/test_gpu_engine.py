@@ -1,0 +1,71 @@
+"""GPU checks of the engine: bf16 models against the fp32 Hugging Face reference, presets end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bf16_logprobs_close_to_fp32_reference(tiny_model_dir):
+    prompt = list(range(3, 40))
+    with LLM(
+        str(tiny_model_dir),
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 28,
+    ) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    for token_id, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - ref[token_id].item()) < 0.1
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bf16_decode_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, enforce_eager):
+    """Batch-1 decode steps (the one-row matmul kernel and the one-kernel split-KV decode; compiled, inside the
+    full CUDA graph, with Qwen3's kiln::qk_norm_rope) against the fp32 Hugging Face model over the same tokens."""
+    prompt = list(range(3, 40))
+    common = dict(max_model_len=256, kv_cache_memory_bytes=1 << 28, compile_cache_dir=str(tmp_path))
+    with LLM(
+        str(tiny_model_dir),
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=enforce_eager,
+        cudagraph_capture_sizes=(1, 2),
+        **common,
+    ) as llm:
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True), use_tqdm=False
+        )[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    ref = torch.log_softmax(logits.double(), -1)
+    assert len(out.logprobs) == 8
+    for step, logprobs in enumerate(out.logprobs):
+        for token_id, lp in logprobs.items():
+            assert abs(lp.logprob - ref[step, token_id].item()) < 0.1, (step, token_id)
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
+def test_preset_batch_on_gpu(preset):
+    with LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5) as llm:
+        assert llm.engine.dtype == torch.bfloat16
+        prompts = [[i + 1] * (10 + 37 * i) for i in range(12)]
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+        # NOTE: no token-for-token rerun check: dummy weights give near-uniform logits, and a rerun that
+        # reads its prompt from the prefix cache rounds differently in bf16, which flips near-ties.
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.num_cached_tokens > 0 for o in again[1:])
+        assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks - 1

@@ -1,0 +1,50 @@
+"""Test-only fault injection for processes the tests cannot monkeypatch (a server's engine core): with
+TEST_FAULT_TOKEN=N set and this folder on PYTHONPATH (`helpers.server.Server(fault_token=N)`), Python loads this
+module at start-up in every process, and a model-runner step fails when a request's prompt holds token id N.
+
+The patch is made when `kiln.engine.worker.model_runner` is first imported (never before: the API-server process,
+which never imports it, stays as it is)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+TARGET = "kiln.engine.worker.model_runner"
+
+
+def failing_launch(launch, token: int):
+    """`ModelRunner.launch`, failing a step when a request's prompt holds `token` (tests in-process patch with it)."""
+
+    def launch_or_fail(self, batch):
+        if any(token in request.prompt_token_ids for request in batch.requests):
+            raise RuntimeError("injected fault (TEST_FAULT_TOKEN)")
+        return launch(self, batch)
+
+    return launch_or_fail
+
+
+def _patch(module) -> None:
+    module.ModelRunner.launch = failing_launch(module.ModelRunner.launch, int(os.environ["TEST_FAULT_TOKEN"]))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # find the real module below this finder, once
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get("TEST_FAULT_TOKEN"):
+    sys.meta_path.insert(0, _PatchOnImport())
