@@ -65,7 +65,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks never handed out yet are the free queue's head, in id order; each is made when first taken
-        # (`blocks` grows): a pool of ~250,000 blocks (a 1B model's on the H200) made at once took 0.3 s of start-up.
+        # (`blocks` grows): a small model on a large GPU has hundreds of thousands, too many to make at start-up.
         self.blocks = [KVBlock(NULL_BLOCK_ID)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         # The rest of the queue: blocks freed since, oldest first. OrderedDict gives O(1) removal from the middle

@@ -52,10 +52,9 @@ def pin_triton_setup() -> None:
     NOTE: Triton's cache key covers the ptxas and libdevice a kernel is built with, and Inductor switches both to
     torch's own (its private `_set_triton_ptxas_path` and `_set_triton_libdevice_path`) the first
     time it compiles a kernel in a process. A warm start compiles nothing, so every Triton kernel that a cold start
-    had compiled after that switch (Kiln's own, in the warm-up) missed the cache on a warm start and was compiled
-    again: 21 kernels, ~8 s of the 8B's warm start on the H200 (BENCHMARKS.md, twelfth session). Making the same
-    switch up front gives cold and warm starts the same keys. Likewise, unset, Inductor points TRITON_CACHE_DIR at a
-    folder of its own when it first compiles or loads a kernel."""
+    had compiled after that switch (Kiln's own, in the warm-up) would miss the cache on a warm start and be compiled
+    again, seconds of it. Making the same switch up front gives cold and warm starts the same keys. Likewise, unset,
+    Inductor points TRITON_CACHE_DIR at a folder of its own when it first compiles or loads a kernel."""
     triton_home = Path(os.environ.get("TRITON_HOME", Path.home()))  # where Triton's own default lies
     os.environ.setdefault("TRITON_CACHE_DIR", str(triton_home / ".triton" / "cache"))
     try:
@@ -72,7 +71,7 @@ def pin_triton_setup() -> None:
 def device_target(device: torch.device) -> str:
     """The device the artifacts are for. NOTE: on CUDA this includes the GPU index: Inductor's code places
     its buffers on the GPU it was compiled for, so tensor-parallel ranks (one GPU each) sharing a key would
-    load each other's artifacts and mix devices (a crash or a hung collective, seen on two H200s)."""
+    load each other's artifacts and mix devices (a crash or a hung collective)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)

@@ -1,7 +1,7 @@
 """The traced, split forward written down as data, so that a warm start runs it without tracing again.
 
 Dynamo's trace gives the same graph on every start with one cache key (the key covers everything that shapes
-it), and it costs seconds (7.4 s for Llama-3.1-8B on the H200). After the trace, Kiln saves the split graph as
+it), and it costs seconds. After the trace, Kiln saves the split graph as
 `forward.json` beside the pieces' artifacts:
 
     inputs   where each of the graph's inputs comes from: Dynamo's source for it, a Python expression over the

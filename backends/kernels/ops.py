@@ -1,8 +1,8 @@
 """Kiln's own torch ops for the compiled pieces (`kiln::linear`, `kiln::qk_norm_rope`, ...): opaque to Dynamo,
 called by Inductor's code as externs, each with a fake for tracing.
 
-NOTE: a plain `torch.library.Library` rather than `torch.library.custom_op`, whose Python wrapper costs ~25 µs a
-call more (measured on the CPU machine): the compiled pieces call these several times a layer. The CPU
+NOTE: a plain `torch.library.Library` rather than `torch.library.custom_op`, whose Python wrapper costs tens of
+microseconds a call more: the compiled pieces call these several times a layer. The CPU
 registration serves the tests (the kernels under Triton's interpreter); the models call them on the GPU only.
 """
 

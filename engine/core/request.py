@@ -67,10 +67,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_placeholders(self) -> int:
-        return len(self.all_token_ids) + self.num_output_placeholders
-
-    @property
     def needs_sync(self) -> bool:
         """Whether sampling this request reads its output history on the host (penalties, min_tokens, a
         grammar's matcher), so a step cannot be scheduled before the previous one's tokens are back."""

@@ -51,12 +51,6 @@ class SchedulerOutput:
         )
 
 
-@dataclass
-class FinishedRequest:
-    request: Request
-    new_token_ids: list[int]
-
-
 class Scheduler:
     def __init__(
         self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int

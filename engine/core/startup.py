@@ -177,16 +177,32 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         def make_runner(kv_caches, max_model_len, compiled=None, cudagraph_mode="none", tp_workers=None):
             sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
             return ModelRunner(
-                model, kv_caches, backend, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                max_model_len, model_config.vocab_size, model_config.eos_token_ids, device, compiled, cudagraph_mode,
-                sizes, tp_workers,
-            )  # fmt: skip
+                model,
+                kv_caches,
+                backend,
+                config.block_size,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_model_len,
+                model_config.vocab_size,
+                model_config.eos_token_ids,
+                device,
+                compiled,
+                cudagraph_mode,
+                sizes,
+                tp_workers,
+            )
 
         cache = compiled.backend.cache if compiled is not None else None
         num_blocks = num_kv_blocks(
-            config, kv_spec, device, max_model_len, cudagraph_mode != "none", cache,
+            config,
+            kv_spec,
+            device,
+            max_model_len,
+            cudagraph_mode != "none",
+            cache,
             lambda kv_caches: make_runner(kv_caches, max_model_len),
-        )  # fmt: skip
+        )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
         max_model_len = _fit_context(config, max_model_len, num_blocks)
@@ -217,9 +233,22 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         **counters.as_dict(),
     }
     return ModelExecutor(
-        source, device, dtype, load_format, shard, model, compiled, kv_spec, kv_caches, num_blocks, max_model_len,
-        runner, counters, tp_workers, stats,
-    )  # fmt: skip
+        source,
+        device,
+        dtype,
+        load_format,
+        shard,
+        model,
+        compiled,
+        kv_spec,
+        kv_caches,
+        num_blocks,
+        max_model_len,
+        runner,
+        counters,
+        tp_workers,
+        stats,
+    )
 
 
 def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
@@ -247,9 +276,16 @@ def _cudagraph_mode(config: EngineConfig, device: torch.device, backend: Attenti
     return config.cudagraph_mode
 
 
-def _compiled_model(config: EngineConfig, model: nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device, backend: AttentionBackend, max_model_len: int,
-                    counters: CompileCounters) -> CompiledModel:  # fmt: skip
+def _compiled_model(
+    config: EngineConfig,
+    model: nn.Module,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_model_len: int,
+    counters: CompileCounters,
+) -> CompiledModel:
     """The model wrapped for its one trace, with its compile cache (keyed by everything that shapes the code)."""
     settings = {
         "cudagraph_mode": config.cudagraph_mode,

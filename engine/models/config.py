@@ -84,10 +84,3 @@ class ModelConfig:
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
             positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
         return min(positions, self.sliding_window or positions)
-
-    def num_parameters(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        per_layer = attn + 3 * h * i + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h

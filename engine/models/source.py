@@ -2,9 +2,9 @@
 
 What transformers makes of a model's config can be kept (`resolve_model`'s `memo`; the engine keeps it beside
 its compile cache), keyed by the config files' bytes and the code and versions that read them: a start that finds
-it builds the model without importing transformers' model classes. (Those imports are slow: with transformers 5.17
-and scikit-learn installed, as on the H200, a config class's docstring decorator imports transformers' generation
-code and, through it, scikit-learn, ~1 s of a warm start.)
+it builds the model without importing transformers' model classes. (Those imports are slow: with scikit-learn
+installed, a config class's docstring decorator imports transformers' generation code and, through it,
+scikit-learn, a second of a warm start.)
 """
 
 from __future__ import annotations

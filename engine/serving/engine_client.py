@@ -36,8 +36,8 @@ class EngineDeadError(RuntimeError):
 
 class Inbox:
     """What the engine sent for one HTTP request (its n engine requests share it), until the handler takes
-    it. Lighter than asyncio.Queue, whose per-item bookkeeping and wake-up cost ~9 µs an output at 256
-    outputs a step: a put is an append, and a future exists only while the handler waits."""
+    it. Lighter than asyncio.Queue, whose per-item bookkeeping and wake-up add up at hundreds of outputs a
+    step: a put is an append, and a future exists only while the handler waits."""
 
     __slots__ = ("items", "waiter")
 

@@ -148,7 +148,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
 
     NOTE: the text is put together from pieces: the chunk's constant head is encoded once per stream, and a
     plain choice entry (no logprobs) from a template around its encoded text, since encoding the whole dict
-    at every event was ~10 µs of the API process's CPU per event."""
+    at every event was a large share of the API process's CPU."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = (
         f'{{"id":{_json(base)},"object":"{kind}","created":{created},"model":{_json(state.served_model_name)},'

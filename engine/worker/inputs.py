@@ -63,7 +63,7 @@ class InputArena:
     where they were at capture: a full graph (n = r = its size) all of them, a piecewise one (size n)
     input_ids at 0 and positions at 8n. Two pinned host buffers alternate from step to step, so the host
     fills step N+1's while step N's copy may still be queued behind step N-1 (the runner's fences say when
-    one is free). Views are made once per layout: slicing a tensor costs ~3 µs of host time.
+    one is free). Views are made once per layout: slicing a tensor costs microseconds of host time a step.
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, width: int, device: torch.device) -> None:

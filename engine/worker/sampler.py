@@ -259,8 +259,8 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor. NOTE: torch's arg-reductions give each row one thread block
-    on the GPU, so at a small batch a 128k vocabulary is one block's work (27 µs a step at batch 1 on the
-    H200); up to `argmax.MAX_ROWS` rows, Kiln's kernel spreads each row over many programs, in one launch."""
+    on the GPU, so at a small batch a 128k vocabulary is one block's work; up to `argmax.MAX_ROWS` rows, Kiln's
+    kernel spreads each row over many programs, in one launch."""
     if x.device.type != "cuda" or x.shape[0] > argmax.MAX_ROWS or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     return argmax.argmax(x)

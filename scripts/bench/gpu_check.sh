@@ -71,7 +71,7 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
       [ "${KERNEL_TESTS:-1}" = 0 ] && continue
-      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/backends/kernels/test_fused_kernels.py tests/backends/attention/test_attention.py 2>&1 \
+      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/backends/kernels tests/backends/attention 2>&1 \
         | tee "$OUT/pytest_kernels.log" | tail -n 5
       echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
     startup)

@@ -41,8 +41,9 @@ def parse_config(name: str) -> dict:
     return kwargs
 
 
-def sweep(batch: int, context: int, num_sms: int, splits: list[int], min_tokens: list[int],
-          configs: dict[str, dict]) -> dict:  # fmt: skip
+def sweep(
+    batch: int, context: int, num_sms: int, splits: list[int], min_tokens: list[int], configs: dict[str, dict]
+) -> dict:
     kv_cache, metadata, q, k_new, v_new, out = ba.decode_inputs(batch, context)
     kv_bytes = 2 * batch * context * ba.NUM_KV_HEADS * ba.HEAD_DIM * 2
     caches = [kv_cache] + [kv_cache.clone() for _ in range(ba.kv_copies(kv_bytes) - 1)]
@@ -58,11 +59,13 @@ def sweep(batch: int, context: int, num_sms: int, splits: list[int], min_tokens:
             return float("nan"), float("nan")
 
     return {
-        "batch": batch, "context": context, "chosen": chosen,
+        "batch": batch,
+        "context": context,
+        "chosen": chosen,
         "splits": {s: timed(num_splits=s) for s in splits},
         "min_split": {t: timed(num_splits=chosen, min_split_tokens=t) for t in min_tokens},
         "configs": {name: timed(**{"num_splits": chosen, **c}) for name, c in configs.items()},
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ import hashlib
 import json
 import os
 
-ALICE, BOB, CAROL, DAVE, ERIN, FRANK = (f"sk-test-{n}-0123456789"
-                                        for n in ("alice", "bob", "carol", "dave", "erin", "frank"))  # fmt: skip
+ALICE, BOB, CAROL, DAVE, ERIN, FRANK = (
+    f"sk-test-{n}-0123456789" for n in ("alice", "bob", "carol", "dave", "erin", "frank")
+)
 
 
 def sha(key: str) -> str:

@@ -8,18 +8,33 @@ from pathlib import Path
 import torch
 
 TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
-    eos_token_id=511, bos_token_id=0, pad_token_id=0,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    eos_token_id=511,
+    bos_token_id=0,
+    pad_token_id=0,
+)
 
 
 def tiny_hf_config(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if kind == "llama":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         return LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=False)
     if kind == "mistral":
         return MistralConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None)

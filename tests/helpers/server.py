@@ -20,8 +20,10 @@ FAULT_INJECTION = Path(__file__).parent / "fault_injection"  # its sitecustomize
 
 API_KEY = "test-key"
 # What no error message may show: a file path, a module, an address
-LEAK = re.compile(r"/(?:tmp|home|root|usr|var|opt|work|proc|etc|lib|srv|mnt|private)/|site-packages|\w\.py\b"
-                  r"|\w\.(?:so|cc|cpp|h)\b|0x[0-9a-fA-F]{5,}|object at |Traceback|File \"")  # fmt: skip
+LEAK = re.compile(
+    r"/(?:tmp|home|root|usr|var|opt|work|proc|etc|lib|srv|mnt|private)/|site-packages|\w\.py\b"
+    r"|\w\.(?:so|cc|cpp|h)\b|0x[0-9a-fA-F]{5,}|object at |Traceback|File \""
+)
 
 
 def free_port() -> int:
@@ -34,8 +36,14 @@ class Server:
     """`kiln serve MODEL_DIR --enforce-eager --max-model-len 128` on a free port, started and healthy. `fault_token`: a
     step of the engine core fails when a prompt holds this token id (`fault_injection/sitecustomize.py`)."""
 
-    def __init__(self, model_dir, *extra: str, auth: tuple[str, ...] = ("--api-key", API_KEY),
-                 env: dict[str, str] | None = None, fault_token: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir,
+        *extra: str,
+        auth: tuple[str, ...] = ("--api-key", API_KEY),
+        env: dict[str, str] | None = None,
+        fault_token: int | None = None,
+    ) -> None:
         env = dict(env or {})
         if fault_token is not None:
             path = os.environ.get("PYTHONPATH")
@@ -44,10 +52,23 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        cmd = [sys.executable, "-m", "kiln.engine.cli", "serve", self.model, "--enforce-eager", "--max-model-len",
-               "128", "--port", str(self.port), *auth, *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **env})  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kiln.engine.cli",
+            "serve",
+            self.model,
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--port",
+            str(self.port),
+            *auth,
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -87,8 +108,9 @@ class Server:
 
     def engine_pid(self) -> int:
         """The engine-core process: the server's child running `python -m kiln.engine.core`."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "kiln.engine.core"], capture_output=True,
-                             text=True).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid), "-f", "kiln.engine.core"], capture_output=True, text=True
+        ).stdout.split()
         return int(out[0])
 
     def descendants(self) -> list[int]:

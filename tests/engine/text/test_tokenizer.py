@@ -30,13 +30,19 @@ def declaring(src, dst, tokenizer_class: str, model_type: str | None = None):
 
 # The classes real checkpoints declare; "LlamaTokenizerFast" over a byte-level tokenizer.json (as DeepSeek's) is one
 # AutoTokenizer overrules, reading it as TokenizersBackend.
-DECLARED = [("TokenizersBackend", None), ("PreTrainedTokenizerFast", "llama"), ("Qwen2Tokenizer", "qwen2"),
-            ("Qwen2TokenizerFast", "qwen3"), ("LlamaTokenizerFast", "llama")]  # fmt: skip
+DECLARED = [
+    ("TokenizersBackend", None),
+    ("PreTrainedTokenizerFast", "llama"),
+    ("Qwen2Tokenizer", "qwen2"),
+    ("Qwen2TokenizerFast", "qwen3"),
+    ("LlamaTokenizerFast", "llama"),
+]
 
 
 @pytest.mark.parametrize("tokenizer_class,model_type", DECLARED)
-def test_the_resolved_class_reads_the_tokenizer_as_autotokenizer_does(tiny_llama_dir, tmp_path, tokenizer_class,
-                                                                       model_type):  # fmt: skip
+def test_the_resolved_class_reads_the_tokenizer_as_autotokenizer_does(
+    tiny_llama_dir, tmp_path, tokenizer_class, model_type
+):
     d = declaring(tiny_llama_dir, tmp_path / "model", tokenizer_class, model_type)
     reference = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     memo = JsonFolder(tmp_path / "memo")
