@@ -55,8 +55,8 @@ class CompiledModel:
     The first call traces, with T marked dynamic. The split graph it gives is saved in the compile cache
     (`saved_graph.py`) and every call after it runs that graph rebuilt, outside Dynamo: nothing can trace or
     compile again while serving. A start that finds the saved graph and its artifacts in the cache rebuilds it
-    at once and never traces. (A graph that cannot be saved runs in Dynamo's frame, under `fail_on_recompile`,
-    so a batch that would need a new trace is an error, never a silent compile.)
+    (`load_saved`, once the weights are in place) and never traces. (A graph that cannot be saved runs in Dynamo's
+    frame, under `fail_on_recompile`, so a batch that would need a new trace is an error, never a silent compile.)
 
     NOTE: T is a *backed* symbol (traced at a size >= 2, so it has a hint) and the frame keeps no shape
     guards, so T = 1 runs the same code. Marked unbacked instead (no 0/1 specialisation, no guard to drop),
@@ -71,8 +71,12 @@ class CompiledModel:
         self.backend = KilnBackend(cache, counters)
         self._forward = None  # torch.compile's wrapper, made for the trace (a warm start never needs it)
         self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced
-        saved = cache.read_json(SAVED_GRAPH)
+        self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced or loaded
+
+    def load_saved(self) -> None:
+        """A warm start: the split graph saved in the compile cache, rebuilt with its pieces' artifacts, if the cache
+        holds one (else, or if it cannot be rebuilt, the first call traces)."""
+        saved = self.backend.cache.read_json(SAVED_GRAPH)
         if saved is not None:
             self.run = self._load(saved)
 

@@ -117,12 +117,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_precompile(args: argparse.Namespace) -> int:
     """Fill the compile cache for this model and these flags, then exit: a deployment's warm-up job."""
-    from kiln.engine.core.startup import build_executor  # noqa: PLC0415
+    from kiln.engine.core.startup import build_executor, model_memo  # noqa: PLC0415
+    from kiln.engine.models.source import resolve_tokenizer_class  # noqa: PLC0415
+    from kiln.engine.text.tokenizer import tokenizer_dir  # noqa: PLC0415
 
     config = engine_config_from_args(args)
     if config.enforce_eager:
         print("kiln: error: precompile with --enforce-eager has nothing to compile", file=sys.stderr)
         return 2
+    # what a warm start reads of the tokenizer too (its class, without transformers' auto classes)
+    tokenizers = tokenizer_dir(config.model, config.tokenizer)
+    if tokenizers is not None:
+        resolve_tokenizer_class(tokenizers, model_memo(config))
     # Weights do not change what is compiled: random ones skip reading the checkpoint.
     executor = build_executor(dataclasses.replace(config, load_format="dummy"))
     stats = executor.startup_stats
@@ -139,10 +145,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.engine.serving.api_server import serve  # noqa: PLC0415
 
     config = engine_config_from_args(args)
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    server = ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if server.api_key is None and server.api_keys_file is None:
-        server = dataclasses.replace(server, api_key=environment.ENV.api_key)
+    names = {f.name for f in dataclasses.fields(ServerConfig)} - {"api_key"}
+    settings = {k: v for k, v in vars(args).items() if k in names}
+    # an empty --api-key is none given: KILN_API_KEY then applies (and neither may come with --api-keys-file)
+    server = ServerConfig(api_key=args.api_key or environment.ENV.api_key, **settings)
     return asyncio.run(serve(config, server))
 
 

@@ -12,8 +12,10 @@ from tqdm import tqdm
 
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.engine_core import EngineCore
+from kiln.engine.core.startup import model_memo
 from kiln.engine.messages import EngineCoreOutput
 from kiln.engine.models.model_dir import generation_defaults, model_dir
+from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.text.detokenizer import TextStream
@@ -43,7 +45,9 @@ class LLM:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         # The tokenizer and generation_config.json before the model: a missing or bad one fails before the load and
         # compile
-        self.tokenizer = load_tokenizer(tokenizer_dir(self.config.model, self.config.tokenizer))
+        path = tokenizer_dir(self.config.model, self.config.tokenizer)
+        tokenizer_class = None if path is None else resolve_tokenizer_class(path, model_memo(self.config))
+        self.tokenizer = load_tokenizer(path, tokenizer_class)
         auto = self.config.generation_config == "auto"
         self.sampling_defaults = generation_defaults(model_dir(self.config.model)) if auto else {}
         self.engine = EngineCore(self.config)

@@ -54,6 +54,13 @@ class EngineCore:
         if self.tokenizer_dir is not None:
             self.tokenizer_class = resolve_tokenizer_class(self.tokenizer_dir, model_memo(config))
         self.executor: ModelExecutor = build_executor(config)
+        try:
+            self._start(config, start)
+        except BaseException:
+            self.executor.close()  # the tensor-parallel workers and the GPU memory, at once
+            raise
+
+    def _start(self, config: EngineConfig, start: float) -> None:
         executor = self.executor
         self.model_config = executor.model_config
         self.device, self.dtype, self.load_format = executor.device, executor.dtype, executor.load_format
@@ -69,6 +76,8 @@ class EngineCore:
         )
         self.async_scheduling = config.async_scheduling
         self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet
+        # Failures of a step that raised (offline), reported with the next step's
+        self._unreported: list[RequestFailed] = []
         self.step_timing = StepTiming()
         self.startup_stats = {**executor.startup_stats, "total_seconds": time.perf_counter() - start}
         logger.info("startup: %s", self.startup_stats)
@@ -117,6 +126,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str], uncache: bool = False) -> None:
         """`uncache`: also forget their blocks' hashes (a failed or interrupted pass may not have written them)."""
+        if self._unreported:
+            self._unreported = [f for f in self._unreported if f.request_id not in request_ids]
         for request_id in request_ids:
             self.grammar_admission.waiting.pop(request_id, None)
             if uncache:
@@ -146,24 +157,29 @@ class EngineCore:
         """
         if self.runner is None:
             raise RuntimeError("the engine is closed")
-        failed: list[RequestFailed] = []
-        if not isolate_failures:
-            return EngineOutputs(self._step(failed, isolate_failures), failed)
+        outputs: list[EngineCoreOutput] = []
+        failed, self._unreported = self._unreported, []
         try:
-            outputs = self._step(failed, isolate_failures)
+            self._step(outputs, failed, isolate_failures)
         except WorkerDiedError:
             raise
         except Exception:
-            # NOTE: not one request's fault (isolation found none): fail what was running, keep serving.
+            if not isolate_failures:
+                self._unreported = failed
+                raise
+            # NOTE: not one request's fault (isolation found none): fail what was running, keep serving (the tokens
+            # already collected this step still go out: a request they finished is no longer running).
             logger.exception("a step failed; failing the requests it was running")
             victims = [r.request_id for r in self.scheduler.running]
             self.abort_requests(victims, uncache=True)
             failed += [RequestFailed(rid, INTERNAL_ERROR) for rid in victims]
-            outputs = []
+        except BaseException:
+            self._unreported = failed
+            raise
         return EngineOutputs(outputs, failed)
 
-    def _step(self, failed: list[RequestFailed], isolate_failures: bool) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+    def _step(self, outputs: list[EngineCoreOutput], failed: list[RequestFailed], isolate_failures: bool) -> None:
+        """One step, its tokens appended to `outputs` and its failures to `failed` as they come."""
         if self.grammar_admission.waiting:
             idle = self.in_flight is None and not self.scheduler.has_unfinished_requests()
             failed += self.grammar_admission.admit(self.scheduler, idle)
@@ -192,7 +208,7 @@ class EngineCore:
                     outputs += self._collect(self.in_flight, failed)
                 for i in range(len(batch.requests)):
                     outputs += self._run_alone(batch.single(i), failed)
-                return outputs
+                return
         if self.in_flight is not None:
             outputs += self._collect(self.in_flight, failed)
         if launched is not None:
@@ -200,7 +216,6 @@ class EngineCore:
                 self.in_flight = launched
             else:
                 outputs += self._collect(launched, failed)
-        return outputs
 
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""

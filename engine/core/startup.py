@@ -165,6 +165,8 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
         # forms itself.
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
+        if compiled is not None:
+            compiled.load_saved()  # a warm start's split graph and artifacts
         kv_spec = KVCacheSpec(
             model_config.num_layers,
             kv_heads_per_rank(model_config.num_kv_heads, shard.size),

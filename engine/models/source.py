@@ -140,7 +140,10 @@ def resolve_tokenizer_class(tokenizer_dir: Path, memo: Memo | None = None) -> st
         return kept["tokenizer_class"]
     from transformers import AutoTokenizer  # noqa: PLC0415 (see the module's docstring)
 
-    tokenizer_class = type(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)).__name__
+    try:
+        tokenizer_class = type(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)).__name__
+    except Exception as e:  # (a file of the wrong shape raises anything from KeyError up): said in a line
+        raise ValueError(f"{tokenizer_dir}: the tokenizer cannot be read: {type(e).__name__}: {e}") from None
     if memo is not None:
         memo.write(name, {"tokenizer_class": tokenizer_class})
     return tokenizer_class

@@ -83,7 +83,10 @@ class AsyncEngineClient:
         args = messages.EngineCoreArgs(
             dataclasses.asdict(self.config), self.input_address, self.output_address, os.getpid()
         )
-        self.process = subprocess.Popen([sys.executable, "-m", "kiln.engine.core"], stdin=subprocess.PIPE, text=True)
+        # -P: the working directory does not go first on the engine core's module path (nothing there can shadow
+        # a package it imports)
+        command = [sys.executable, "-P", "-m", "kiln.engine.core"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
         self.process.stdin.write(args.to_json())
         self.process.stdin.close()
         self.context = zmq.asyncio.Context()
@@ -93,15 +96,18 @@ class AsyncEngineClient:
         self.output.connect(self.output_address)
         recv = asyncio.ensure_future(self.output.recv())
         died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.process.wait))
-        done, _ = await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if recv not in done:
-            recv.cancel()
-            self.process.kill()
-            raise RuntimeError(f"the engine core failed to start (exit code {self.process.returncode})")
-        message = messages.decode(recv.result())
-        if isinstance(message, messages.StartupFailed):
-            await asyncio.wait_for(died, timeout=30)
-            raise ValueError(message.message)
+        try:
+            done, _ = await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                raise RuntimeError(f"the engine core failed to start (exit code {self.process.poll()})")
+            message = messages.decode(recv.result())
+            if isinstance(message, messages.StartupFailed):
+                await asyncio.wait({died}, timeout=30)  # it exits by itself; `_close` kills it if not
+                raise ValueError(message.message)
+        except BaseException:
+            await self._close()
+            raise
         self.ready = message
         self.stats = self.ready.stats
         self.alive = True
@@ -175,15 +181,22 @@ class AsyncEngineClient:
         if self.alive:
             self.input.send(messages.encode(messages.Shutdown()))
         self.alive = False
+        await self._close(grace=10)
+
+    async def _close(self, grace: float = 0.0) -> None:
+        """Reap the engine-core process (killed if it has not exited within `grace` seconds), close the sockets and
+        remove the IPC directory."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 10)
+            await loop.run_in_executor(None, self.process.wait, grace)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            await asyncio.get_running_loop().run_in_executor(None, self.process.wait, 5)
+            await loop.run_in_executor(None, self.process.wait, 5)
         for task in self._tasks:
             task.cancel()
         self.context.destroy(linger=0)
-        with contextlib.suppress(OSError):
-            for name in ("input", "output"):
+        for name in ("input", "output"):  # (the engine core may have died before making them)
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self._ipc_dir, name))
+        with contextlib.suppress(OSError):
             os.rmdir(self._ipc_dir)

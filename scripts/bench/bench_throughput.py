@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kiln.compile.counters import TRITON_EVENTS
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.source import resolve_model
 
@@ -46,11 +47,13 @@ def bench_kiln(args, prompts, output_lens) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     sync()
+    compiles = TRITON_EVENTS["compiles"]
     start = time.perf_counter()
     llm.engine.step_timing = type(llm.engine.step_timing)()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     elapsed = time.perf_counter() - start
+    compiles = TRITON_EVENTS["compiles"] - compiles  # (a kernel compiled inside the timed run would cost seconds)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(output_lens)
     t = llm.engine.step_timing
@@ -65,6 +68,7 @@ def bench_kiln(args, prompts, output_lens) -> dict:
         "wait_s": t.wait_seconds,
         "preemptions": llm.engine.scheduler.num_preemptions,
         "kv_blocks": llm.engine.num_kv_blocks,
+        "triton_compiles": compiles,
     }
 
 
@@ -150,7 +154,8 @@ def main() -> int:
         r = results[0]
         print(
             f"kiln: {r['steps']} steps, host {r['host_s']:.2f} s, waiting for the GPU {r['wait_s']:.2f} s, "
-            f"{r['preemptions']} preemptions, {r['kv_blocks']} KV blocks"
+            f"{r['preemptions']} preemptions, {r['kv_blocks']} KV blocks, "
+            f"{r['triton_compiles']} Triton compiles in the run"
         )
     if args.json:
         with open(args.json, "a") as f:

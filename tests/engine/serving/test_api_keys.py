@@ -3,6 +3,7 @@ the key file (TOML and JSON, and every error it can hold), and the command line 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kiln.backends import environment
 from kiln.engine.cli import main as cli_main
 from kiln.engine.serving.api_key_file import KeyFileError, load_key_file
 from kiln.engine.serving.api_keys import KeyStore, RateLimited, TokenBucket, retry_after
@@ -144,7 +146,7 @@ def test_key_file_errors_name_the_problem(tmp_path, filename, text, problem):
         load_key_file(tmp_path / "missing.toml")
 
 
-def test_cli_rejects_both_kinds_of_key_and_a_bad_file_before_starting(tmp_path, capsys):
+def test_cli_rejects_both_kinds_of_key_and_a_bad_file_before_starting(tmp_path, capsys, monkeypatch):
     write(tmp_path / "keys.toml", toml_keys({"name": "a", "sha256": sha(ALICE)}))
     assert cli_main(["serve", "--api-key", "x", "--api-keys-file", str(tmp_path / "keys.toml")]) == 2
     assert "not both" in capsys.readouterr().err
@@ -153,6 +155,11 @@ def test_cli_rejects_both_kinds_of_key_and_a_bad_file_before_starting(tmp_path, 
     assert cli_main(["serve", "--api-keys-file", str(tmp_path / "bad.toml")]) == 2
     assert "'max_tokens' must be a positive integer, got -1" in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no engine was started
+    # KILN_API_KEY is a key too (an empty --api-key is none given)
+    monkeypatch.setattr(environment, "ENV", dataclasses.replace(environment.ENV, api_key="from-the-environment"))
+    for given in ([], ["--api-key", ""]):
+        assert cli_main(["serve", *given, "--api-keys-file", str(tmp_path / "keys.toml")]) == 2
+        assert "not both" in capsys.readouterr().err
 
 
 # ---- admission on a fake clock ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ generation_config.json defaults, and settings refused at start-up."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -108,10 +109,14 @@ def test_a_setting_the_engine_refuses_ends_serve_with_one_line(tiny_llama_dir, t
         "--port",
         str(free_port()),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    ipc_parent = tmp_path / "ipc"  # (the server's TMPDIR: its IPC directory is made there)
+    ipc_parent.mkdir()
+    env = {**os.environ, "TMPDIR": str(ipc_parent)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "kiln: error: max_model_len 100000 exceeds the model's 512 positions" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not list(ipc_parent.iterdir())  # the IPC directory went with the engine core
     # a generation_config.json whose defaults are out of range: refused before the engine starts
     bad = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, bad)

@@ -76,3 +76,13 @@ def test_where_the_tokenizer_is_read_from(tiny_llama_dir, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer_config.json"):
         tokenizer_dir(str(tmp_path))
+
+
+def test_a_tokenizer_that_cannot_be_read_is_said_in_a_line(tiny_llama_dir, tmp_path):
+    """A tokenizer.json of another shape fails however transformers fails (a KeyError, say): the engine core turns
+    that into a ValueError naming the folder, which `kiln serve` prints as its one error line."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, d)
+    (d / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
+    with pytest.raises(ValueError, match=f"{d}: the tokenizer cannot be read"):
+        resolve_tokenizer_class(d)
