@@ -61,7 +61,7 @@ def resolve_model(model: str, memo: Memo | None = None) -> ModelSource:
     """The model's source and config. With a `memo`, the resolved config is read from it when kept for these config
     files, else resolved through transformers and kept there (one that cannot be read is resolved again)."""
     model_dir = checked_model_dir(model)
-    name = f"{_memo_key(model, model_dir)}.json"
+    name = f"{_memo_key(model, model_dir)}.json" if memo is not None else None
     if memo is not None and (kept := _from_memo(memo.read(name))) is not None:
         return ModelSource(model, model_dir, *kept)
     hf_config = _hf_config(model, model_dir)

@@ -90,9 +90,14 @@ def tokenizer_dir(model: str, tokenizer: str | None = None) -> Path | None:
     """Where a model's tokenizer is read from: `tokenizer` if given, else the model's directory; None for a preset
     without one (the built-in tokenizer). Checked: a directory without tokenizer files is an error."""
     path = Path(tokenizer).expanduser() if tokenizer else model_dir(model)
-    if path is not None and not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    if path is not None:
+        _check_tokenizer_files(path)
     return path
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
 
 
 def load_tokenizer(path: str | Path | None, tokenizer_class: str | None = None) -> PreTrainedTokenizerBase:
@@ -104,8 +109,7 @@ def load_tokenizer(path: str | Path | None, tokenizer_class: str | None = None) 
     if path is None:
         return builtin_tokenizer()
     path = Path(path)
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    _check_tokenizer_files(path)
     import transformers  # noqa: PLC0415 (see above)
 
     if tokenizer_class is None:
