@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
-#   tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
+#   tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
@@ -11,8 +11,8 @@
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
 # LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths),
-# KERNEL_TESTS=0 the kernel tests out of `tests` (their limit KERNEL_TESTS_TIMEOUT=300: their Triton compiles take most
-# of it),
+# kernel-tests runs the kernel tests (tests/backends) on the GPU, bf16 and fp16 too, each test's result on its own line
+# (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step; ATTENTION_SHAPES=64x256,1x32768 only those points of
 # `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
 # ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes.
@@ -69,11 +69,14 @@ for step in $steps; do
       # the gpu-marked tests, then the kernel tests, which run on the GPU (bf16/fp16 too) when it is there;
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
-      echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary"
-      [ "${KERNEL_TESTS:-1}" = 0 ] && continue
-      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-300} python3 -m pytest -q tests/backends/kernels tests/backends/attention 2>&1 \
-        | tee "$OUT/pytest_kernels.log" | tail -n 5
-      echo "kernel tests on GPU: $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary" ;;
+      echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary" ;;
+    kernel-tests)
+      # -v: a run cut off by its time limit still names every test it got through, failed or passed
+      timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-540} python3 -m pytest -v -rf -p no:cacheprovider tests/backends 2>&1 \
+        | tee "$OUT/pytest_kernels.log" | grep -E "FAILED|ERROR| passed| failed" | tail -n 30
+      echo "kernel tests on GPU: $(grep -cE ' PASSED' "$OUT/pytest_kernels.log") passed, $(grep -cE ' FAILED' \
+"$OUT/pytest_kernels.log") failed; $(tail -n 1 "$OUT/pytest_kernels.log")" >> "$summary"
+      grep -E "^FAILED|^ERROR" "$OUT/pytest_kernels.log" >> "$summary" ;;
     startup)
       timeout -s ABRT -k 15 900 python3 scripts/bench/bench_startup.py --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3.1-8b} \
         ${STARTUP_PROFILE:+--profile-warm $OUT/profile_warm} ${STARTUP_PRIME:+--prime} ${STARTUP_PYSPY:+--py-spy $OUT/pyspy} --json "$OUT/startup.json" 2>&1 \
