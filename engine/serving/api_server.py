@@ -2,7 +2,7 @@
 
 It owns HTTP, auth, tokenization (off the event loop), chat templates, detokenization and stop
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}), POST /tokenize,
 POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health and GET /metrics
 (always open). With `--api-keys-file` the keys and their limits come from `api_keys.KeyStore`.
 """
@@ -50,6 +50,7 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model_card)  # a served name may hold slashes (org/model)
     app.router.add_get("/v1/usage", usage)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -130,16 +131,24 @@ async def usage(request: web.Request) -> web.Response:
     return web.json_response(key.usage_body())
 
 
-async def models(request: web.Request) -> web.Response:
-    state: ServerState = request.app["state"]
-    card = {
+def _card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.served_model_name,
         "object": "model",
         "created": 0,
         "owned_by": "kiln",
         "max_model_len": state.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_card(request.app["state"])]})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    check_model(state, {"model": request.match_info["model"]})
+    return web.json_response(_card(state))
 
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")

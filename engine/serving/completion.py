@@ -64,13 +64,25 @@ def encode_within(state: ServerState, text: str, param: str, special_tokens: boo
     if len(text) > head_chars:
         head = state.tokenizer.encode(text[:head_chars], add_special_tokens=special_tokens)
         if len(head) > state.max_model_len + 16:  # merges across the cut change a few tokens at most
-            raise APIError(
-                400,
-                f"the {param} has more than {state.max_model_len} tokens, this model's context",
-                param,
-                code="context_length_exceeded",
-            )
+            raise context_overflow(state, param, f"more than {len(head) - 16}")
     return state.tokenizer.encode(text, add_special_tokens=special_tokens)
+
+
+def context_overflow(
+    state: ServerState, where: str, prompt_tokens: int | str, completion_tokens: int | None = None, param: str = ""
+) -> APIError:
+    """A request past the context, in OpenAI's words (clients such as LiteLLM recognise "maximum context length" and
+    the code). `where`: "prompt" or "messages"; `completion_tokens`: the completion's part when the prompt alone
+    fits; `param`: the parameter named (default `where`)."""
+    head = f"This model's maximum context length is {state.max_model_len} tokens. However, "
+    if completion_tokens is None:
+        message = f"your {where} resulted in {prompt_tokens} tokens. Please reduce the length of the {where}."
+    else:
+        message = (
+            f"you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, "
+            f"{completion_tokens} in the completion). Please reduce the length of the {where} or completion."
+        )
+    return APIError(400, head + message, param or where, code="context_length_exceeded")
 
 
 async def encode_chat(
@@ -142,22 +154,16 @@ async def run_request(
         and state.engine_requests + new > state.max_num_seqs + state.max_num_queued_requests
     ):
         raise APIError(503, "too many requests are queued; retry later", type_="service_unavailable")
+    where = "messages" if chat else "prompt"
     for ids in prompts:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
-        if len(ids) >= state.max_model_len:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens; this model's context is {state.max_model_len}",
-                "prompt",
-                code="context_length_exceeded",
-            )
+        if len(ids) > state.max_model_len:
+            raise context_overflow(state, where, len(ids))
+        if params.max_tokens is None and len(ids) == state.max_model_len:  # no room for one token
+            raise context_overflow(state, where, len(ids), 1)
         if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:
-            message = (
-                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the context "
-                f"of {state.max_model_len}"
-            )
-            raise APIError(400, message, "max_tokens", code="context_length_exceeded")
+            raise context_overflow(state, where, len(ids), params.max_tokens, "max_tokens")
     try:
         params.verify_vocab(vocab)
     except ValueError as e:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.engine.sampling_params import SamplingParams, StructuredOutputParams
+from kiln.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 
 
 class APIError(Exception):
@@ -246,6 +246,8 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     top = _check(body, "top_logprobs", (int,), 0)
     if body.get("top_logprobs") is not None and not want_logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"'top_logprobs' must lie in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     stream, include_usage = _stream_flags(body)

@@ -143,8 +143,8 @@ _json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 async def _events(state, parsed, choices, queue, base, created, chat, texts) -> AsyncIterator[str]:
-    """The stream's chunks as JSON text: a first one (the role, or the echoed prompt), then whatever arrived
-    since the last event merged into one entry per choice, then the usage.
+    """The stream's chunks as JSON text, one choice each: a first one a choice (the role, or the echoed prompt), then
+    for each choice whatever arrived for it since the last event, merged into one chunk, then the usage.
 
     NOTE: the text is put together from pieces: the chunk's constant head is encoded once per stream, and a
     plain choice entry (no logprobs) from a template around its encoded text, since encoding the whole dict
@@ -165,23 +165,19 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
             return "null"
         return f'{_json(choice.finish_reason)},"stop_reason":{_json(choice.stop_reason)}'
 
+    # one choice a chunk (as OpenAI and vLLM send n > 1: clients index choices[0])
     if chat:
-        yield chunk(
-            [
-                f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                '"finish_reason":null}'
-                for c in choices.values()
-            ]
-        )
+        for c in choices.values():
+            yield chunk(
+                [
+                    f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}'
+                ]
+            )
     elif parsed.echo:
         n = parsed.params.n
-        yield chunk(
-            [
-                f'{{"index":{c.index},"text":{_json(_prompt_text(state, c, texts, n))},"logprobs":null,'
-                '"finish_reason":null}'
-                for c in choices.values()
-            ]
-        )
+        for c in choices.values():
+            text = _json(_prompt_text(state, c, texts, n))
+            yield chunk([f'{{"index":{c.index},"text":{text},"logprobs":null,"finish_reason":null}}'])
     text_offsets = dict.fromkeys(choices, 0)  # completions' logprobs: where the next token's text starts
     while any(c.finish_reason is None for c in choices.values()):
         deltas: dict[str, tuple[str, int]] = {}  # request id -> (text, first new token)
@@ -213,8 +209,8 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 bodies.append(
                     f'{{"index":{choice.index},"text":{_json(delta)},"logprobs":{lp},"finish_reason":{reason(choice)}}}'
                 )
-        if bodies:
-            yield chunk(bodies)
+        for body in bodies:
+            yield chunk([body])
     if parsed.include_usage:
         yield chunk([], _usage(choices))
 
