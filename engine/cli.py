@@ -10,7 +10,14 @@ import sys
 import time
 
 from kiln.backends import environment
-from kiln.engine.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, LOAD_FORMATS, EngineConfig, ServerConfig
+from kiln.engine.config import (
+    ATTENTION_BACKENDS,
+    CUDAGRAPH_MODES,
+    LOAD_FORMATS,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    ServerConfig,
+)
 from kiln.engine.models.presets import DEFAULT_MODEL, PRESETS
 
 DEFAULT_PROMPTS = [
@@ -202,6 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=d.stream_idle_timeout,
         help="seconds a streaming client may leave its stream unread before the request is aborted",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide when to call tools (tool_choice 'auto', the default with tools); needs "
+        "--tool-call-parser",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="the format the model writes tool calls in, read from its output",
     )
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

@@ -89,6 +89,12 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 
 
+# The formats `kiln serve --tool-call-parser` reads tool calls in (kiln.engine.serving.tool_parsers), vLLM's names:
+# hermes (Qwen2.5/3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.1-3.3's JSON calls), mistral
+# ([TOOL_CALLS]), pythonic (Llama 4's [f(a=1)]).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """`kiln serve`'s own settings, beside the engine's (vLLM's names)."""
@@ -102,10 +108,18 @@ class ServerConfig:
     max_num_queued_requests: int | None = None  # requests admitted beyond max_num_seqs; more get 503 (None: no limit)
     engine_timeout: float = 60.0  # seconds without a word from the engine core before it is declared stuck and killed
     stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (and tools without a tool_choice): needs a parser
+    tool_call_parser: str | None = None  # how tool calls are read from the model's text: one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         if self.api_key and self.api_keys_file:
             raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown --tool-call-parser {self.tool_call_parser!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def kiln_version() -> str:

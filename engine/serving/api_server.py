@@ -26,6 +26,7 @@ from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
 from kiln.engine.serving.completion import (
     ServerState,
     check_model,
+    check_structured_output,
     encode_chat,
     encode_prompt,
     run_request,
@@ -34,6 +35,7 @@ from kiln.engine.serving.engine_client import AsyncEngineClient
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.responses import ServerShutdown
+from kiln.engine.serving.tool_calls import tool_parser, tool_schema_checks
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
 
 logger = logging.getLogger("kiln")
@@ -220,12 +222,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_chat(body, state.sampling_defaults)
     check_model(state, body)
+    parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
+    for schema in tool_schema_checks(parsed):
+        await check_structured_output(state, schema, "tools")
     if key := request.get(KEY):
         key.check_seat()  # (before tokenizing)
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key:
         key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
-    return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key)
+    return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key, tool_parser=parser)
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------
@@ -269,6 +274,7 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         max_num_queued_requests=server.max_num_queued_requests,
         write_timeout=server.stream_idle_timeout,
         sampling_defaults=defaults,
+        auto_tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
     )
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()

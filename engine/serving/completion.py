@@ -19,10 +19,12 @@ from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
 from kiln.engine.serving.metrics import ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
 from kiln.engine.serving.responses import Choice, collect, final_body, stream_response
+from kiln.engine.serving.tool_calls import ToolCallStream
 from kiln.engine.text.detokenizer import TextStream
 
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
+    from kiln.engine.serving.tool_parsers import ToolParser
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -46,6 +48,7 @@ class ServerState:
     engine_requests: int = 0  # requests (choices) they have in the engine
     write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
+    auto_tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -141,6 +144,7 @@ async def run_request(
     texts: list[str | None],
     chat: bool,
     key: KeyState | None = None,
+    tool_parser: ToolParser | None = None,
 ) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "the server is shutting down", type_="service_unavailable")
@@ -188,7 +192,8 @@ async def run_request(
                 params.include_stop_str_in_output,
                 params.min_tokens,
             )
-            choices[rid] = Choice(index, rid, ids, text, key=key)
+            tools = None if tool_parser is None else ToolCallStream(tool_parser, parsed.parallel_tool_calls)
+            choices[rid] = Choice(index, rid, ids, text, key=key, tools=tools)
     if key is not None:
         key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request
     state.in_flight += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,11 @@ class ParsedRequest:
     include_usage: bool
     echo: bool
     logprobs: int | None  # top logprobs per token (chat: top_logprobs when logprobs is true)
-    tools: list[dict[str, Any]] | None = None  # chat: shown to the model through its template (tool_choice "none")
+    tools: list[dict[str, Any]] | None = None  # chat: shown to the model through its template
     constraint_param: str | None = None  # the parameter params.structured_output came from
+    tool_choice: str = "none"  # none, auto, required, or function (a named one: tool_function)
+    tool_function: str | None = None
+    parallel_tool_calls: bool = True
 
 
 def _check(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -241,7 +245,8 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
     messages = [_chat_message(m, i) for i, m in enumerate(messages)]
-    tools = _tools(body)
+    tools, tool_choice, tool_function = _tools(body)
+    parallel_tool_calls = _check(body, "parallel_tool_calls", (bool,), True)
     want_logprobs = _check(body, "logprobs", (bool,), False)
     top = _check(body, "top_logprobs", (int,), 0)
     if body.get("top_logprobs") is not None and not want_logprobs:
@@ -254,7 +259,18 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     params, constraint_param = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
     _check(body, "user", (str,))
     return ParsedRequest(
-        None, messages, params, stream, include_usage, False, top if want_logprobs else None, tools, constraint_param
+        None,
+        messages,
+        params,
+        stream,
+        include_usage,
+        False,
+        top if want_logprobs else None,
+        tools,
+        constraint_param,
+        tool_choice,
+        tool_function,
+        parallel_tool_calls,
     )
 
 
@@ -303,28 +319,51 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": str(call.get("id", "")), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """`tools`, which the chat template shows the model; no tool call is parsed from its output, so only
-    `tool_choice` "none" may come with them (as vLLM without a tool-call parser)."""
+MAX_TOOLS = 128  # as OpenAI
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+    """`tools` (shown to the model by the chat template), `tool_choice` (none, auto, required, or function) and the
+    named function. Tools without a tool_choice mean "auto", as OpenAI reads them."""
     tools = _check(body, "tools", (list,))
     choice = body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
-        return None
-    for tool in tools:
+        return None, "none", None
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"at most {MAX_TOOLS} tools per request", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        named = isinstance(function, dict) and isinstance(function.get("name"), str)
-        if not named or tool.get("type") != "function":
-            raise APIError(400, "each tool is {'type': 'function', 'function': {'name': ..., ...}}", "tools")
-    if choice != "none":
-        raise APIError(
-            400,
-            "this server does not parse tool calls from the output: give 'tool_choice': 'none' "
-            "(the model is shown the tools) or leave 'tools' out",
-            "tool_choice",
-        )
-    return tools
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '-' or '.'", "tools")
+        if name in names:
+            raise APIError(400, f"tools[{i}]: two tools are named {name!r}", "tools")
+        names.add(name)
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise APIError(400, f"tools[{i}].function.description must be a string", "tools")
+    if choice is None:
+        return tools, "auto", None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                400, "a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+            )
+        if name not in names:
+            raise APIError(400, f"'tool_choice' names {name[:64]!r}, which is not among the tools", "tool_choice")
+        return tools, "function", name
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
+    return tools, choice, None
 
 
 def _is_token_id(t: Any) -> bool:

@@ -15,6 +15,7 @@ from aiohttp import web
 from kiln.engine import messages
 from kiln.engine.serving.engine_client import EngineDeadError, Inbox
 from kiln.engine.serving.openai_requests import APIError
+from kiln.engine.serving.tool_calls import ToolCallStream
 from kiln.engine.text.detokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ class Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
+    tools: ToolCallStream | None = None  # chat with tool calls to read from the text
+
+    def reply_finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" for a reply that ended on its own after calling tools."""
+        if self.finish_reason == "stop" and self.tools is not None and self.tools.last.calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 async def next_items(queue: Inbox) -> list[Any]:
@@ -163,7 +171,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
     def reason(choice: Choice) -> str:
         if choice.finish_reason is None:
             return "null"
-        return f'{_json(choice.finish_reason)},"stop_reason":{_json(choice.stop_reason)}'
+        return f'{_json(choice.reply_finish_reason())},"stop_reason":{_json(choice.stop_reason)}'
 
     # one choice a chunk (as OpenAI and vLLM send n > 1: clients index choices[0])
     if chat:
@@ -192,7 +200,10 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         for rid, (delta, start) in deltas.items():
             choice = choices[rid]
             new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
-            if not delta and choice.finish_reason is None and not new_lp:
+            calls = None
+            if choice.tools is not None:  # the text read again as content and calls
+                delta, calls = choice.tools.update(choice.text.text, choice.finish_reason is not None)
+            if not delta and not calls and choice.finish_reason is None and not new_lp:
                 continue
             lp = "null"
             if new_lp:
@@ -202,6 +213,8 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 lp = _json(body)
             if chat:
                 content = f'{{"content":{_json(delta)}}}' if delta else "{}"
+                if calls:
+                    content = _json({"content": delta, "tool_calls": calls} if delta else {"tool_calls": calls})
                 bodies.append(
                     f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},"finish_reason":{reason(choice)}}}'
                 )
@@ -313,12 +326,17 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
         if parsed.logprobs is not None:
             lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
+            if c.tools is not None:
+                message["content"], calls = c.tools.message(c.text.text)
+                if calls:
+                    message["tool_calls"] = calls
             bodies.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": c.reply_finish_reason(),
                     "stop_reason": c.stop_reason,
                 }
             )

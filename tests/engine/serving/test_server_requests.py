@@ -33,12 +33,8 @@ CHAT_BAD = [
             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}
         ]
     },  # arguments not JSON
+    # tools without tool_choice are "auto", which needs the server's tool-call flags (test_tool_calling.py)
     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-    {
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}],
-        "tool_choice": "required",
-    },
     {"messages": [{"role": "user", "content": "hi"}], "tools": ["f"], "tool_choice": "none"},
     {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},  # no tools
 ]
