@@ -14,6 +14,7 @@ from kiln.engine.config import (
     ATTENTION_BACKENDS,
     CUDAGRAPH_MODES,
     LOAD_FORMATS,
+    REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
@@ -221,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="the format the model writes tool calls in, read from its output",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="send a chat reply's thinking (<think>...</think>) as reasoning_content, apart from its content",
     )
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

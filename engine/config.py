@@ -93,6 +93,9 @@ class EngineConfig:
 # hermes (Qwen2.5/3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.1-3.3's JSON calls), mistral
 # ([TOOL_CALLS]), pythonic (Llama 4's [f(a=1)]).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# `--reasoning-parser` (kiln.engine.serving.reasoning): qwen3 (a reply that opens with <think>), deepseek_r1 (the
+# template opened <think>: the reply thinks until </think>)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ServerConfig:
     stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (and tools without a tool_choice): needs a parser
     tool_call_parser: str | None = None  # how tool calls are read from the model's text: one of TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # chat replies' <think> part as reasoning_content: one of REASONING_PARSERS
 
     def __post_init__(self) -> None:
         if self.api_key and self.api_keys_file:
@@ -117,6 +121,10 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"unknown --tool-call-parser {self.tool_call_parser!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown --reasoning-parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")

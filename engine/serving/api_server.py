@@ -34,6 +34,7 @@ from kiln.engine.serving.completion import (
 from kiln.engine.serving.engine_client import AsyncEngineClient
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
+from kiln.engine.serving.reasoning import REASONING_PARSERS
 from kiln.engine.serving.responses import ServerShutdown
 from kiln.engine.serving.tool_calls import tool_parser, tool_schema_checks
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
@@ -230,7 +231,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key:
         key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
-    return await run_request(request, state, parsed, [prompt], [None], chat=True, key=key, tool_parser=parser)
+    reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
+    return await run_request(
+        request, state, parsed, [prompt], [None], chat=True, key=key, tool_parser=parser, reasoning_parser=reasoning
+    )
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------
@@ -275,6 +279,7 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         write_timeout=server.stream_idle_timeout,
         sampling_defaults=defaults,
         auto_tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+        reasoning_parser=server.reasoning_parser,
     )
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -18,12 +18,14 @@ from kiln.engine.sampling_params import StructuredOutputParams
 from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
 from kiln.engine.serving.metrics import ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
+from kiln.engine.serving.reasoning import ChatReply
 from kiln.engine.serving.responses import Choice, collect, final_body, stream_response
 from kiln.engine.serving.tool_calls import ToolCallStream
 from kiln.engine.text.detokenizer import TextStream
 
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
+    from kiln.engine.serving.reasoning import ReasoningParser
     from kiln.engine.serving.tool_parsers import ToolParser
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -49,6 +51,7 @@ class ServerState:
     write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
     auto_tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -145,6 +148,7 @@ async def run_request(
     chat: bool,
     key: KeyState | None = None,
     tool_parser: ToolParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "the server is shutting down", type_="service_unavailable")
@@ -192,8 +196,11 @@ async def run_request(
                 params.include_stop_str_in_output,
                 params.min_tokens,
             )
-            tools = None if tool_parser is None else ToolCallStream(tool_parser, parsed.parallel_tool_calls)
-            choices[rid] = Choice(index, rid, ids, text, key=key, tools=tools)
+            reply = None
+            if tool_parser is not None or reasoning_parser is not None:
+                tools = None if tool_parser is None else ToolCallStream(tool_parser, parsed.parallel_tool_calls)
+                reply = ChatReply(reasoning_parser, tools)
+            choices[rid] = Choice(index, rid, ids, text, key=key, reply=reply)
     if key is not None:
         key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request
     state.in_flight += 1

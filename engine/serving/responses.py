@@ -15,7 +15,7 @@ from aiohttp import web
 from kiln.engine import messages
 from kiln.engine.serving.engine_client import EngineDeadError, Inbox
 from kiln.engine.serving.openai_requests import APIError
-from kiln.engine.serving.tool_calls import ToolCallStream
+from kiln.engine.serving.reasoning import ChatReply
 from kiln.engine.text.detokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -37,11 +37,11 @@ class Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
-    tools: ToolCallStream | None = None  # chat with tool calls to read from the text
+    reply: ChatReply | None = None  # chat whose text is read for reasoning or tool calls
 
     def reply_finish_reason(self) -> str | None:
         """OpenAI's finish_reason: "tool_calls" for a reply that ended on its own after calling tools."""
-        if self.finish_reason == "stop" and self.tools is not None and self.tools.last.calls:
+        if self.finish_reason == "stop" and self.reply is not None and self.reply.called_tools:
             return "tool_calls"
         return self.finish_reason
 
@@ -200,10 +200,10 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         for rid, (delta, start) in deltas.items():
             choice = choices[rid]
             new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
-            calls = None
-            if choice.tools is not None:  # the text read again as content and calls
-                delta, calls = choice.tools.update(choice.text.text, choice.finish_reason is not None)
-            if not delta and not calls and choice.finish_reason is None and not new_lp:
+            fields = None
+            if choice.reply is not None:  # the text read again as reasoning, content and calls
+                fields = choice.reply.update(choice.text.text, choice.finish_reason is not None)
+            if not (fields if fields is not None else delta) and choice.finish_reason is None and not new_lp:
                 continue
             lp = "null"
             if new_lp:
@@ -213,8 +213,8 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 lp = _json(body)
             if chat:
                 content = f'{{"content":{_json(delta)}}}' if delta else "{}"
-                if calls:
-                    content = _json({"content": delta, "tool_calls": calls} if delta else {"tool_calls": calls})
+                if fields is not None:
+                    content = _json(fields)
                 bodies.append(
                     f'{{"index":{choice.index},"delta":{content},"logprobs":{lp},"finish_reason":{reason(choice)}}}'
                 )
@@ -327,10 +327,8 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
             lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
-            if c.tools is not None:
-                message["content"], calls = c.tools.message(c.text.text)
-                if calls:
-                    message["tool_calls"] = calls
+            if c.reply is not None:
+                message.update(c.reply.message(c.text.text))
             bodies.append(
                 {
                     "index": c.index,

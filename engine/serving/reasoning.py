@@ -1,0 +1,98 @@
+"""A reasoning model's thinking apart from its answer (`kiln serve --reasoning-parser`, vLLM's names), and a chat
+choice's text split into reasoning, content and tool calls, streamed or whole.
+
+    qwen3        a reply that opens with <think> thinks until </think>; any other reply is all answer
+    deepseek_r1  the reply thinks from its start (the chat template opened <think>) until </think>; a reply that
+                 never closes it is all thinking
+
+As with the tool parsers, `split` reads the whole text so far, and what it returns only grows as the text does, a
+partial tag held back until it is clear.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.engine.serving.tool_calls import ToolCallStream
+from kiln.engine.serving.tool_parsers import held_back
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    name = ""
+    opens_thinking = False  # the reply thinks from its first token, <think> or not
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of the text so far."""
+        body = text.lstrip()
+        if not final and START.startswith(body):
+            return "", ""  # could still open with <think>
+        if body.startswith(START):
+            body = body[len(START) :]
+        elif not self.opens_thinking:
+            return "", text
+        end = body.find(END)
+        if end < 0:
+            return body[: len(body) - (0 if final else held_back(body, END))].lstrip("\n"), ""
+        return body[:end].lstrip("\n"), body[end + len(END) :].lstrip()
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    opens_thinking = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)
+}
+
+
+class ChatReply:
+    """One chat choice's text as OpenAI's reply fields: `reasoning_content` (with a reasoning parser), `content`,
+    and `tool_calls` (with a tool parser, read from the answer part only)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallStream | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+        self.reasoning_sent = self.content_sent = 0
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        return self.reasoning.split(text, final) if self.reasoning is not None else (None, text)
+
+    def update(self, text: str, final: bool) -> dict[str, Any]:
+        """The delta to send now: reasoning_content, content, tool_calls (the keys with something new)."""
+        reasoning, answer = self._split(text, final)
+        delta: dict[str, Any] = {}
+        if reasoning is not None and len(reasoning) > self.reasoning_sent:
+            delta["reasoning_content"] = reasoning[self.reasoning_sent :]
+            self.reasoning_sent = len(reasoning)
+        if self.tools is not None:
+            content, calls = self.tools.update(answer, final)
+            if calls:
+                delta["tool_calls"] = calls
+        else:
+            content = answer[self.content_sent :]
+            self.content_sent = max(self.content_sent, len(answer))
+        if content:
+            delta["content"] = content
+        return delta
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply's message fields."""
+        reasoning, answer = self._split(text, True)
+        message: dict[str, Any] = {"content": answer}
+        if self.tools is not None:
+            message["content"], calls = self.tools.message(answer)
+            if calls:
+                message["tool_calls"] = calls
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        return message
+
+    @property
+    def called_tools(self) -> bool:
+        return self.tools is not None and bool(self.tools.last.calls)
