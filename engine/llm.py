@@ -149,6 +149,8 @@ class LLM:
                 num_generated += len(out.new_token_ids)
                 if out.num_cached_tokens > result.num_cached_tokens:
                     result.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+                    result.prompt_logprobs = [None if e is None else _logprob_dict(e) for e in out.prompt_logprobs]
                 if self._update(out, seq):
                     unfinished[result.request_id] -= 1
                     if unfinished[result.request_id] == 0:
@@ -165,7 +167,7 @@ class LLM:
             return False  # most steps of most sequences: one more token, nothing else to do
         if out.new_logprobs is not None:
             # each token's entry lists the sampled token first
-            seq.logprobs += [{int(t): Logprob(lp, int(rank)) for t, lp, rank in entry} for entry in out.new_logprobs]
+            seq.logprobs += [_logprob_dict(entry) for entry in out.new_logprobs]
             output.logprobs = seq.logprobs
             output.cumulative_logprob = (output.cumulative_logprob or 0.0) + sum(e[0][1] for e in out.new_logprobs)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -194,3 +196,8 @@ class LLM:
                     lp.decoded_token = self.tokenizer.decode([token_id])
         output.finish_reason, output.stop_reason = finish_reason, stop_reason
         return True
+
+
+def _logprob_dict(entry) -> dict[int, Logprob]:
+    """An engine entry ([token id, logprob, rank] ..., the token's own first) as vLLM's {token id: Logprob}."""
+    return {int(t): Logprob(lp, int(rank)) for t, lp, rank in entry}

@@ -88,6 +88,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" (EOS, a stop token, a grammar's end), "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the request's first tokens, when it asked
 
 
 @dataclass

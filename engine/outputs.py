@@ -38,3 +38,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: per prompt token, its Logprob and the top k's (None for the first token)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -155,6 +155,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs besides the sampled token's; 0 = the sampled one only
+    # each prompt token's logprob (and the top k besides); such a request's prefill skips the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputParams | dict[str, Any] | None = None  # a dict: its fields (the wire form)
@@ -196,6 +198,8 @@ class SamplingParams:
                 _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             checked["logprobs"] = _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            checked["prompt_logprobs"] = _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 

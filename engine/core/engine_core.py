@@ -262,6 +262,9 @@ class EngineCore:
     def _update(
         self, batch: SchedulerOutput, result: ModelRunnerOutput, failed: list[RequestFailed]
     ) -> list[EngineCoreOutput]:
+        if result.prompt_logprobs:  # before the tokens: a request finishing now sends them with its last
+            for row, (start, entries) in result.prompt_logprobs.items():
+                batch.requests[row].record_prompt_logprobs(start, entries)
         new_tokens, finished = self.scheduler.update_from_output(batch, result.sampled_token_ids)
         logprobs_of = {}
         if result.logprobs.count(None) != len(result.logprobs):
@@ -276,6 +279,9 @@ class EngineCore:
                     request_id, [token], None if lp is None else [lp], None, None, max(request.num_cached_tokens, 0)
                 )
             )
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                outputs[-1].prompt_logprobs = request.prompt_logprobs  # complete: its prefill is done
+                request.prompt_logprobs_sent = True
         if not finished:
             return outputs
         output_of = {out.request_id: out for out in outputs}

@@ -12,6 +12,7 @@ import torch
 from kiln.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kiln.engine.messages import TokenLogprobs
     from kiln.engine.structured_output.grammar import RequestGrammar
 
 
@@ -58,9 +59,27 @@ class Request:
     failure: str | None = None  # why the request failed alone (its client gets this message), if it did
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
+    # prompt_logprobs: one entry a prompt token (the first has none), filled as its prefill chunks run; sent once
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_prompt_logprobs: int = 0  # entries filled
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prefill must compute every prompt position (a prefix-cache hit would skip some)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
+
+    def record_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
+        """The entries of the prompt tokens start + 1 onward (a recomputed prefill writes the same ones again)."""
+        for offset, entry in enumerate(entries, start + 1):
+            if self.prompt_logprobs[offset] is None:
+                self.num_prompt_logprobs += 1
+            self.prompt_logprobs[offset] = entry
 
     @property
     def num_tokens(self) -> int:

@@ -130,7 +130,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break
-            cached_blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
+            cached_blocks, num_cached = [], 0
+            if not request.needs_prompt_logprobs:  # (a hit's positions would have no logprobs)
+                cached_blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, n, cached_blocks):
                 break

@@ -88,6 +88,7 @@ class StepHeader:
     query_start_loc: list[int]
     seq_lens: list[int]
     logits_indices: list[int] | None
+    prompt_logit_rows: list[list[int]]  # the hidden-row slices [start, end) prompt logprobs run the LM head on
 
     def encode(self) -> bytes:
         return msgpack.packb(list(astuple(self)), use_bin_type=True)
@@ -101,7 +102,7 @@ class StepHeader:
 
 
 def _shutdown_header() -> StepHeader:
-    return StepHeader(SHUTDOWN, 0, 0, 0, 0, 0, 0, [], [], None)
+    return StepHeader(SHUTDOWN, 0, 0, 0, 0, 0, 0, [], [], None, [])
 
 
 def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
@@ -226,6 +227,7 @@ class TensorParallelWorkers:
         plan: GraphPlan,
         num_scheduled_reqs: int,
         sample_rows: list[int],
+        prompt_logit_rows: list[tuple[int, int]] = (),
     ) -> None:
         """Announce the step rank 0 has just prepared and send its inputs; every rank then runs the forward."""
         self.check_alive()
@@ -243,6 +245,7 @@ class TensorParallelWorkers:
             metadata.query_start_loc_cpu.tolist(),
             metadata.seq_lens_cpu.tolist(),
             logits_indices,
+            [list(r) for r in prompt_logit_rows],
         )
         frame = header.encode()
         for pipe in self.pipes:
@@ -394,3 +397,5 @@ def run_step(runner: ModelRunner, header: StepHeader) -> None:
     if header.logits_indices is not None and head is None:  # a full graph ran the LM head (and its gather) itself
         rows = torch.tensor(header.logits_indices, dtype=torch.int64, device=runner.device)
         runner.model.compute_logits(hidden[rows])  # joins the LM head's all-gather; rank 0 samples
+    for start, end in header.prompt_logit_rows:  # rank 0's prompt logprobs, slice by slice
+        runner.model.compute_logits(hidden[start:end])

@@ -2,9 +2,9 @@
 
 It owns HTTP, auth, tokenization (off the event loop), chat templates, detokenization and stop
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}), POST /tokenize,
-POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health and GET /metrics
-(always open). With `--api-keys-file` the keys and their limits come from `api_keys.KeyStore`.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models (and
+/v1/models/{id}), POST /tokenize, POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health
+and GET /metrics (always open). With `--api-keys-file` the keys and their limits come from `api_keys.KeyStore`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.reasoning import REASONING_PARSERS
 from kiln.engine.serving.responses import ServerShutdown
+from kiln.engine.serving.responses_api import ResponseShape
+from kiln.engine.serving.responses_requests import in_responses_terms, parse_responses
 from kiln.engine.serving.tool_calls import tool_parser, tool_schema_checks
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
 
@@ -52,6 +54,7 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
     app["keys"] = keys
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_create)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model_card)  # a served name may hold slashes (org/model)
     app.router.add_get("/v1/usage", usage)
@@ -235,6 +238,40 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run_request(
         request, state, parsed, [prompt], [None], chat=True, key=key, tool_parser=parser, reasoning_parser=reasoning
     )
+
+
+async def responses_create(request: web.Request) -> web.StreamResponse:
+    """The Responses API: a chat request underneath (`responses_api`), answered as a response object."""
+    state: ServerState = request.app["state"]
+    parsed, body = parse_responses(await read_json(request), state.sampling_defaults)
+    check_model(state, body)
+    parser = tool_parser(parsed, state.auto_tool_parser)
+    for schema in tool_schema_checks(parsed):
+        await check_structured_output(state, schema, "tools")
+    if key := request.get(KEY):
+        key.check_seat()  # (before tokenizing)
+    prompt = await encode_chat(state, parsed.messages, parsed.tools)
+    if key:
+        key.apply_max_tokens(
+            parsed, {"max_tokens": body.get("max_output_tokens")}, room=state.max_model_len - len(prompt)
+        )
+    reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
+    shape = ResponseShape(body, parsed)
+    try:
+        return await run_request(
+            request,
+            state,
+            parsed,
+            [prompt],
+            [None],
+            True,
+            key,
+            tool_parser=parser,
+            reasoning_parser=reasoning,
+            shape=shape,
+        )
+    except APIError as e:
+        raise in_responses_terms(e) from None
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from kiln.engine.text.detokenizer import TextStream
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
     from kiln.engine.serving.reasoning import ReasoningParser
+    from kiln.engine.serving.responses_api import ResponseShape
     from kiln.engine.serving.tool_parsers import ToolParser
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -149,7 +150,10 @@ async def run_request(
     key: KeyState | None = None,
     tool_parser: ToolParser | None = None,
     reasoning_parser: ReasoningParser | None = None,
+    shape: ResponseShape | None = None,
 ) -> web.StreamResponse:
+    """Admit the request, add one engine request per choice, and answer: an SSE stream or a JSON body, in the
+    completions or chat shape, or `shape`'s (the Responses API)."""
     if state.draining:
         raise APIError(503, "the server is shutting down", type_="service_unavailable")
     if not state.client.alive:
@@ -179,7 +183,7 @@ async def run_request(
     if params.structured_output is not None:
         await check_structured_output(state, params.structured_output, parsed.constraint_param or "response_format")
 
-    base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    base = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     queue = Inbox()
     choices: dict[str, Choice] = {}
@@ -197,7 +201,7 @@ async def run_request(
                 params.min_tokens,
             )
             reply = None
-            if tool_parser is not None or reasoning_parser is not None:
+            if tool_parser is not None or reasoning_parser is not None or shape is not None:
                 tools = None if tool_parser is None else ToolCallStream(tool_parser, parsed.parallel_tool_calls)
                 reply = ChatReply(reasoning_parser, tools)
             choices[rid] = Choice(index, rid, ids, text, key=key, reply=reply)
@@ -213,6 +217,8 @@ async def run_request(
             # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
             seed = None if params.seed is None else (params.seed + j) % 2**64
             state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
+        if shape is not None:
+            return await shape.reply(request, state, next(iter(choices.values())), queue)
         if parsed.stream:
             return await stream_response(request, state, parsed, choices, queue, base, created, chat, texts)
         await collect(state, choices, queue)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.engine.serving.partial_json import held_back
 from kiln.engine.serving.tool_calls import ToolCallStream
-from kiln.engine.serving.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
 

@@ -126,7 +126,7 @@ async def stream_response(request, state, parsed, choices, queue, base, created,
     await response.prepare(request)
     # NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout
     # seconds it is dropped (and its request aborted) instead of holding a seat forever.
-    watch = _WriteWatch(state.write_timeout)
+    watch = WriteWatch(state.write_timeout)
 
     async def send(payload: dict[str, Any] | str) -> None:
         data = payload if isinstance(payload, str) else _json(payload)
@@ -228,7 +228,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         yield chunk([], _usage(choices))
 
 
-class _WriteWatch:
+class WriteWatch:
     """Times out a stream's write that has been blocked for `timeout` seconds, with one timer per stream that
     re-arms itself rarely (a timer armed and cancelled around every write cost more than the write)."""
 

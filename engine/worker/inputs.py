@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 class ModelRunnerOutput:
     sampled_token_ids: list[int | None]  # per scheduled request; None where its prefill is still partial
     logprobs: list[TokenLogprobs | None]
+    # per scheduled request that asked: (the first prompt position scored, the entries of the tokens after it)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclass
@@ -32,6 +34,7 @@ class StepHandle:
     sample_rows: list[int]
     sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
     logprobs_cpu: LogprobsTensors | None = None
+    prompt_logprobs_cpu: list[tuple[int, int, LogprobsTensors]] | None = None  # (request, first position, tensors)
     done: torch.cuda.Event | None = None
 
 

@@ -19,7 +19,7 @@ from kiln.backends.attention import AttentionBackend, AttentionMetadata, Forward
 from kiln.compile import CompiledModel
 from kiln.engine.messages import TokenLogprobs
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.worker import input_writer
+from kiln.engine.worker import input_writer, prompt_logprobs
 from kiln.engine.worker import inputs as runner_io
 from kiln.engine.worker.input_writer import InputWriter, Rows
 from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput, StepHandle, logprob_lists
@@ -102,8 +102,11 @@ class ModelRunner:
         handle = StepHandle(batch, [i for i, sample in enumerate(batch.samples) if sample])
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
+        wants_prompt = any(r.sampling_params.prompt_logprobs is not None for r in batch.requests)
+        prompt_spec = prompt_logprobs.prompt_rows(batch) if wants_prompt else []
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
-            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows)
+            slices = prompt_logprobs.logit_slices(prompt_spec)
+            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows, slices)
         hidden, head = self.forward(metadata, plan)
         if handle.sample_rows:
             requests = batch.requests
@@ -126,12 +129,10 @@ class ModelRunner:
             self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
             if result.logprobs is not None:
-                handle.logprobs_cpu = LogprobsTensors(
-                    *(
-                        t.to("cpu", non_blocking=True)
-                        for t in (result.logprobs.token_ids, result.logprobs.logprobs, result.logprobs.ranks)
-                    )
-                )
+                handle.logprobs_cpu = _to_host(result.logprobs)
+        if prompt_spec:  # (after the sampling's LM head: tensor-parallel ranks run theirs in this order)
+            computed = prompt_logprobs.compute(self.model.compute_logits, hidden, batch, prompt_spec)
+            handle.prompt_logprobs_cpu = [(i, start, _to_host(tensors)) for i, start, tensors in computed]
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
@@ -174,8 +175,11 @@ class ModelRunner:
                 self.tp_workers.wait(handle.done)  # NOTE: a collective with a dead worker would never finish
             else:
                 handle.done.synchronize()
+        prompt = None
+        if handle.prompt_logprobs_cpu is not None:
+            prompt = {i: (start, prompt_logprobs.entries(t)) for i, start, t in handle.prompt_logprobs_cpu}
         if not handle.sample_rows:
-            return ModelRunnerOutput(sampled, logprobs)
+            return ModelRunnerOutput(sampled, logprobs, prompt)
         token_ids = handle.sampled_cpu.tolist()
         row_logprobs = None
         if handle.logprobs_cpu is not None:
@@ -184,7 +188,7 @@ class ModelRunner:
             sampled[row] = token_ids[j]
             if row_logprobs is not None:
                 logprobs[row] = row_logprobs[j]
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt)
 
     def grammar_bitmask(self) -> GrammarBitmask:
         """Structured output's token mask; xgrammar is loaded with it, on the first constrained batch."""
@@ -289,3 +293,10 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:
         self.forward(*self._dummy_metadata(num_tokens, decode, mode))
+
+
+def _to_host(tensors: LogprobsTensors) -> LogprobsTensors:
+    """A copy on the host, in flight until the step's event fires."""
+    return LogprobsTensors(
+        *(t.to("cpu", non_blocking=True) for t in (tensors.token_ids, tensors.logprobs, tensors.ranks))
+    )

@@ -39,7 +39,9 @@ FOREIGN = [
     b"\x93\x01\x02\x03",  # msgpack, but not [name, body]
     b"\x92\xa4Evil\x80",  # an unknown message type
     b"\x92\xaaAddRequest\x81\xa3bad\x01",  # a known type with a field it does not have
-    msgpack.packb(["EngineOutputs", {"outputs": [["r1", [5], None, None, None, 0, "extra"]]}]),  # an item too long
+    msgpack.packb(
+        ["EngineOutputs", {"outputs": [["r1", [5], None, None, None, 0, None, "extra"]]}]
+    ),  # an item too long
     msgpack.packb(["EngineOutputs", {"outputs": [{"request_id": "r1"}]}]),  # an item that is not a list
 ]
 
@@ -67,10 +69,11 @@ def test_stop_string_split_across_tokens_is_never_sent():
 
 def test_engine_outputs_travel_as_field_lists():
     """A step's outputs go on the wire as lists of their fields (no names) and come back as the same dataclasses."""
-    out = messages.EngineCoreOutput("r1", [5, 6], [[[5, -0.5, 1]], [[6, -1.5, 2], [9, -1.0, 1]]], "length", None, 4)
+    logprobs = [[[5, -0.5, 1]], [[6, -1.5, 2], [9, -1.0, 1]]]
+    out = messages.EngineCoreOutput("r1", [5, 6], logprobs, "length", None, 4, [None, [[5, -0.25, 1]]])
     sent = messages.EngineOutputs([out], [messages.RequestFailed("r2", "bad")], {"running": 0})
     frame = messages.encode(sent)
     assert msgpack.unpackb(frame)[1]["outputs"] == [
-        ["r1", [5, 6], [[[5, -0.5, 1]], [[6, -1.5, 2], [9, -1.0, 1]]], "length", None, 4]
+        ["r1", [5, 6], logprobs, "length", None, 4, [None, [[5, -0.25, 1]]]]
     ]
     assert messages.decode(frame) == sent
