@@ -6,29 +6,16 @@ named, in OpenAI's error shape; nothing here may raise anything else on bad inpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
+from kiln.engine.serving.api_errors import APIError, check_field
+from kiln.engine.serving.chat_messages import chat_message, tools_and_choice
 
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+__all__ = ["APIError", "ParsedRequest", "parse_chat", "parse_completion"]
 
 
 @dataclass
@@ -45,31 +32,8 @@ class ParsedRequest:
     tool_choice: str = "none"  # none, auto, required, or function (a named one: tool_function)
     tool_function: str | None = None
     parallel_tool_calls: bool = True
-
-
-def _check(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise APIError(400, f"'{name}' must be {_kind_names(kinds)}, got a boolean", name)
-    if not isinstance(value, kinds):
-        raise APIError(400, f"'{name}' must be {_kind_names(kinds)}, got {type(value).__name__}", name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise APIError(400, f"'{name}' must be a finite number", name)
-    return value
-
-
-def _kind_names(kinds: tuple[type, ...]) -> str:
-    names = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field asked for (echo's are in `logprobs`)
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: one token is generated and dropped
 
 
 def _sampling_params(
@@ -82,7 +46,7 @@ def _sampling_params(
     is_strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
     if stop is not None and not (isinstance(stop, str) or is_strings):
         raise APIError(400, "'stop' must be a string or a list of strings", "stop")
-    logit_bias = _check(body, "logit_bias", (dict,))
+    logit_bias = check_field(body, "logit_bias", (dict,))
     if logit_bias is not None:
         try:
             logit_bias = {int(k): v for k, v in logit_bias.items()}
@@ -90,26 +54,26 @@ def _sampling_params(
             raise APIError(400, "'logit_bias' keys must be token ids", "logit_bias") from None
         if len(logit_bias) > 1024:
             raise APIError(400, "'logit_bias' may hold at most 1024 entries", "logit_bias")
-    stop_token_ids = _check(body, "stop_token_ids", (list,))
+    stop_token_ids = check_field(body, "stop_token_ids", (list,))
     kwargs = dict(
-        n=_check(body, "n", (int,), 1),
-        temperature=_check(body, "temperature", num, defaults.get("temperature", 1.0)),
-        top_p=_check(body, "top_p", num, defaults.get("top_p", 1.0)),
-        top_k=_check(body, "top_k", (int,), defaults.get("top_k", 0)),
-        min_p=_check(body, "min_p", num, defaults.get("min_p", 0.0)),
-        presence_penalty=_check(body, "presence_penalty", num, 0.0),
-        frequency_penalty=_check(body, "frequency_penalty", num, 0.0),
-        repetition_penalty=_check(body, "repetition_penalty", num, defaults.get("repetition_penalty", 1.0)),
+        n=check_field(body, "n", (int,), 1),
+        temperature=check_field(body, "temperature", num, defaults.get("temperature", 1.0)),
+        top_p=check_field(body, "top_p", num, defaults.get("top_p", 1.0)),
+        top_k=check_field(body, "top_k", (int,), defaults.get("top_k", 0)),
+        min_p=check_field(body, "min_p", num, defaults.get("min_p", 0.0)),
+        presence_penalty=check_field(body, "presence_penalty", num, 0.0),
+        frequency_penalty=check_field(body, "frequency_penalty", num, 0.0),
+        repetition_penalty=check_field(body, "repetition_penalty", num, defaults.get("repetition_penalty", 1.0)),
         logit_bias=logit_bias,
-        seed=_check(body, "seed", (int,)),
-        max_tokens=_check(body, "max_tokens", (int,), max_tokens_default),
-        min_tokens=_check(body, "min_tokens", (int,), 0),
+        seed=check_field(body, "seed", (int,)),
+        max_tokens=check_field(body, "max_tokens", (int,), max_tokens_default),
+        min_tokens=check_field(body, "min_tokens", (int,), 0),
         stop=stop,
         stop_token_ids=stop_token_ids,
-        ignore_eos=_check(body, "ignore_eos", (bool,), False),
+        ignore_eos=check_field(body, "ignore_eos", (bool,), False),
         logprobs=logprobs,
-        skip_special_tokens=_check(body, "skip_special_tokens", (bool,), True),
-        include_stop_str_in_output=_check(body, "include_stop_str_in_output", (bool,), False),
+        skip_special_tokens=check_field(body, "skip_special_tokens", (bool,), True),
+        include_stop_str_in_output=check_field(body, "include_stop_str_in_output", (bool,), False),
     )
     kwargs["structured_output"], constraint_param = _structured_output(body)  # (checked after the fields above)
     try:
@@ -124,7 +88,7 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
     """OpenAI's `response_format` (json_object, json_schema), or vLLM's `guided_json`, `guided_choice`,
     `guided_regex`, `guided_grammar`; with the parameter it came from."""
     given: list[tuple[str, dict[str, Any]]] = []  # (parameter, StructuredOutputParams fields)
-    response_format = _check(body, "response_format", (dict,))
+    response_format = check_field(body, "response_format", (dict,))
     if response_format is not None:
         kind = response_format.get("type")
         if kind not in ("text", "json_object", "json_schema"):
@@ -142,10 +106,10 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
                 )
             given.append(("response_format", {"json": schema}))
     for name, field in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
-        value = _check(body, name, (str,))
+        value = check_field(body, name, (str,))
         if value is not None:
             given.append((name, {field: value}))
-    guided_json = _check(body, "guided_json", (dict, str))
+    guided_json = check_field(body, "guided_json", (dict, str))
     if isinstance(guided_json, str):
         try:
             guided_json = json.loads(guided_json)
@@ -155,7 +119,7 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
             raise APIError(400, "'guided_json' must be a JSON schema: an object, or its JSON text", "guided_json")
     if guided_json is not None:
         given.append(("guided_json", {"json": guided_json}))
-    choices = _check(body, "guided_choice", (list,))
+    choices = check_field(body, "guided_choice", (list,))
     if choices is not None:
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise APIError(400, "'guided_choice' must be a non-empty list of non-empty strings", "guided_choice")
@@ -189,10 +153,10 @@ def _ebnf_string(text: str) -> str:
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _check(body, "stream", (bool,), False)
+    stream = check_field(body, "stream", (bool,), False)
     if body.get("stream_options") is not None and not stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-    options = _check(body, "stream_options", (dict,), {})
+    options = check_field(body, "stream_options", (dict,), {})
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
@@ -219,23 +183,49 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
         raise APIError(400, "at most 256 prompts per request", "prompt")
     if any(len(p) == 0 for p in prompts):
         raise APIError(400, "the prompt is empty", "prompt")
-    logprobs = _check(body, "logprobs", (int,))
+    logprobs = check_field(body, "logprobs", (int,))
     stream, include_usage = _stream_flags(body)
+    echo = check_field(body, "echo", (bool,), False)
+    prompt_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if prompt_only:  # the prompt alone (its log-probabilities, as evaluations ask): one token made, then dropped
+        if not echo:
+            raise APIError(400, "'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)", "max_tokens")
+        body = {**body, "max_tokens": 1}
     params, constraint_param = _sampling_params(body, 16, logprobs, defaults or {})
-    echo = _check(body, "echo", (bool,), False)
-    if echo and logprobs is not None:
-        raise APIError(
-            400,
-            "'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does not compute",
-            "echo",
-        )
-    if _check(body, "suffix", (str,)):
+    asked = _prompt_logprobs(body, stream)
+    wanted = [k for k in (asked, logprobs if echo else None) if k is not None]
+    if wanted:  # echo with logprobs lists the prompt's tokens with theirs
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
+    if check_field(body, "suffix", (str,)):
         raise APIError(400, "'suffix' is not supported", "suffix")
-    best_of = _check(body, "best_of", (int,))
+    best_of = check_field(body, "best_of", (int,))
     if best_of is not None and best_of != params.n:
         raise APIError(400, "'best_of' is not supported (other than equal to 'n')", "best_of")
-    _check(body, "user", (str,))
-    return ParsedRequest(prompts, None, params, stream, include_usage, echo, logprobs, None, constraint_param)
+    check_field(body, "user", (str,))
+    return ParsedRequest(
+        prompts,
+        None,
+        params,
+        stream,
+        include_usage,
+        echo,
+        logprobs,
+        constraint_param=constraint_param,
+        prompt_logprobs=asked,
+        prompt_only=prompt_only,
+    )
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: each prompt token's log-probability and the top k besides."""
+    k = check_field(body, "prompt_logprobs", (int,))
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(400, f"'prompt_logprobs' must lie in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+    if stream:
+        raise APIError(400, "'prompt_logprobs' is not supported when streaming (as in vLLM)", "prompt_logprobs")
+    return k
 
 
 def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedRequest:
@@ -244,11 +234,11 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
-    messages = [_chat_message(m, i) for i, m in enumerate(messages)]
-    tools, tool_choice, tool_function = _tools(body)
-    parallel_tool_calls = _check(body, "parallel_tool_calls", (bool,), True)
-    want_logprobs = _check(body, "logprobs", (bool,), False)
-    top = _check(body, "top_logprobs", (int,), 0)
+    messages = [chat_message(m, i) for i, m in enumerate(messages)]
+    tools, tool_choice, tool_function = tools_and_choice(body)
+    parallel_tool_calls = check_field(body, "parallel_tool_calls", (bool,), True)
+    want_logprobs = check_field(body, "logprobs", (bool,), False)
+    top = check_field(body, "top_logprobs", (int,), 0)
     if body.get("top_logprobs") is not None and not want_logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if not 0 <= top <= MAX_LOGPROBS:
@@ -257,7 +247,10 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     stream, include_usage = _stream_flags(body)
     params, constraint_param = _sampling_params(body, None, top if want_logprobs else None, defaults or {})
-    _check(body, "user", (str,))
+    asked = _prompt_logprobs(body, stream)
+    if asked is not None:
+        params = dataclasses.replace(params, prompt_logprobs=asked)
+    check_field(body, "user", (str,))
     return ParsedRequest(
         None,
         messages,
@@ -271,99 +264,8 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
         tool_choice,
         tool_function,
         parallel_tool_calls,
+        prompt_logprobs=asked,
     )
-
-
-def _chat_message(m: Any, i: int) -> dict[str, Any]:
-    """A message as chat templates take it: its content a string (text parts joined by newlines), an assistant's
-    tool calls with their arguments as objects."""
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise APIError(400, f"{where} needs a string 'role'", "messages")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise APIError(
-                400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported", "messages"
-            )
-        content = "\n".join(p["text"] for p in content)
-    tool_calls = m.get("tool_calls")
-    if content is None and m["role"] == "assistant" and tool_calls:
-        content = ""
-    if not isinstance(content, str):
-        raise APIError(400, f"{where} needs 'content': a string or a list of text parts", "messages")
-    message = {**m, "content": content}  # other keys (e.g. reasoning_content) as given
-    for key in ("name", "tool_call_id"):
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise APIError(400, f"{where}: '{key}' must be a string", "messages")
-    if tool_calls is not None:
-        if m["role"] != "assistant" or not isinstance(tool_calls, list):
-            raise APIError(400, f"{where}: 'tool_calls' is a list, on an assistant message", "messages")
-        message["tool_calls"] = [_tool_call(call, where) for call in tool_calls]
-    return message
-
-
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)  # as templates render them: an object, not its JSON text
-        except (ValueError, RecursionError):
-            arguments = None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise APIError(
-            400, f"{where}: a tool call is {{'function': {{'name': ..., 'arguments': a JSON object}}}}", "messages"
-        )
-    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-MAX_TOOLS = 128  # as OpenAI
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str, str | None]:
-    """`tools` (shown to the model by the chat template), `tool_choice` (none, auto, required, or function) and the
-    named function. Tools without a tool_choice mean "auto", as OpenAI reads them."""
-    tools = _check(body, "tools", (list,))
-    choice = body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
-        return None, "none", None
-    if len(tools) > MAX_TOOLS:
-        raise APIError(400, f"at most {MAX_TOOLS} tools per request", "tools")
-    names = set()
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", "tools")
-        name = function.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '-' or '.'", "tools")
-        if name in names:
-            raise APIError(400, f"tools[{i}]: two tools are named {name!r}", "tools")
-        names.add(name)
-        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        if function.get("description") is not None and not isinstance(function["description"], str):
-            raise APIError(400, f"tools[{i}].function.description must be a string", "tools")
-    if choice is None:
-        return tools, "auto", None
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise APIError(
-                400, "a named 'tool_choice' is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
-            )
-        if name not in names:
-            raise APIError(400, f"'tool_choice' names {name[:64]!r}, which is not among the tools", "tool_choice")
-        return tools, "function", name
-    if choice not in ("none", "auto", "required"):
-        raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
-    return tools, choice, None
 
 
 def _is_token_id(t: Any) -> bool:

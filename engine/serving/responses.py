@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kiln.engine import messages
 from kiln.engine.serving.engine_client import EngineDeadError, Inbox
+from kiln.engine.serving.logprobs import echo_logprobs_body, end_offset, joined, logprobs_body, vllm_prompt_logprobs
 from kiln.engine.serving.openai_requests import APIError
 from kiln.engine.serving.reasoning import ChatReply
 from kiln.engine.text.detokenizer import TextStream
@@ -31,6 +32,7 @@ class Choice:
     text: TextStream
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[list[list[float]]] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # the engine's entries, one a prompt token, when the request asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     start_time: float = field(default_factory=time.monotonic)
@@ -69,6 +71,7 @@ async def next_items(queue: Inbox) -> list[Any]:
                     first.new_logprobs = []
                 first.new_logprobs.extend(item.new_logprobs)
             first.finish_reason, first.stop_reason = item.finish_reason, item.stop_reason
+            first.prompt_logprobs = first.prompt_logprobs or item.prompt_logprobs
     return merged
 
 
@@ -84,6 +87,8 @@ def apply_output(state: ServerState, choice: Choice, out: messages.EngineCoreOut
         choice.key.charge(len(out.new_token_ids))
     if out.new_logprobs:
         choice.logprobs.extend(out.new_logprobs)
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     finished = out.finish_reason is not None
     # the engine stops a request with "stop" only on a stop token (EOS, stop_token_ids, a grammar's end)
     delta, stop = choice.text.update(out.new_token_ids, finished, stop_token=out.finish_reason == "stop")
@@ -171,6 +176,8 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
     def reason(choice: Choice) -> str:
         if choice.finish_reason is None:
             return "null"
+        if parsed.prompt_only:  # max_tokens 0: the prompt alone, its one generated token dropped
+            return '"length","stop_reason":null'
         return f'{_json(choice.reply_finish_reason())},"stop_reason":{_json(choice.stop_reason)}'
 
     # one choice a chunk (as OpenAI and vLLM send n > 1: clients index choices[0])
@@ -181,10 +188,11 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                     f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}'
                 ]
             )
-    elif parsed.echo:
-        n = parsed.params.n
+    # an echo with logprobs waits for the prompt's logprobs, which come with the choice's first output
+    echo_pending = set(choices) if parsed.echo and parsed.logprobs is not None else set()
+    if parsed.echo and not echo_pending:
         for c in choices.values():
-            text = _json(_prompt_text(state, c, texts, n))
+            text = _json(_prompt_text(state, c, texts, parsed.params.n))
             yield chunk([f'{{"index":{c.index},"text":{text},"logprobs":null,"finish_reason":null}}'])
     text_offsets = dict.fromkeys(choices, 0)  # completions' logprobs: where the next token's text starts
     while any(c.finish_reason is None for c in choices.values()):
@@ -200,6 +208,16 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         for rid, (delta, start) in deltas.items():
             choice = choices[rid]
             new_lp = choice.logprobs[start:] if parsed.logprobs is not None else None
+            if rid in echo_pending:
+                echo_pending.discard(rid)
+                text = _json(_prompt_text(state, choice, texts, parsed.params.n))
+                lp = "null"
+                if choice.prompt_logprobs is not None:
+                    body = echo_logprobs_body(state, choice.prompt_ids, choice.prompt_logprobs, parsed.logprobs)
+                    text_offsets[rid], lp = end_offset(body), _json(body)
+                bodies.append(f'{{"index":{choice.index},"text":{text},"logprobs":{lp},"finish_reason":null}}')
+            if parsed.prompt_only:
+                delta, new_lp = "", None
             fields = None
             if choice.reply is not None:  # the text read again as reasoning, content and calls
                 fields = choice.reply.update(choice.text.text, choice.finish_reason is not None)
@@ -207,7 +225,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
                 continue
             lp = "null"
             if new_lp:
-                body = _logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs, text_offsets[rid])
+                body = logprobs_body(state, choice.token_ids[start:], new_lp, chat, parsed.logprobs, text_offsets[rid])
                 if not chat:  # text_offset counts from the completion's start, across chunks
                     text_offsets[rid] = body["text_offset"][-1] + len(body["tokens"][-1])
                 lp = _json(body)
@@ -225,7 +243,7 @@ async def _events(state, parsed, choices, queue, base, created, chat, texts) -> 
         for body in bodies:
             yield chunk([body])
     if parsed.include_usage:
-        yield chunk([], _usage(choices))
+        yield chunk([], _usage(choices, parsed.prompt_only))
 
 
 class WriteWatch:
@@ -268,64 +286,26 @@ def _prompt_text(state: ServerState, choice: Choice, texts: list[str | None], n:
     return text if text is not None else state.tokenizer.decode(choice.prompt_ids)
 
 
-def _usage(choices: dict[str, Choice]) -> dict[str, int]:
+def _usage(choices: dict[str, Choice], prompt_only: bool = False) -> dict[str, int]:
     seen: set[int] = set()
     prompt = 0
     for c in choices.values():
         if id(c.prompt_ids) not in seen:
             seen.add(id(c.prompt_ids))
             prompt += len(c.prompt_ids)
-    completion = sum(len(c.token_ids) for c in choices.values())
+    completion = 0 if prompt_only else sum(len(c.token_ids) for c in choices.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-# What a log-probability of -inf (a token a grammar or logit_bias rules out) is sent as: JSON has no infinity,
-# and OpenAI's clients take this floor (as vLLM sends it).
-MIN_LOGPROB = -9999.0
-
-
-def _logprobs_body(
-    state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int, text_offset: int = 0
-):
-    """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
-    token and the top k (ranks 1..k). `text_offset`: where the first token's text starts (completions)."""
-    decode = state.tokenizer.decode
-    sampled, tops = [], []
-    for token, entry in zip(token_ids, entries):
-        sampled.append(max(next(lp for t, lp, _ in entry if int(t) == token), MIN_LOGPROB))
-        # completions (OpenAI's legacy shape): the top k and the sampled token; chat: the top k
-        top = sorted(entry, key=lambda e: e[2])[:k]
-        if not chat and all(int(t) != token for t, _, _ in top):
-            top += [e for e in entry if int(e[0]) == token][:1]
-        tops.append([(decode([int(t)]), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
-    texts = [decode([t]) for t in token_ids]
-    if chat:
-        return {
-            "content": [
-                {
-                    "token": text,
-                    "logprob": lp,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top],
-                }
-                for text, lp, top in zip(texts, sampled, tops)
-            ]
-        }
-    tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
-    offsets, pos = [], text_offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, Any]:
     bodies = []
     for c in sorted(choices.values(), key=lambda c: c.index):
-        lp = None
-        if parsed.logprobs is not None:
-            lp = _logprobs_body(state, c.token_ids, c.logprobs, chat, parsed.logprobs)
         if chat:
+            lp = (
+                None
+                if parsed.logprobs is None
+                else logprobs_body(state, c.token_ids, c.logprobs, True, parsed.logprobs)
+            )
             message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
             if c.reply is not None:
                 message.update(c.reply.message(c.text.text))
@@ -338,22 +318,42 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
                     "stop_reason": c.stop_reason,
                 }
             )
-        else:
-            text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + c.text.text
-            bodies.append(
-                {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-    return {
+            continue
+        text = (_prompt_text(state, c, texts, parsed.params.n) if parsed.echo else "") + (
+            "" if parsed.prompt_only else c.text.text
+        )
+        body = {
+            "index": c.index,
+            "text": text,
+            "logprobs": _completion_logprobs(state, parsed, c),
+            "finish_reason": "length" if parsed.prompt_only else c.finish_reason,
+            "stop_reason": None if parsed.prompt_only else c.stop_reason,
+        }
+        if parsed.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(state, c.prompt_logprobs)
+        bodies.append(body)
+    response = {
         "id": base,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": state.served_model_name,
         "choices": bodies,
-        "usage": _usage(choices),
+        "usage": _usage(choices, parsed.prompt_only),
     }
+    if chat and parsed.prompt_logprobs is not None:  # (vLLM's place for them on chat: the prompt is shared)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(state, next(iter(choices.values())).prompt_logprobs)
+    return response
+
+
+def _completion_logprobs(state: ServerState, parsed, c: Choice) -> dict[str, list] | None:
+    """A completion's legacy logprobs: with `echo`, the prompt's tokens first (the first with none)."""
+    if parsed.logprobs is None:
+        return None
+    echo = None
+    if parsed.echo and c.prompt_logprobs is not None:
+        echo = echo_logprobs_body(state, c.prompt_ids, c.prompt_logprobs, parsed.logprobs)
+        if parsed.prompt_only:
+            return echo
+    offset = 0 if echo is None else end_offset(echo)
+    body = logprobs_body(state, c.token_ids, c.logprobs, False, parsed.logprobs, offset)
+    return body if echo is None else joined(echo, body)

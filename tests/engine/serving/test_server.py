@@ -152,7 +152,6 @@ BAD = [
     ({"prompt": "hi", "model": "no-such-model"}, 404),
     ({"prompt": "hi", "stream": "yes"}, 400),
     ({"prompt": "hi", "temperature": float("nan")}, 400),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400),  # the prompt's logprobs are not computed
     ({"prompt": "hi", "suffix": "end"}, 400),
     ({"prompt": "hi", "best_of": 3}, 400),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400),  # only with stream

@@ -88,7 +88,9 @@ def test_stream_chunks_are_valid_json_with_any_text():
     )
     for chat in (False, True):
         choices = {"r": Choice(0, "r", [1, 2], Text())}
-        parsed = SimpleNamespace(include_usage=True, echo=False, logprobs=None, params=SimpleNamespace(n=1))
+        parsed = SimpleNamespace(
+            include_usage=True, echo=False, logprobs=None, prompt_only=False, params=SimpleNamespace(n=1)
+        )
 
         async def scenario(parsed=parsed, choices=choices, chat=chat):
             inbox = Inbox()
