@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
+#   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
@@ -167,6 +167,11 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
         | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" | tail -n 5
       echo "-- throughput-compiled:$model$tag" >> "$summary"
       tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" >> "$summary" ;;
+    prompt-logprobs:*)
+      model=${step#prompt-logprobs:}
+      timeout -s ABRT -k 15 ${PROMPT_LOGPROBS_TIMEOUT:-300} python3 scripts/bench/bench_prompt_logprobs.py --model "$model" \
+        --prompt-len ${PROMPT_LEN:-4096} --json "$OUT/prompt_logprobs.jsonl" 2>&1 | tee "$OUT/prompt_logprobs_$model.log" | tail -n 8
+      grep -A6 "^prompt logprobs" "$OUT/prompt_logprobs_$model.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout -s ABRT -k 15 240 python3 scripts/bench/bench_throughput.py --model "$model" --enforce-eager --hf \
