@@ -225,6 +225,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     body = await read_json(request)
     parsed = parse_chat(body, state.sampling_defaults)
+    asked = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
+    prompt, key, parsers = await _chat_prompt(request, state, parsed, body, asked)
+    return await run_request(request, state, parsed, [prompt], [None], True, key, **parsers)
+
+
+async def responses_create(request: web.Request) -> web.StreamResponse:
+    """The Responses API: a chat request underneath (`responses_requests`), answered as a response object."""
+    state: ServerState = request.app["state"]
+    parsed, body = parse_responses(await read_json(request), state.sampling_defaults)
+    try:
+        prompt, key, parsers = await _chat_prompt(request, state, parsed, body, body.get("max_output_tokens"))
+        shape = ResponseShape(body, parsed)
+        return await run_request(request, state, parsed, [prompt], [None], True, key, shape=shape, **parsers)
+    except APIError as e:
+        raise in_responses_terms(e) from None
+
+
+async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: dict[str, Any], max_tokens: Any):
+    """A chat request's checks (model, tools, the key's seat and caps) and its rendered prompt's token ids; with the
+    key and the parsers its reply is read with. `max_tokens`: what the body asked for, as the key's cap sees it."""
     check_model(state, body)
     parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
     for schema in tool_schema_checks(parsed):
@@ -233,45 +253,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         key.check_seat()  # (before tokenizing)
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key:
-        key.apply_max_tokens(parsed, body, room=state.max_model_len - len(prompt))
+        key.apply_max_tokens(parsed, {"max_tokens": max_tokens}, room=state.max_model_len - len(prompt))
     reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
-    return await run_request(
-        request, state, parsed, [prompt], [None], chat=True, key=key, tool_parser=parser, reasoning_parser=reasoning
-    )
-
-
-async def responses_create(request: web.Request) -> web.StreamResponse:
-    """The Responses API: a chat request underneath (`responses_api`), answered as a response object."""
-    state: ServerState = request.app["state"]
-    parsed, body = parse_responses(await read_json(request), state.sampling_defaults)
-    check_model(state, body)
-    parser = tool_parser(parsed, state.auto_tool_parser)
-    for schema in tool_schema_checks(parsed):
-        await check_structured_output(state, schema, "tools")
-    if key := request.get(KEY):
-        key.check_seat()  # (before tokenizing)
-    prompt = await encode_chat(state, parsed.messages, parsed.tools)
-    if key:
-        key.apply_max_tokens(
-            parsed, {"max_tokens": body.get("max_output_tokens")}, room=state.max_model_len - len(prompt)
-        )
-    reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
-    shape = ResponseShape(body, parsed)
-    try:
-        return await run_request(
-            request,
-            state,
-            parsed,
-            [prompt],
-            [None],
-            True,
-            key,
-            tool_parser=parser,
-            reasoning_parser=reasoning,
-            shape=shape,
-        )
-    except APIError as e:
-        raise in_responses_terms(e) from None
+    return prompt, key, {"tool_parser": parser, "reasoning_parser": reasoning}
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------

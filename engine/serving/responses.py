@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -127,23 +127,36 @@ async def collect(state: ServerState, choices: dict[str, Choice], queue: Inbox) 
 
 
 async def stream_response(request, state, parsed, choices, queue, base, created, chat, texts) -> web.StreamResponse:
+    async def frames() -> AsyncIterator[bytes]:
+        async for payload in _events(state, parsed, choices, queue, base, created, chat, texts):
+            yield f"data: {payload}\n\n".encode()
+
+    return await sse_response(
+        request, state, frames(), lambda e: f"data: {_json(e.body())}\n\n".encode(), b"data: [DONE]\n\n"
+    )
+
+
+async def sse_response(
+    request: web.Request,
+    state: ServerState,
+    frames: AsyncIterator[bytes],
+    error_frame: Callable[[APIError], bytes],
+    last_frame: bytes = b"",
+) -> web.StreamResponse:
+    """An SSE stream of `frames`; an APIError midway is sent as `error_frame(error)` and ends it, then `last_frame`.
+    NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout seconds it is
+    dropped (and its request aborted) instead of holding a seat forever."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    # NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout
-    # seconds it is dropped (and its request aborted) instead of holding a seat forever.
     watch = WriteWatch(state.write_timeout)
-
-    async def send(payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else _json(payload)
-        await watch.run(response.write(f"data: {data}\n\n".encode()))
-
     try:
         try:
-            async for payload in _events(state, parsed, choices, queue, base, created, chat, texts):
-                await send(payload)
+            async for frame in frames:
+                await watch.run(response.write(frame))
         except APIError as e:
-            await send(e.body())
-        await send("[DONE]")
+            await watch.run(response.write(error_frame(e)))
+        if last_frame:
+            await watch.run(response.write(last_frame))
         await watch.run(response.write_eof())
     except (TimeoutError, ConnectionResetError):
         pass  # the client is gone or not reading: run_request aborts what is left

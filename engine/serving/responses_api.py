@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
-from kiln.engine.serving.responses import WriteWatch, apply_output, collect, next_items, raise_for
+from kiln.engine.serving.responses import apply_output, collect, next_items, raise_for, sse_response
 
 if TYPE_CHECKING:
     from kiln.engine.serving.completion import ServerState
@@ -87,22 +87,15 @@ class ResponseShape:
         if not self.parsed.stream:
             await collect(state, {choice.request_id: choice}, queue)
             return web.json_response(self.whole(state, choice))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        watch = WriteWatch(state.write_timeout)
-        try:
-            try:
-                async for event in self.events(state, choice, queue):
-                    await watch.run(response.write(self._sse(event)))
-            except APIError as e:
-                error = {"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param}
-                await watch.run(response.write(self._sse(error)))
-            await watch.run(response.write_eof())
-        except (TimeoutError, ConnectionResetError):
-            pass  # the client is gone or not reading: run_request aborts what is left
-        finally:
-            watch.close()
-        return response
+
+        async def frames():
+            async for event in self.events(state, choice, queue):
+                yield self._sse(event)
+
+        def error_frame(e: APIError) -> bytes:
+            return self._sse({"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param})
+
+        return await sse_response(request, state, frames(), error_frame)
 
     def _sse(self, event: dict[str, Any]) -> bytes:
         event["sequence_number"] = self.sequence

@@ -56,6 +56,32 @@ def test_bf16_decode_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, 
             assert abs(lp.logprob - ref[step, token_id].item()) < 0.1, (step, token_id)
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bf16_prompt_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, enforce_eager):
+    """Prompt logprobs on the GPU (compiled: the pieces without graphs and the piecewise graphs), chunked over three
+    steps, beside a request that does not ask."""
+    prompt = list(range(3, 80))
+    with LLM(
+        str(tiny_model_dir),
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=enforce_eager,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        kv_cache_memory_bytes=1 << 28,
+        compile_cache_dir=str(tmp_path),
+    ) as llm:
+        params = [SamplingParams(max_tokens=2, prompt_logprobs=2), SamplingParams(max_tokens=2)]
+        scored, plain = llm.generate([prompt, prompt[:20]], params, use_tqdm=False)
+    assert plain.prompt_logprobs is None and scored.prompt_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    for p in range(1, len(prompt)):
+        entry = scored.prompt_logprobs[p]
+        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]].item()) < 0.1, p
+
+
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
 def test_preset_batch_on_gpu(preset):
     with LLM(preset, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.5) as llm:
