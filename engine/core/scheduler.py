@@ -30,6 +30,8 @@ class SchedulerOutput:
     # whether the step samples its next token (its last scheduled token is its last token).
     num_computed_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    # whether any unfinished request asks for prompt logprobs (else the runner looks for none)
+    prompt_logprobs: bool = False
 
     @property
     def total_num_tokens(self) -> int:
@@ -48,6 +50,7 @@ class SchedulerOutput:
             [],
             [self.num_computed_tokens[i]],
             [self.samples[i]],
+            self.prompt_logprobs,
         )
 
 
@@ -64,6 +67,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_sync_requests = 0  # unfinished requests with `needs_sync`
+        self.num_prompt_logprob_requests = 0  # unfinished requests asking for prompt logprobs
 
     # ---- requests in and out --------------------------------------------------------------------------
 
@@ -72,6 +76,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.num_sync_requests += request.needs_sync
+        self.num_prompt_logprob_requests += request.prompt_logprobs is not None
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -155,9 +160,9 @@ class Scheduler:
             request.num_output_placeholders += sample
             samples.append(sample)
         block_ids = self.kv.block_ids
-        return SchedulerOutput(
-            scheduled, num_new, [block_ids(r.request_id) for r in scheduled], preempted, computed, samples
-        )
+        block_table = [block_ids(r.request_id) for r in scheduled]
+        wants = self.num_prompt_logprob_requests > 0
+        return SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int | None]
@@ -242,4 +247,5 @@ class Scheduler:
         request.grammar = None  # the matcher's state goes with it
         self.kv.free(request.request_id)
         self.num_sync_requests -= request.needs_sync
+        self.num_prompt_logprob_requests -= request.prompt_logprobs is not None
         del self.requests[request.request_id]

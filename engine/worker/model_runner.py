@@ -102,8 +102,7 @@ class ModelRunner:
         handle = StepHandle(batch, [i for i, sample in enumerate(batch.samples) if sample])
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
-        wants_prompt = any(r.sampling_params.prompt_logprobs is not None for r in batch.requests)
-        prompt_spec = prompt_logprobs.prompt_rows(batch) if wants_prompt else []
+        prompt_spec = prompt_logprobs.prompt_rows(batch) if batch.prompt_logprobs else []
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
             slices = prompt_logprobs.logit_slices(prompt_spec)
             self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows, slices)

@@ -108,3 +108,14 @@ def test_tensor_parallel(tiny_llama_dir, reference):
         assert second.prompt_logprobs is None
     finally:
         llm.close()
+
+
+def test_a_preempted_request_recomputes_the_same_entries(tiny_llama_dir, reference):
+    """Too few KV blocks for the batch: requests are preempted and recompute from the start, prompt logprobs too."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128, num_kv_blocks=14, max_num_batched_tokens=32)
+    batch = prompts(4, (40, 60), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=K)
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(batch, outputs):
+        check(output, prompt, reference)
