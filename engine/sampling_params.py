@@ -21,6 +21,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_STOP_TOKEN_IDS = 1024
+# Counts and token ids: what the wire (msgpack carries 64 bits) and the sampler's int32 tensors both hold.
+MAX_INT = 2**31 - 1
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # A schema, regex or grammar is compiled and cached whole: bound what one request may hand over.
@@ -166,7 +169,7 @@ class SamplingParams:
             "n": _check_int("n", self.n, 1, MAX_N),
             "temperature": _check_float("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0"),
             "top_p": _check_float("top_p", self.top_p, 0.0, 1.0, "a float in (0, 1]"),
-            "top_k": _check_int("top_k", self.top_k, -1),
+            "top_k": _check_int("top_k", self.top_k, -1, MAX_INT),
             "min_p": _check_float("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1]"),
             "presence_penalty": _check_float(
                 "presence_penalty", self.presence_penalty, -2.0, 2.0, "a float in [-2, 2]"
@@ -180,7 +183,7 @@ class SamplingParams:
             "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
             "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
-            "min_tokens": _check_int("min_tokens", self.min_tokens, 0),
+            "min_tokens": _check_int("min_tokens", self.min_tokens, 0, MAX_INT),
             "logit_bias": self._checked_logit_bias(),
             "stop": self._checked_stop(),
             "stop_token_ids": self._checked_stop_token_ids(),
@@ -193,7 +196,7 @@ class SamplingParams:
         if self.seed is not None:
             checked["seed"] = _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
         if self.max_tokens is not None:
-            checked["max_tokens"] = _check_int("max_tokens", self.max_tokens, 1)
+            checked["max_tokens"] = _check_int("max_tokens", self.max_tokens, 1, MAX_INT)
             if checked["min_tokens"] > checked["max_tokens"]:
                 _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
@@ -211,7 +214,7 @@ class SamplingParams:
         bias: dict[int, float] = {}
         for token_id, value in self.logit_bias.items():
             # OpenAI's JSON sends string keys; the API server converts them, not this class.
-            if not _is_int(token_id) or token_id < 0:
+            if not _is_int(token_id) or not 0 <= token_id <= MAX_INT:
                 _fail("logit_bias", self.logit_bias, "keyed by non-negative integer token ids")
             bias[int(token_id)] = _check_float(
                 f"logit_bias[{token_id}]",
@@ -247,11 +250,14 @@ class SamplingParams:
     def _checked_stop_token_ids(self) -> list[int]:
         if self.stop_token_ids is None:
             return []
-        allowed = "a list of non-negative integer token ids"
+        allowed = f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integer token ids"
         if not isinstance(self.stop_token_ids, (list, tuple)):
             _fail("stop_token_ids", self.stop_token_ids, allowed)
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", self.stop_token_ids, allowed)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # (the message names the count, not the ids)
+            _fail("stop_token_ids", f"{len(self.stop_token_ids)} ids", allowed)
+        bad = [t for t in self.stop_token_ids if not (_is_int(t) and 0 <= t <= MAX_INT)]
+        if bad:
+            _fail("stop_token_ids", bad[:5], allowed)
         return [int(t) for t in self.stop_token_ids]
 
     def verify_vocab(self, vocab_size: int) -> None:

@@ -16,6 +16,7 @@ import logging
 import posixpath
 import re
 import signal
+import zlib
 from typing import Any
 
 from aiohttp import web
@@ -160,8 +161,31 @@ async def model_card(request: web.Request) -> web.Response:
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+def _decoded(raw: bytes, encoding: str) -> bytes:
+    """The body as sent before its Content-Encoding: gzip and deflate are undone here (aiohttp's own decoding is off:
+    its failures were a 500 or a text/plain 400), with the result held to the body limit (a small bomb stays small)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        message = f"Content-Encoding {encoding[:40]!r} is not supported: send the body as is, gzip or deflate"
+        raise APIError(415, message, type_="invalid_request_error")
+    # gzip's header, or zlib's (deflate as HTTP means it); a raw deflate stream is tried last
+    for wbits in (47,) if encoding != "deflate" else (15, -15):
+        decoder = zlib.decompressobj(wbits)
+        try:
+            body = decoder.decompress(raw, MAX_BODY_BYTES + 1)
+        except zlib.error:
+            continue
+        if len(body) > MAX_BODY_BYTES or decoder.unconsumed_tail:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes once decoded")
+        if decoder.eof:
+            return body
+    raise APIError(400, f"the body is not valid {encoding} data")
+
+
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
     try:
         # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
         body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)
@@ -302,7 +326,7 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         auto_tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
         reasoning_parser=server.reasoning_parser,
     )
-    runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port)
     await site.start()

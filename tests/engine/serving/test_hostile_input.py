@@ -1,0 +1,80 @@
+"""Input that looks in range but was not: integers past what the wire carries, endless stop-id lists, bodies in
+encodings the server does not take or that do not decode. Each is an OpenAI error object with a 4xx status, and the
+server serves the next request."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import urllib.error
+import urllib.request
+import zlib
+
+import pytest
+
+from helpers.server import API_KEY, Server
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = Server(tiny_llama_dir)
+    yield s
+    s.stop()
+
+
+def post(server, body: bytes, encoding: str | None):
+    request = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {API_KEY}")
+    if encoding:
+        request.add_header("Content-Encoding", encoding)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+BIG = [
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "min_tokens": 2**64}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(200_000))}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**64): 1}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", BIG, ids=range(len(BIG)))
+def test_integers_past_the_wire_are_400s(server, path, fields, param):
+    code, raw = server.post(path, {"model": server.model, **fields})
+    assert code == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["param"] == param and len(error["message"]) < 1000
+
+
+BODY = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+ENCODED = [
+    (gzip.compress(BODY), "gzip", 200),
+    (zlib.compress(BODY), "deflate", 200),
+    (b"not gzip at all", "gzip", 400),
+    (gzip.compress(BODY)[:20], "gzip", 400),  # cut short
+    (BODY, "br", 415),
+    (BODY, "zstd", 415),
+    (BODY, "gzip, gzip", 415),
+    (gzip.compress(b" " * (40 << 20)), "gzip", 413),  # 40 KiB that decode to 40 MiB
+]
+
+
+@pytest.mark.parametrize("body,encoding,status", ENCODED, ids=[f"{e}-{s}" for _, e, s in ENCODED])
+def test_content_encodings(server, body, encoding, status):
+    code, raw = post(server, body, encoding)
+    assert code == status, raw
+    reply = json.loads(raw)
+    if status == 200:
+        assert reply["choices"][0]["text"] is not None
+    else:
+        assert reply["error"]["message"]
+    assert post(server, BODY, None)[0] == 200  # and the server goes on
