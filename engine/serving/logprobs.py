@@ -50,9 +50,10 @@ def logprobs_body(
 
 def echo_logprobs_body(state: ServerState, prompt_ids: list[int], entries: list, k: int) -> dict[str, Any]:
     """A completion's `echo` with `logprobs`: the prompt's tokens in the legacy shape, the first one with none."""
-    body = logprobs_body(state, prompt_ids[1:], entries[1:], False, k, len(state.tokenizer.decode(prompt_ids[:1])))
+    first = state.tokenizer.decode(prompt_ids[:1])
+    body = logprobs_body(state, prompt_ids[1:], entries[1:], False, k, len(first))
     return {
-        "tokens": [state.tokenizer.decode(prompt_ids[:1])] + body["tokens"],
+        "tokens": [first] + body["tokens"],
         "token_logprobs": [None] + body["token_logprobs"],
         "top_logprobs": [None] + body["top_logprobs"],
         "text_offset": [0] + body["text_offset"],

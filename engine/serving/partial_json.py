@@ -68,6 +68,11 @@ def value_end(text: str, i: int, final: bool) -> int | None:
     return j if j < n or final else None
 
 
+def raw_value(text: str, start: int, end: int | None) -> str:
+    """A value's text: whole when it has ended, else as far as it goes (trailing whitespace may yet be inside it)."""
+    return text[start:end] if end is not None else text[start:].rstrip(WHITESPACE)
+
+
 def scan_object(text: str, i: int, final: bool) -> tuple[dict[str, tuple[int, int | None]], int | None]:
     """The members of the JSON object starting at `i` ('{'), as key -> (value start, value end or None), and where
     the object ends (None while incomplete). Raises Malformed on text that cannot be an object."""
@@ -118,7 +123,7 @@ def object_call(text: str, i: int, final: bool, keys: tuple[str, ...] = ("argume
             if args_end is not None:
                 call.arguments = json.loads(text[start:args_end])
         else:
-            call.arguments = text[start:args_end] if args_end is not None else text[start:].rstrip(WHITESPACE)
+            call.arguments = raw_value(text, start, args_end)
     if end is not None:
         if call.name is None:
             raise Malformed("a call without a name")

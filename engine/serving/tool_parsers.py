@@ -22,6 +22,7 @@ from kiln.engine.serving.partial_json import (
     held_back,
     json_list_calls,
     object_call,
+    raw_value,
     skip_ws,
     value_end,
 )
@@ -68,7 +69,7 @@ class MarkerParser(ToolParser):
     def _scan(self, text: str, final: bool) -> Scan:
         first = text.find(self.marker)
         if first < 0:
-            return Scan(text if final else text[: len(text) - held_back(text, self.marker)])
+            return Scan(text if final else self._content_before_markup(text))
         calls = self._calls(text, first + len(self.marker), final)
         if final and (not calls or not all(c.done for c in calls)):
             raise Malformed("unfinished tool call")
@@ -135,7 +136,7 @@ class MistralParser(MarkerParser):
                 raise Malformed("a tool name")
             start = skip_ws(text, args_at + len("[ARGS]"))
             end = value_end(text, start, final)
-            call = PartialCall(name, text[start:end] if end is not None else text[start:].rstrip(WHITESPACE))
+            call = PartialCall(name, raw_value(text, start, end))
             calls.append(call)
             if end is None:
                 return calls
@@ -286,7 +287,7 @@ class NamedParser(ToolParser):
     def _scan(self, text: str, final: bool) -> Scan:
         i = skip_ws(text, 0)
         end = value_end(text, i, final) if i < len(text) else None
-        call = PartialCall(self.function, text[i:end] if end is not None else text[i:].rstrip(WHITESPACE))
+        call = PartialCall(self.function, raw_value(text, i, end))
         if final:
             if end is None or not isinstance(json.loads(call.arguments), dict):
                 raise Malformed("arguments that are not an object")

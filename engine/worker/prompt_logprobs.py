@@ -47,9 +47,14 @@ def prompt_rows(batch: SchedulerOutput) -> list[PromptRows]:
     return spec
 
 
+def _slices(p: PromptRows) -> list[tuple[int, int]]:
+    """The request's hidden rows in slices of at most CHUNK_ROWS, as [start, end) offsets from its first row."""
+    return [(s, min(s + CHUNK_ROWS, p.count)) for s in range(0, p.count, CHUNK_ROWS)]
+
+
 def logit_slices(spec: list[PromptRows]) -> list[tuple[int, int]]:
-    """The hidden-row slices the LM head runs on, in order (tensor-parallel ranks run the same ones)."""
-    return [(p.row + s, p.row + min(s + CHUNK_ROWS, p.count)) for p in spec for s in range(0, p.count, CHUNK_ROWS)]
+    """The hidden-row slices the LM head runs on, in `compute`'s order (tensor-parallel ranks run the same ones)."""
+    return [(p.row + s, p.row + e) for p in spec for s, e in _slices(p)]
 
 
 def compute(compute_logits, hidden: torch.Tensor, batch: SchedulerOutput, spec: list[PromptRows]):
@@ -60,10 +65,9 @@ def compute(compute_logits, hidden: torch.Tensor, batch: SchedulerOutput, spec: 
         prompt = batch.requests[p.request_index].prompt_token_ids
         targets = torch.tensor(prompt[p.start + 1 : p.start + 1 + p.count], device=hidden.device)
         parts = []
-        for s in range(0, p.count, CHUNK_ROWS):
-            rows = slice(p.row + s, p.row + min(s + CHUNK_ROWS, p.count))
-            logprobs = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)
-            target = targets[s : s + logprobs.shape[0], None]
+        for s, e in _slices(p):
+            logprobs = torch.log_softmax(compute_logits(hidden[p.row + s : p.row + e]).float(), dim=-1)
+            target = targets[s:e, None]
             own = logprobs.gather(1, target)
             ranks = (logprobs > own).sum(dim=1) + 1
             ids, values = target, own
