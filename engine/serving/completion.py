@@ -53,6 +53,8 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
     auto_tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    # each token id's text alone, as logprobs list it: decoded once (a scored 4k-token prompt lists ~12k of them)
+    token_texts: dict[int, str] = field(default_factory=dict)
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------

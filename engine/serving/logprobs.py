@@ -13,12 +13,27 @@ if TYPE_CHECKING:
 MIN_LOGPROB = -9999.0
 
 
+def token_text(state: ServerState):
+    """A function from a token id to its text alone, remembered in `state` (the tokenizer's decode of one id is
+    the slow part of a long logprobs body)."""
+    texts, decode = state.token_texts, state.tokenizer.decode
+
+    def text(token) -> str:
+        token = int(token)
+        found = texts.get(token)
+        if found is None:
+            found = texts[token] = decode([token])
+        return found
+
+    return text
+
+
 def logprobs_body(
     state: ServerState, token_ids: list[int], entries: list[list[list[float]]], chat: bool, k: int, text_offset: int = 0
 ):
     """OpenAI's logprobs shapes. Each engine entry holds [token id, logprob, rank] for the sampled
     token and the top k (ranks 1..k). `text_offset`: where the first token's text starts (completions)."""
-    decode = state.tokenizer.decode
+    decode = token_text(state)
     sampled, tops = [], []
     for token, entry in zip(token_ids, entries):
         sampled.append(max(next(lp for t, lp, _ in entry if int(t) == token), MIN_LOGPROB))
@@ -26,8 +41,8 @@ def logprobs_body(
         top = sorted(entry, key=lambda e: e[2])[:k]
         if not chat and all(int(t) != token for t, _, _ in top):
             top += [e for e in entry if int(e[0]) == token][:1]
-        tops.append([(decode([int(t)]), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
-    texts = [decode([t]) for t in token_ids]
+        tops.append([(decode(t), max(lp, MIN_LOGPROB)) for t, lp, _ in top])
+    texts = [decode(t) for t in token_ids]
     if chat:
         return {
             "content": [
@@ -50,7 +65,7 @@ def logprobs_body(
 
 def echo_logprobs_body(state: ServerState, prompt_ids: list[int], entries: list, k: int) -> dict[str, Any]:
     """A completion's `echo` with `logprobs`: the prompt's tokens in the legacy shape, the first one with none."""
-    first = state.tokenizer.decode(prompt_ids[:1])
+    first = token_text(state)(prompt_ids[0])
     body = logprobs_body(state, prompt_ids[1:], entries[1:], False, k, len(first))
     return {
         "tokens": [first] + body["tokens"],
@@ -74,12 +89,12 @@ def vllm_prompt_logprobs(state: ServerState, entries: list | None) -> list | Non
     decoded_token}} for the token and the top k."""
     if entries is None:
         return None
-    decode = state.tokenizer.decode
+    decode = token_text(state)
     return [
         None
         if entry is None
         else {
-            str(int(t)): {"logprob": max(lp, MIN_LOGPROB), "rank": int(rank), "decoded_token": decode([int(t)])}
+            str(int(t)): {"logprob": max(lp, MIN_LOGPROB), "rank": int(rank), "decoded_token": decode(t)}
             for t, lp, rank in entry
         }
         for entry in entries

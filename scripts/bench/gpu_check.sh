@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
-#   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
+#   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
@@ -40,7 +40,7 @@ start_server() {
   tok=/tmp/kiln-tokenizer-$1
   python3 -c "import sys; from kiln.engine.models.source import resolve_model as r; from kiln.engine.text.tokenizer \
 import synthetic_tokenizer as t; t(r(sys.argv[1]).model_config.vocab_size).save_pretrained(sys.argv[2])" "$1" "$tok"
-  kiln serve "$1" --tokenizer "$tok" --port 8000 > "$OUT/serve_$1.log" 2>&1 &
+  kiln serve "$1" --tokenizer "$tok" --port 8000 ${2:-} > "$OUT/serve_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 1 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
 }
@@ -172,6 +172,14 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       timeout -s ABRT -k 15 ${PROMPT_LOGPROBS_TIMEOUT:-300} python3 scripts/bench/bench_prompt_logprobs.py --model "$model" \
         --prompt-len ${PROMPT_LEN:-4096} --json "$OUT/prompt_logprobs.jsonl" 2>&1 | tee "$OUT/prompt_logprobs_$model.log" | tail -n 8
       grep -A6 "^prompt logprobs" "$OUT/prompt_logprobs_$model.log" >> "$summary" ;;
+    prompt-logprobs-http:*)
+      # the same prompt as an echo + logprobs completion over HTTP (the prefix cache off, as a scored prompt skips it)
+      model=${step#prompt-logprobs-http:}
+      start_server "$model" "--no-enable-prefix-caching --max-model-len $(( ${PROMPT_LEN:-4096} + 128 ))"
+      timeout -s ABRT -k 15 ${PROMPT_LOGPROBS_TIMEOUT:-300} python3 scripts/bench/bench_prompt_logprobs.py --url http://localhost:8000 \
+        --prompt-len ${PROMPT_LEN:-4096} --json "$OUT/prompt_logprobs.jsonl" 2>&1 | tee "$OUT/prompt_logprobs_http_$model.log" | tail -n 5
+      kill -TERM $server; wait $server
+      grep -A3 "^prompt logprobs" "$OUT/prompt_logprobs_http_$model.log" >> "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout -s ABRT -k 15 240 python3 scripts/bench/bench_throughput.py --model "$model" --enforce-eager --hf \

@@ -75,11 +75,19 @@ def test_bf16_prompt_logprobs_close_to_fp32_reference(tiny_model_dir, tmp_path, 
         scored, plain = llm.generate([prompt, prompt[:20]], params, use_tqdm=False)
     assert plain.prompt_logprobs is None and scored.prompt_logprobs[0] is None
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
-    for p in range(1, len(prompt)):
-        entry = scored.prompt_logprobs[p]
-        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]].item()) < 0.1, p
+    targets = torch.tensor(prompt[1:])
+
+    def scored_by_hf(model, device):
+        with torch.no_grad():
+            logits = model.to(device)(torch.tensor([prompt], device=device)).logits[0, :-1].double().cpu()
+        return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+
+    ref = scored_by_hf(hf, "cpu")
+    # bf16 rounds a logprob of -8 by ~0.1 in this model: Hugging Face's own bf16 run measures the allowance
+    hf_error = (scored_by_hf(hf.to(torch.bfloat16), "cuda") - ref).abs()
+    ours = torch.tensor([scored.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]).double()
+    error = (ours - ref).abs()
+    assert error.mean() < 2 * hf_error.mean() + 0.01 and error.max() < 2 * hf_error.max() + 0.05, (error, hf_error)
 
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])

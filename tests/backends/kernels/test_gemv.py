@@ -188,6 +188,9 @@ def test_add_norm_linear_op_one_row_and_beyond_eager_and_compiled(monkeypatch, d
     def op(x, residual, cos, sin):
         return torch.ops.kiln.add_norm_linear(x, residual, norm_weight, eps, weight, bias, epilogue, cos, sin, rot_rows)
 
+    # each case's `op` closes over new weights, a recompile of the same code: without a reset, the cases past
+    # Dynamo's recompile limit (8) would fail with fullgraph
+    torch._dynamo.reset()
     compiled = torch.compile(op, fullgraph=True, dynamic=True)
     for rows in (3, 1, 5, 1):
         x, residual = (torch.randn(rows, k, device=DEVICE, dtype=dtype) for _ in range(2))
