@@ -31,7 +31,7 @@ class Environment:
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> Environment:
         return cls(
-            api_key=environ.get("KILN_API_KEY") or None,
+            api_key=environ.get("KILN_API_KEY"),  # (set but empty is kept: `kiln serve` refuses it)
             cache_dir=Path(environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"),
             compile_cache=environ.get("KILN_DISABLE_COMPILE_CACHE", "0") in ("", "0"),
             pdl=environ.get("KILN_PDL", "1") != "0",

@@ -152,11 +152,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kiln.engine.serving.api_server import serve  # noqa: PLC0415
 
-    config = engine_config_from_args(args)
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"api_key"}
     settings = {k: v for k, v in vars(args).items() if k in names}
-    # an empty --api-key is none given: KILN_API_KEY then applies (and neither may come with --api-keys-file)
-    server = ServerConfig(api_key=args.api_key or environment.ENV.api_key, **settings)
+    # an empty key is most often a variable that was never set (`--api-key "$KEY"`): serving with no auth then would
+    # be a surprise, so it is refused
+    given, source = (
+        (args.api_key, "--api-key") if args.api_key is not None else (environment.ENV.api_key, "KILN_API_KEY")
+    )
+    if given is not None and not given.strip():
+        raise ValueError(
+            f"{source} is empty (an unset variable?): give the key, or leave {source} out to serve with no auth"
+        )
+    server = ServerConfig(api_key=given, **settings)
+    config = engine_config_from_args(args)
     return asyncio.run(serve(config, server))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,22 @@ class _Sequence:
     text: TextStream | None  # only when stop strings need the text as it grows
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _sampling_params(params) -> SamplingParams:
+    """A SamplingParams, or a dict of its fields (as some callers pass them)."""
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        unknown = sorted(set(params) - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        return SamplingParams(**params)
+    raise TypeError(f"sampling_params must be a SamplingParams or a dict of its fields, not {type(params).__name__}")
 
 
 class LLM:
@@ -75,19 +92,20 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, dict)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        sampling_params = [_sampling_params(p) for p in sampling_params]
 
         results: list[RequestOutput] = []
         sequences: dict[str, tuple[RequestOutput, _Sequence]] = {}
@@ -104,8 +122,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, sequences: dict) -> RequestOutput:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, token_ids = None, list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
+            text, token_ids = None, [int(t) for t in prompt]  # (numpy's integers too)
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if params.structured_output is not None:

@@ -141,8 +141,35 @@ def decode(frame: bytes) -> Any:
                 if any(len(item) > len(_FIELDS[item_cls]) for item in body[key]):
                     raise ProtocolError(f"too many fields in an item of {name}.{key}")
                 body[key] = [item_cls(*item) for item in body[key]]
-        return cls(**body)
+        message = cls(**body)
     except ProtocolError:
         raise
     except Exception as e:  # msgpack errors, bad shapes, unknown names: all just "not a message"
         raise ProtocolError(f"not a Kiln message: {type(e).__name__}") from None
+    if (problem := _INPUT_CHECKS.get(cls, lambda _: None)(message)) is not None:
+        raise ProtocolError(f"a malformed {name}: {problem}")
+    return message
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _add_request_problem(m: AddRequest) -> str | None:
+    if not isinstance(m.request_id, str):
+        return "request_id is not a string"
+    if not isinstance(m.prompt_token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in m.prompt_token_ids
+    ):
+        return "prompt_token_ids is not a list of integers"
+    if not isinstance(m.params, dict) or not all(isinstance(k, str) for k in m.params):
+        return "params is not a dict of named fields"
+    return None
+
+
+# What the engine core's input socket takes is checked field by field (the engine acts on it); the other messages
+# come from the engine core itself
+_INPUT_CHECKS = {
+    AddRequest: _add_request_problem,
+    AbortRequests: lambda m: None if _is_str_list(m.request_ids) else "request_ids is not a list of strings",
+}

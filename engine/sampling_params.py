@@ -7,6 +7,7 @@ server turns that message into an HTTP 400 as is.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -22,6 +23,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_STOP_TOKEN_IDS = 1024
+MIN_REPETITION_PENALTY = 0.001
 # Counts and token ids: what the wire (msgpack carries 64 bits) and the sampler's int32 tensors both hold.
 MAX_INT = 2**31 - 1
 # torch.Generator.manual_seed accepts exactly this range.
@@ -177,8 +179,13 @@ class SamplingParams:
             "frequency_penalty": _check_float(
                 "frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a float in [-2, 2]"
             ),
+            # (past these, a penalty scales logits to infinity: NaN probabilities, every completion over at once)
             "repetition_penalty": _check_float(
-                "repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite float > 0"
+                "repetition_penalty",
+                self.repetition_penalty,
+                MIN_REPETITION_PENALTY,
+                1 / MIN_REPETITION_PENALTY,
+                f"a float in [{MIN_REPETITION_PENALTY:g}, {1 / MIN_REPETITION_PENALTY:g}]",
             ),
             "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
@@ -191,8 +198,6 @@ class SamplingParams:
         }
         if checked["top_p"] == 0.0:
             _fail("top_p", self.top_p, "a float in (0, 1]")
-        if checked["repetition_penalty"] == 0.0:
-            _fail("repetition_penalty", self.repetition_penalty, "a finite float > 0")
         if self.seed is not None:
             checked["seed"] = _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
         if self.max_tokens is not None:
@@ -284,6 +289,11 @@ class SamplingParams:
         if self.is_greedy:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` to look a sampled token up in (the scheduler does, for every token)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

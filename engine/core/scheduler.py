@@ -215,7 +215,7 @@ class Scheduler:
         if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:

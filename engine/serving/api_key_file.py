@@ -86,6 +86,8 @@ def parse_keys(data: Any, source: str = "the API keys file") -> list[KeyEntry]:
         name = item.get("name")
         if not isinstance(name, str) or not name.strip():
             raise KeyFileError(f"{where} needs a non-empty string 'name'")
+        if not name.isprintable():  # a name goes into logs and /metrics labels: a newline there would forge lines
+            raise KeyFileError(f"{where}: the name {name!r} holds a control character (a newline, a tab, ...)")
         where = f"{where} ({name!r})"
         if extra := sorted(set(item) - {"name", "sha256", *LIMITS}):
             raise KeyFileError(f"{where}: unknown field(s) {', '.join(extra)}; limits are {', '.join(LIMITS)}")

@@ -100,7 +100,10 @@ async def auth_middleware(request: web.Request, handler):
     path = posixpath.normpath("/" + request.path.lstrip("/"))  # `//v1/x` and `/v1/../v1/x` are `/v1/x`
     if path in OPEN_PATHS:
         return await handler(request)
-    given = request.headers.get("Authorization", "")
+    given = request.headers.getall("Authorization", [""])
+    if len(given) > 1:  # which one a proxy in front checked is not known
+        raise APIError(400, "the request has more than one Authorization header")
+    given = given[0]
     if keys is not None:
         request[KEY] = keys.authenticate(given)
         valid = request[KEY] is not None

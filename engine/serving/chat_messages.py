@@ -8,6 +8,8 @@ from typing import Any
 
 from kiln.engine.serving.api_errors import APIError, check_field
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's ("function": its old tool role)
+
 
 def chat_message(m: Any, i: int) -> dict[str, Any]:
     """A message as chat templates take it: its content a string (text parts joined by newlines), an assistant's
@@ -15,6 +17,8 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(400, f"{where} needs a string 'role'", "messages")
+    if m["role"] not in ROLES:  # a template writes the role into the prompt as is: a made-up one could forge turns
+        raise APIError(400, f"{where}: 'role' must be one of {', '.join(ROLES)}", "messages")
     content = m.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):

@@ -130,6 +130,21 @@ def test_bad_requests_raise_and_leave_engine_clean(llm):
     assert free == llm.engine.num_kv_blocks - 1
 
 
+def test_dict_params_and_numpy_token_ids(llm):
+    """Sampling params as a dict of their fields, token ids as numpy integers: the same as the plain forms."""
+    np = pytest.importorskip("numpy")
+    plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    ids = list(np.array([5, 6, 7], dtype=np.int64))
+    for prompts in ([ids], ids, tuple(ids)):
+        (out,) = llm.generate(prompts, {"temperature": 0, "max_tokens": 3, "ignore_eos": True}, use_tqdm=False)
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="unknown sampling parameter.*max_token"):
+        llm.generate([[1, 2]], {"max_token": 3})
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        llm.generate([[1, 2]], [3])
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_n_with_the_largest_seed_wraps_like_the_server(llm):
     """Child j of n draws with seed (seed + j) mod 2**64, the range a torch.Generator takes."""
     params = dict(temperature=1.0, max_tokens=6, ignore_eos=True)

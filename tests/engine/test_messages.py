@@ -43,6 +43,14 @@ FOREIGN = [
         ["EngineOutputs", {"outputs": [["r1", [5], None, None, None, 0, None, "extra"]]}]
     ),  # an item too long
     msgpack.packb(["EngineOutputs", {"outputs": [{"request_id": "r1"}]}]),  # an item that is not a list
+    # what the engine core's input takes, in the wrong shapes: each would have raised inside the engine's loop
+    msgpack.packb(["AbortRequests", {"request_ids": 5}]),
+    msgpack.packb(["AbortRequests", {"request_ids": [["r1"]]}]),
+    msgpack.packb(["AddRequest", {"request_id": 7, "prompt_token_ids": [1], "params": {}}]),
+    msgpack.packb(["AddRequest", {"request_id": "r", "prompt_token_ids": "abc", "params": {}}]),
+    msgpack.packb(["AddRequest", {"request_id": "r", "prompt_token_ids": [1, True], "params": {}}]),
+    msgpack.packb(["AddRequest", {"request_id": "r", "prompt_token_ids": [1], "params": [1]}]),
+    msgpack.packb(["AddRequest", {"request_id": "r", "prompt_token_ids": [1]}]),  # a field missing
 ]
 
 

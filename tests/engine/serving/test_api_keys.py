@@ -131,6 +131,12 @@ BAD_FILES = [
         toml_keys({"name": "a", "sha256": sha(ALICE)}, {"name": "b", "sha256": sha(ALICE)}),
         "keys[1] ('b'): the same key (sha256) is listed twice",
     ),
+    # a name goes into logs and /metrics: a newline in it would write a forged line there
+    (
+        "keys.json",
+        json.dumps({"keys": [{"name": "a\nINFO kiln: all good", "sha256": sha(ALICE)}]}),
+        "holds a control character",
+    ),
 ]
 
 
@@ -155,11 +161,17 @@ def test_cli_rejects_both_kinds_of_key_and_a_bad_file_before_starting(tmp_path, 
     assert cli_main(["serve", "--api-keys-file", str(tmp_path / "bad.toml")]) == 2
     assert "'max_tokens' must be a positive integer, got -1" in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no engine was started
-    # KILN_API_KEY is a key too (an empty --api-key is none given)
+    # KILN_API_KEY is a key too
     monkeypatch.setattr(environment, "ENV", dataclasses.replace(environment.ENV, api_key="from-the-environment"))
-    for given in ([], ["--api-key", ""]):
-        assert cli_main(["serve", *given, "--api-keys-file", str(tmp_path / "keys.toml")]) == 2
-        assert "not both" in capsys.readouterr().err
+    assert cli_main(["serve", "--api-keys-file", str(tmp_path / "keys.toml")]) == 2
+    assert "not both" in capsys.readouterr().err
+    # an empty key (an unset variable) is refused, not a server without auth
+    assert cli_main(["serve", "--api-key", " ", "--api-keys-file", str(tmp_path / "keys.toml")]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
+    monkeypatch.setattr(environment, "ENV", dataclasses.replace(environment.ENV, api_key=""))
+    start = time.monotonic()
+    assert cli_main(["serve", "llama-3.2-1b"]) == 2
+    assert "KILN_API_KEY is empty" in capsys.readouterr().err and time.monotonic() - start < 5
 
 
 # ---- admission on a fake clock ---------------------------------------------------------------------------

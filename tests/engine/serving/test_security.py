@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 import zmq
 
@@ -124,6 +125,10 @@ def test_engine_socket_rejects_pickle_and_ipc_dir_is_private(server, ipc_parent,
     push.connect(f"ipc://{ipc_dir}/input")
     push.send(pickle.dumps(Payload()))
     push.send(pickle.dumps(Payload(), protocol=0))
+    # our messages in shapes the engine would have choked on: dropped with a warning, the engine goes on
+    push.send(msgpack.packb(["AbortRequests", {"request_ids": 5}]))
+    push.send(msgpack.packb(["AddRequest", {"request_id": ["x"], "prompt_token_ids": [1], "params": {}}]))
+    push.send(msgpack.packb(["AddRequest", {"request_id": "x", "prompt_token_ids": [1], "params": {"n": "many"}}]))
     push.close(linger=1000)
     context.term()
     time.sleep(1.0)
