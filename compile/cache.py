@@ -128,10 +128,21 @@ class CompileCache:
         self.key = hashlib.sha256(blob.encode()).hexdigest()[:20]
         self.enabled = root is not None and environment.ENV.compile_cache
         self.directory = Path(root) / self.key if root is not None else None
+        self.writable = self.enabled  # a read-only cache (a shared or mounted warm one) is read, never written
         if self.enabled:
-            (self.directory / "pieces").mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.directory / "key.json", json.dumps(key_inputs, indent=1, default=str).encode())
             logger.info("compile cache %s (key inputs: %s)", self.directory, blob)
+            key_json = json.dumps(key_inputs, indent=1, default=str).encode()
+            try:
+                (self.directory / "pieces").mkdir(parents=True, exist_ok=True)
+                if _read_bytes(self.directory / "key.json") != key_json:  # (a warm cache's is left as it is)
+                    atomic_write_bytes(self.directory / "key.json", key_json)
+            except OSError as e:
+                self.writable = False
+                if (self.directory / "pieces").is_dir():
+                    logger.warning("compile cache %s is not writable (%s): read only", self.directory, e)
+                else:
+                    logger.warning("compile cache %s cannot be used (%s): running without it", self.directory, e)
+                    self.enabled = False
 
     def piece_path(self, piece_hash: str) -> Path | None:
         return self.directory / "pieces" / f"{piece_hash}.bin" if self.enabled else None
@@ -150,20 +161,33 @@ class CompileCache:
 
     def save(self, piece_hash: str, artifact) -> None:
         path = self.piece_path(piece_hash)
-        if path is None:
+        if path is None or not self.writable:
             return
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        except OSError as e:
+            return self._not_writable(e)
         os.close(fd)
         try:
             artifact.save(path=tmp, format="binary")
             os.replace(tmp, path)
+        except OSError as e:  # (a full disk, a folder made read-only meanwhile)
+            self._not_writable(e)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def write_text(self, name: str, text: str) -> None:
-        if self.enabled:
-            atomic_write_bytes(self.directory / name, text.encode())
+        if self.enabled and self.writable:
+            try:
+                atomic_write_bytes(self.directory / name, text.encode())
+            except OSError as e:
+                self._not_writable(e)
+
+    def _not_writable(self, error: OSError) -> None:
+        """What is compiled from here on is not kept; the run goes on (a cache only saves time)."""
+        logger.warning("compile cache %s: cannot write (%s); nothing more is kept this run", self.directory, error)
+        self.writable = False
 
     def read_json(self, name: str) -> Any:
         """The JSON file `name` of this key's folder, or None if absent, unreadable or the cache is disabled."""
@@ -203,6 +227,13 @@ class JsonFolder:
             atomic_write_bytes(path, json.dumps(value, indent=1).encode())
         except OSError as e:
             logger.warning("%s not kept (%s)", path, e)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -64,6 +64,12 @@ class Shutdown:
 
 
 @dataclass
+class Alive:
+    """The engine core's heartbeat, sent each second by a thread of its own whatever its step is doing: only a
+    process that has stopped altogether (SIGSTOP, a deadlock holding the interpreter) goes quiet."""
+
+
+@dataclass
 class Ready:
     max_model_len: int
     vocab_size: int
@@ -104,7 +110,17 @@ class EngineOutputs:
     stats: dict[str, float] = field(default_factory=dict)  # running, waiting, kv usage, prefix hit rate, ...
 
 
-_MESSAGES = (AddRequest, AbortRequests, Shutdown, Ready, StartupFailed, EngineCoreOutput, RequestFailed, EngineOutputs)
+_MESSAGES = (
+    AddRequest,
+    AbortRequests,
+    Shutdown,
+    Alive,
+    Ready,
+    StartupFailed,
+    EngineCoreOutput,
+    RequestFailed,
+    EngineOutputs,
+)
 _TYPES = {cls.__name__: cls for cls in _MESSAGES}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()}
 # Lists of messages inside a message travel as lists of field values (no names): an engine step's outputs

@@ -10,6 +10,7 @@ and writes its `messages.EngineCoreArgs` to its standard input: the two processe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -61,12 +62,32 @@ def main() -> None:
         _stats(core),
     )
     outputs.put(ready)
+    threading.Thread(target=_heartbeat, args=(outputs,), daemon=True).start()
     try:
         _busy_loop(core, inputs, outputs, args.parent_pid)
     finally:
         core.close()  # tensor-parallel workers
     outputs.put(None)
+    output_thread.join(timeout=5)
+    if os.getppid() != args.parent_pid:  # the server died without cleaning up: its IPC folder would stay behind
+        _remove_ipc_folder(args.input_address, args.output_address)
     logger.info("engine core stopped")
+
+
+def _heartbeat(outputs: queue.Queue) -> None:
+    """A word each second however long a step takes (the server's watchdog waits for one)."""
+    while True:
+        time.sleep(1.0)
+        outputs.put(messages.Alive())
+
+
+def _remove_ipc_folder(*addresses: str) -> None:
+    paths = [address.removeprefix("ipc://") for address in addresses]
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(paths[0]))
 
 
 def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int) -> None:
@@ -93,8 +114,7 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, pare
         # NOTE: a dead tensor-parallel worker raises out of here: the process exits and the server sees it die
         step = core.step(isolate_failures=True)
         step.failed = failed + step.failed
-        # An abort alone changes what /metrics shows; and a long prefill with nothing to emit still
-        # sends a word each second, so the server never mistakes a busy engine for a stuck one.
+        # An abort alone changes what /metrics shows, and the stats are sent at least each second between steps
         if step.outputs or step.failed or handled or time.monotonic() - last_sent > 1.0:
             step.stats = _stats(core)
             outputs.put(step)

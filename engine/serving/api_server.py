@@ -10,12 +10,14 @@ and GET /metrics (always open). With `--api-keys-file` the keys and their limits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import posixpath
 import re
 import signal
+import socket
 import zlib
 from typing import Any
 
@@ -122,7 +124,7 @@ async def auth_middleware(request: web.Request, handler):
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if not state.client.alive:
-        return web.json_response({"status": "engine dead"}, status=503)
+        return web.json_response({"status": "engine dead", "reason": state.client.death}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok"})
@@ -130,7 +132,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body, content_type = state.metrics.render(state.client.stats)
+    body, content_type = state.metrics.render(state.client.stats, state.client.alive)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -303,14 +305,45 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         logger.info("API keys: %d loaded from %s", len(keys), server.api_keys_file)
     tokenizer_path = tokenizer_dir(config.model, config.tokenizer)
     defaults = generation_defaults(model_dir(config.model)) if config.generation_config == "auto" else {}
+    check_port_free(server.host, server.port)  # (a port in use is said now, not after minutes of start-up)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     client = AsyncEngineClient(config, server.engine_timeout)
-    ready = await client.start()
+    starting, stopping = asyncio.ensure_future(client.start()), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # SIGTERM while the engine starts: it is stopped too (`start` kills it when cancelled)
+        logger.info("stopped during the engine's start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    stopping.cancel()
+    ready = starting.result()
     try:
-        # with the class the engine core resolved it to (as transformers' AutoTokenizer would, which imports torch)
-        tokenizer = load_tokenizer(tokenizer_path, ready.tokenizer_class)
-    except BaseException:
+        return await _serve_ready(config, server, client, ready, keys, server_metrics, tokenizer_path, defaults, stop)
+    finally:
         await client.shutdown()
-        raise
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError (a line at start-up) unless `host:port` can be listened on."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket will be
+            probe.bind(address)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise ValueError(f"cannot listen on {host}:{port} ({reason}); another server there? choose --port") from None
+
+
+async def _serve_ready(config, server, client, ready, keys, server_metrics, tokenizer_path, defaults, stop) -> int:
+    """Serve with the engine up until `stop`, then drain; the caller stops the engine after."""
+    name = server.served_model_name or config.model
+    loop = asyncio.get_running_loop()
+    # with the class the engine core resolved it to (as transformers' AutoTokenizer would, which imports torch)
+    tokenizer = load_tokenizer(tokenizer_path, ready.tokenizer_class)
     if defaults:
         logger.info(
             "sampling defaults from the model's generation_config.json (--generation-config vllm: none): %s", defaults
@@ -332,13 +365,14 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
     runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # taken while the engine started
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {server.host}:{server.port} ({e.strerror or e}); choose --port") from None
     logger.info("serving %s on http://%s:%d (engine ready: %s)", name, server.host, server.port, ready.startup_stats)
     print(f"kiln: serving {name} on http://{server.host}:{server.port}", flush=True)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()  # NOTE: a dead engine does not stop the server: /health says 503 and requests fail fast
     state.draining = True  # new requests get 503 from here on
     deadline = loop.time() + server.shutdown_timeout
@@ -351,7 +385,6 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         while state.in_flight and loop.time() < grace:
             await asyncio.sleep(0.02)
     await runner.cleanup()
-    await client.shutdown()
     state.pool.shutdown(wait=False)
     logger.info("server stopped")
     return 0

@@ -65,9 +65,10 @@ class Inbox:
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, engine_timeout: float = 60.0) -> None:
         self.config = config
-        # NOTE: the engine sends something at least every second (outputs, or an idle heartbeat); this
-        # long without a word while requests wait means it is stuck (e.g. SIGSTOP, a hung kernel).
+        # NOTE: the engine core's heartbeat thread sends a word each second, however long its step; this long
+        # without one means the process has stopped (e.g. SIGSTOP)
         self.engine_timeout = engine_timeout
+        self.death: str | None = None  # why the engine is gone, once it is (for /health)
         self.last_heard = 0.0
         self.queues: dict[str, Inbox] = {}
         self.alive = False
@@ -149,6 +150,8 @@ class AsyncEngineClient:
             except messages.ProtocolError as e:
                 logger.warning("dropped a frame from the engine: %s", e)
                 continue
+            if isinstance(message, messages.Alive):
+                self.last_heard = asyncio.get_running_loop().time()
             if not isinstance(message, messages.EngineOutputs):
                 continue
             self.last_heard = asyncio.get_running_loop().time()
@@ -166,6 +169,7 @@ class AsyncEngineClient:
             await asyncio.sleep(min(1.0, self.engine_timeout / 4))
             if loop.time() - self.last_heard > self.engine_timeout:
                 logger.error("the engine core has not answered for %.0f s; killing it", self.engine_timeout)
+                self.death = f"the engine core stopped answering for {self.engine_timeout:g} s and was killed"
                 self.process.kill()  # its wait then fails every open request
                 return
 
@@ -173,7 +177,12 @@ class AsyncEngineClient:
         if not self.alive:
             return
         self.alive = False
+        self.stats = {}  # its last gauges are no longer true: /metrics shows an empty engine
         logger.error("the engine core process exited (code %s)", self.process.returncode)
+        if self.death is None:
+            code = self.process.returncode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            self.death = f"the engine core process {how}"
         for q in self.queues.values():
             q.put(EngineDeadError("the engine core process died"))
 

@@ -22,6 +22,7 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"kiln_{name}", doc, labels, registry=r)
 
+        self.engine_alive = gauge("engine_alive", "1 while the engine core runs; 0 once it has died")
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
@@ -70,8 +71,9 @@ class ServerMetrics:
             if choice.first_token_time is not None:
                 self.ttft.labels(self.model).observe(max(0.0, choice.first_token_time - choice.start_time))
 
-    def render(self, stats: dict[str, float]) -> tuple[bytes, str]:
+    def render(self, stats: dict[str, float], engine_alive: bool = True) -> tuple[bytes, str]:
         m = self.model
+        self.engine_alive.labels(m).set(int(engine_alive))
         self.running.labels(m).set(stats.get("running", 0))
         self.waiting.labels(m).set(stats.get("waiting", 0))
         self.kv_usage.labels(m).set(stats.get("kv_usage", 0.0))

@@ -4,16 +4,20 @@ and no compilation after start-up."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
 from kiln.backends import environment
 from kiln.backends.attention.op import attend
+from kiln.compile import cache as cache_module
 from kiln.compile.backend import CompiledPiece
 from kiln.engine import LLM, SamplingParams
 
@@ -200,6 +204,38 @@ def test_cache_can_be_disabled(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(environment, "ENV", dataclasses.replace(environment.ENV, compile_cache=False))
     llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(tmp_path / "cache"))
     assert llm.engine.startup_stats["cache_hits"] == 0 and not (tmp_path / "cache").exists()
+
+
+def test_a_read_only_or_unusable_cache_folder_is_a_warning(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """A warm cache that cannot be written (a read-only mount: every write fails as one does there) is used as it
+    is; a folder that cannot be made at all (under a file) is a warning and a run without the cache."""
+    cache = tmp_path / "cache"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def start(root) -> tuple[dict, list]:
+        llm = LLM(str(tiny_llama_dir), max_model_len=128, compile_cache_dir=str(root))
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.close()
+        return llm.engine.startup_stats, out
+
+    cold, want = start(cache)
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(cache_module, "atomic_write_bytes", read_only)
+    monkeypatch.setattr(cache_module, "tempfile", types.SimpleNamespace(mkstemp=read_only))
+    warm, got = start(cache)
+    assert warm["inductor_compiles"] == 0 and warm["cache_hits"] == cold["unique_pieces"] and got == want
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before  # (key.json too: it was not rewritten)
+    monkeypatch.undo()
+
+    (tmp_path / "a-file").write_text("")
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        stats, got = start(tmp_path / "a-file" / "cache")
+    assert stats["compile_cache_dir"] is None and stats["inductor_compiles"] > 0 and got == want
+    assert "cannot be used" in caplog.text and "running without it" in caplog.text
 
 
 def test_each_gpu_has_its_own_cache_key(monkeypatch):

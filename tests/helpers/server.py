@@ -34,7 +34,8 @@ def free_port() -> int:
 
 class Server:
     """`kiln serve MODEL_DIR --enforce-eager --max-model-len 128` on a free port, started and healthy. `fault_token`: a
-    step of the engine core fails when a prompt holds this token id (`fault_injection/sitecustomize.py`)."""
+    step of the engine core fails when a prompt holds this token id; `slow_token`: such a step first sleeps
+    (TEST_SLOW_SECONDS in `env`, default 5) (`fault_injection/sitecustomize.py`)."""
 
     def __init__(
         self,
@@ -43,12 +44,16 @@ class Server:
         auth: tuple[str, ...] = ("--api-key", API_KEY),
         env: dict[str, str] | None = None,
         fault_token: int | None = None,
+        slow_token: int | None = None,
     ) -> None:
         env = dict(env or {})
-        if fault_token is not None:
+        if fault_token is not None or slow_token is not None:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = str(FAULT_INJECTION) + (os.pathsep + path if path else "")
+        if fault_token is not None:
             env["TEST_FAULT_TOKEN"] = str(fault_token)
+        if slow_token is not None:
+            env["TEST_SLOW_TOKEN"] = str(slow_token)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)

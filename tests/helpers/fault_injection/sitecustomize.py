@@ -1,6 +1,7 @@
 """Test-only fault injection for processes the tests cannot monkeypatch (a server's engine core): with
 TEST_FAULT_TOKEN=N set and this folder on PYTHONPATH (`helpers.server.Server(fault_token=N)`), Python loads this
-module at start-up in every process, and a model-runner step fails when a request's prompt holds token id N.
+module at start-up in every process, and a model-runner step fails when a request's prompt holds token id N; with
+TEST_SLOW_TOKEN=M (`slow_token=M`), a step holding token id M first sleeps TEST_SLOW_SECONDS (a long prefill).
 
 The patch is made when `kiln.engine.worker.model_runner` is first imported (never before: the API-server process,
 which never imports it, stays as it is)."""
@@ -11,6 +12,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 
 TARGET = "kiln.engine.worker.model_runner"
 
@@ -26,8 +28,23 @@ def failing_launch(launch, token: int):
     return launch_or_fail
 
 
+def slow_launch(launch, token: int, seconds: float):
+    """`ModelRunner.launch`, sleeping `seconds` first in a step where a request's prompt holds `token`."""
+
+    def launch_slowly(self, batch):
+        if any(token in request.prompt_token_ids for request in batch.requests):
+            time.sleep(seconds)
+        return launch(self, batch)
+
+    return launch_slowly
+
+
 def _patch(module) -> None:
-    module.ModelRunner.launch = failing_launch(module.ModelRunner.launch, int(os.environ["TEST_FAULT_TOKEN"]))
+    if os.environ.get("TEST_FAULT_TOKEN"):
+        module.ModelRunner.launch = failing_launch(module.ModelRunner.launch, int(os.environ["TEST_FAULT_TOKEN"]))
+    if os.environ.get("TEST_SLOW_TOKEN"):
+        seconds = float(os.environ.get("TEST_SLOW_SECONDS", "5"))
+        module.ModelRunner.launch = slow_launch(module.ModelRunner.launch, int(os.environ["TEST_SLOW_TOKEN"]), seconds)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -46,5 +63,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("TEST_FAULT_TOKEN"):
+if os.environ.get("TEST_FAULT_TOKEN") or os.environ.get("TEST_SLOW_TOKEN"):
     sys.meta_path.insert(0, _PatchOnImport())
