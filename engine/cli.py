@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         help="requests admitted beyond --max-num-seqs; more get 503 at once (default: no limit)",
     )
     srv.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=d.max_sequences_per_request,
+        help="the most sequences (prompts x n) one request may ask for; more is a 400",
+    )
+    srv.add_argument(
         "--engine-timeout",
         type=float,
         default=d.engine_timeout,

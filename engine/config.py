@@ -109,6 +109,7 @@ class ServerConfig:
     served_model_name: str | None = None  # the model name clients use (default: the model argument)
     shutdown_timeout: float = 30.0  # seconds to drain in-flight requests after SIGTERM
     max_num_queued_requests: int | None = None  # requests admitted beyond max_num_seqs; more get 503 (None: no limit)
+    max_sequences_per_request: int = 256  # prompts x n in one request; more is a 400 before any work
     engine_timeout: float = 60.0  # seconds without a word from the engine core before it is declared stuck and killed
     stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (and tools without a tool_choice): needs a parser
@@ -126,6 +127,8 @@ class ServerConfig:
             raise ValueError(
                 f"unknown --reasoning-parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}"
             )
+        if not isinstance(self.max_sequences_per_request, int) or self.max_sequences_per_request < 1:
+            raise ValueError(f"--max-sequences-per-request must be at least 1, got {self.max_sequences_per_request}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

@@ -6,9 +6,10 @@ usage.
 
 Limits are token buckets refilled continuously: a limit of R per minute holds up to R and gains
 R/60 each second. A request is admitted only when every limit allows it, and then takes from all of
-them at once (a rejected request takes nothing). Prompt tokens are charged at admission, generated
-tokens as they arrive, so a long generation may drive the token bucket below zero and the key's next
-request waits for the refill.
+them at once (a rejected request takes nothing). Every sequence counts (prompts x n): the token bucket must
+hold the prompt tokens of every sequence and, as OpenAI counts it, max_tokens for each, before a request is
+admitted. Prompt tokens are charged at admission, generated tokens as they arrive, so a generation with no
+max_tokens may drive the bucket below zero and the key's next request waits for the refill.
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ class KeyState:
                 self.reject("max_tokens")
                 raise APIError(400, f"{e} (this API key's max_tokens cap is {cap})", "min_tokens") from None
 
-    def check_seat(self, num_prompt_tokens: int | None = None) -> None:
-        """Raise (401, 400 or 429) unless a request with this many prompt tokens may go now; takes nothing. The
-        API calls it before tokenizing (None: all but the token bucket, so a key at its limits costs the shared
-        tokenizer pool nothing), and `admit` again with the prompt's tokens."""
+    def check_seat(self, num_prompt_tokens: int | None = None, num_completion_tokens: int = 0) -> None:
+        """Raise (401, 400 or 429) unless a request with this many prompt tokens (and at most this many completion
+        tokens) may go now; takes nothing. The API calls it before tokenizing (None: all but the token bucket, so a
+        key at its limits costs the shared tokenizer pool nothing), and `admit` again with the tokens."""
         if self.revoked:
             raise invalid_key_error()
         limits = self.limits
@@ -181,14 +182,18 @@ class KeyState:
         if self.requests_bucket is not None:
             waits["requests_per_minute"] = self.requests_bucket.wait_for(1)
         if self.tokens_bucket is not None and num_prompt_tokens is not None:
-            waits["tokens_per_minute"] = self.tokens_bucket.wait_for(num_prompt_tokens)
+            needed = num_prompt_tokens + num_completion_tokens
+            waits["tokens_per_minute"] = self.tokens_bucket.wait_for(needed)
             if math.isinf(waits["tokens_per_minute"]):
                 self.reject("tokens_per_minute")
+                asked = f"{num_prompt_tokens} prompt tokens"
+                if num_completion_tokens:
+                    asked += f" and up to {num_completion_tokens} completion tokens (max_tokens for every sequence)"
                 raise APIError(
                     400,
-                    f"the prompt's {num_prompt_tokens} tokens are more than this API key's "
-                    f"tokens_per_minute ({limits.tokens_per_minute}); no wait will admit it",
-                    "prompt",
+                    f"this request's {asked} are more than this API key's tokens_per_minute "
+                    f"({limits.tokens_per_minute}); no wait will admit it",
+                    "max_tokens" if num_completion_tokens > num_prompt_tokens else "prompt",
                     code="request_too_large",
                 )
         reason, wait = max(waits.items(), key=lambda kv: kv[1], default=("", 0.0))
@@ -201,9 +206,10 @@ class KeyState:
                 f"rate limit reached for this API key: {reason} = {limit}; try again in {seconds} s", kind, seconds
             )
 
-    def admit(self, num_prompt_tokens: int) -> None:
-        """Admit one request with this many prompt tokens, or raise (401, 400 or 429) and take nothing."""
-        self.check_seat(num_prompt_tokens)
+    def admit(self, num_prompt_tokens: int, num_completion_tokens: int = 0) -> None:
+        """Admit one request with this many prompt tokens (all its sequences') and at most this many completion
+        tokens, or raise (401, 400 or 429) and take nothing. Only the prompt tokens are taken now."""
+        self.check_seat(num_prompt_tokens, num_completion_tokens)
         if self.requests_bucket is not None:
             self.requests_bucket.take(1)
         self.in_flight += 1

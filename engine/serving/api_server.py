@@ -21,7 +21,7 @@ import socket
 import zlib
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from kiln.engine.config import EngineConfig, ServerConfig
 from kiln.engine.models.model_dir import generation_defaults, model_dir
@@ -29,6 +29,7 @@ from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
 from kiln.engine.serving.completion import (
     ServerState,
     check_model,
+    check_sequences,
     check_structured_output,
     encode_chat,
     encode_prompt,
@@ -116,6 +117,41 @@ async def auth_middleware(request: web.Request, handler):
     if not valid:
         return error_response(invalid_key_error())
     return await handler(request)
+
+
+class _JsonErrors(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering what it refuses before any route sees the request (a header past
+    its limit, a malformed request line or chunked body) with an OpenAI error object instead of text/plain."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        super().handle_error(request, status, exc, message)  # (its log; it raises once a response has begun)
+        if status >= 500:
+            error = APIError(status, "internal server error", type_="internal_error")
+        else:
+            reason = getattr(exc, "message", None) or message or "a malformed HTTP request"
+            error = APIError(status, f"the HTTP request is malformed: {str(reason)[:200]}")
+        response = error_response(error)
+        response.force_close()
+        return response
+
+
+class _JsonErrorsServer(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrors(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """The app's runner, with connections handled by `_JsonErrors`."""
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()
+        return _JsonErrorsServer(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            loop=made._loop,
+            **made._kwargs,
+        )
 
 
 # ---- simple routes -------------------------------------------------------------------------------------
@@ -208,7 +244,27 @@ async def read_json(request: web.Request) -> Any:
     return body
 
 
+@contextlib.contextmanager
+def _key_seat(request: web.Request):
+    """The caller's key's request limits (requests per minute, requests in flight) held for a tokenizer route: it
+    drives the tokenizer pool every request shares."""
+    key: KeyState | None = request.get(KEY)
+    if key is None:
+        yield
+        return
+    key.admit(0)
+    try:
+        yield
+    finally:
+        key.release()
+
+
 async def tokenize(request: web.Request) -> web.Response:
+    with _key_seat(request):
+        return await _tokenize(request)
+
+
+async def _tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     body = await read_json(request)
     if isinstance(body, dict) and isinstance(body.get("prompt"), str):
@@ -222,6 +278,11 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
+    with _key_seat(request):
+        return await _detokenize(request)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     body = await read_json(request)
     tokens = body.get("tokens") if isinstance(body, dict) else None
@@ -242,6 +303,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_completion(body, state.sampling_defaults)
     check_model(state, body)
+    check_sequences(state, parsed)
     if key := request.get(KEY):
         key.apply_max_tokens(parsed, body)
         key.check_seat()  # (before tokenizing)
@@ -275,6 +337,7 @@ async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: d
     """A chat request's checks (model, tools, the key's seat and caps) and its rendered prompt's token ids; with the
     key and the parsers its reply is read with. `max_tokens`: what the body asked for, as the key's cap sees it."""
     check_model(state, body)
+    check_sequences(state, parsed)
     parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
     for schema in tool_schema_checks(parsed):
         await check_structured_output(state, schema, "tools")
@@ -357,12 +420,13 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
         server_metrics,
         max_num_seqs=config.max_num_seqs,
         max_num_queued_requests=server.max_num_queued_requests,
+        max_sequences_per_request=server.max_sequences_per_request,
         write_timeout=server.stream_idle_timeout,
         sampling_defaults=defaults,
         auto_tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
         reasoning_parser=server.reasoning_parser,
     )
-    runner = web.AppRunner(build_app(state, keys), handler_cancellation=True, access_log=None, auto_decompress=False)
+    runner = _Runner(build_app(state, keys), handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port)
     try:

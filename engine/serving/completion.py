@@ -46,6 +46,7 @@ class ServerState:
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
     max_num_seqs: int = 256
     max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
+    max_sequences_per_request: int = 256  # prompts x n
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served
     engine_requests: int = 0  # requests (choices) they have in the engine
@@ -134,6 +135,17 @@ def _grammar_problem(constraint: StructuredOutputParams) -> str | None:
     return None
 
 
+def check_sequences(state: ServerState, parsed: ParsedRequest) -> None:
+    """A 400 for a request of more sequences (prompts x n) than the server allows, before any work is done."""
+    limit, n = state.max_sequences_per_request, parsed.params.n
+    count = (1 if parsed.prompts is None else len(parsed.prompts)) * n
+    if count > limit:
+        param = "n" if n > limit else "prompt"
+        raise APIError(
+            400, f"this request asks for {count} sequences (prompts x n); at most {limit} are allowed", param
+        )
+
+
 def check_model(state: ServerState, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != state.served_model_name:
@@ -207,11 +219,12 @@ async def run_request(
                 tools = None if tool_parser is None else ToolCallStream(tool_parser, parsed.parallel_tool_calls)
                 reply = ChatReply(reasoning_parser, tools)
             choices[rid] = Choice(index, rid, ids, text, key=key, reply=reply)
-    if key is not None:
-        key.admit(sum(len(p) for p in prompts))  # 429 here: the engine never sees a rejected request
+    prompt_tokens = sum(len(p) for p in prompts) * params.n  # every sequence's prompt is computed (or cached) anew
+    if key is not None:  # 429 here: the engine never sees a rejected request
+        key.admit(prompt_tokens, len(choices) * (params.max_tokens or 0))
     state.in_flight += 1
     state.engine_requests += len(choices)
-    state.metrics.request_started(sum(len(p) for p in prompts) * params.n)
+    state.metrics.request_started(prompt_tokens)
     start = time.monotonic()
     try:
         for rid, choice in choices.items():

@@ -179,8 +179,6 @@ def parse_completion(body: Any, defaults: dict[str, Any] | None = None) -> Parse
         prompts = list(prompt)
     else:
         raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
-    if len(prompts) > 256:
-        raise APIError(400, "at most 256 prompts per request", "prompt")
     if any(len(p) == 0 for p in prompts):
         raise APIError(400, "the prompt is empty", "prompt")
     logprobs = check_field(body, "logprobs", (int,))

@@ -21,6 +21,8 @@ from kiln.engine.serving.api_keys import retry_after
 from helpers.keys import ALICE, BOB, CAROL, DAVE, ERIN, FRANK, sha, toml_keys, write
 from helpers.server import Server
 
+GRACE = "sk-test-grace-0123456789"
+
 # ---- a real server ----------------------------------------------------------------------------------------
 
 
@@ -30,6 +32,7 @@ LIMITS = {
     "carol": {"sha256": sha(CAROL), "max_concurrent_requests": 2},
     "dave": {"sha256": sha(DAVE)},
     "frank": {"sha256": sha(FRANK), "max_tokens": 8},
+    "grace": {"sha256": sha(GRACE), "requests_per_minute": 2},
 }
 
 
@@ -165,7 +168,7 @@ def test_tokens_per_minute_charged_as_they_stream(gateway):
     engine_before = engine_prompt_tokens(gateway)
     start = time.monotonic()
     stream = bob.completions.create(
-        model=gateway.model, prompt=prompt, max_tokens=450, stream=True, extra_body={"ignore_eos": True}
+        model=gateway.model, prompt=prompt, max_tokens=100, stream=True, extra_body={"ignore_eos": True}
     )
     seen = sum(1 for _ in zip(range(5), stream))
     during = usage(gateway, BOB)  # mid-stream: its tokens so far are charged already
@@ -177,6 +180,7 @@ def test_tokens_per_minute_charged_as_they_stream(gateway):
         time.sleep(0.05)
     charged = usage(gateway, BOB)["usage"]["total_tokens"]
     admitted = [num_prompt]
+    need = num_prompt + 50  # admission waits for the prompt and max_tokens, as OpenAI counts a request
     for _ in range(8):
         lowest = 120 - charged
         try:
@@ -185,22 +189,53 @@ def test_tokens_per_minute_charged_as_they_stream(gateway):
             )
         except openai.RateLimitError as e:
             highest = lowest + 2 * (time.monotonic() - start)
-            assert lowest < num_prompt, "rejected under the limit"
-            retry = int(e.response.headers["Retry-After"])  # the wait for num_prompt tokens, rounded up
-            assert retry_after((num_prompt - highest) / 2) <= retry <= retry_after((num_prompt - lowest) / 2)
+            assert lowest < need, "rejected under the limit"
+            retry = int(e.response.headers["Retry-After"])  # the wait for `need` tokens, rounded up
+            assert retry_after((need - highest) / 2) <= retry <= retry_after((need - lowest) / 2)
             assert e.response.json()["error"]["type"] == "tokens"
             break
-        assert lowest + 2 * (time.monotonic() - start) >= num_prompt, "admitted over the limit"
+        assert lowest + 2 * (time.monotonic() - start) >= need, "admitted over the limit"
         charged += out.usage.total_tokens
         admitted.append(out.usage.prompt_tokens)
     else:
         pytest.fail("never limited")
-    assert len(admitted) >= 2  # the bucket went below zero after admitting a request, then it waited
+    assert len(admitted) >= 2  # admitted while the bucket held a request's worth, then it waited
     out = client(gateway, DAVE).completions.create(model=gateway.model, prompt="hello there", max_tokens=2)
     assert engine_prompt_tokens(gateway) - engine_before == sum(admitted) + out.usage.prompt_tokens
     assert metric(gateway, "kiln_api_key_prompt_tokens_total", key_name="bob") == sum(admitted)
     assert metric(gateway, "kiln_api_key_generation_tokens_total", key_name="bob") == charged - sum(admitted)
     assert usage(gateway, BOB)["usage"]["rejected_requests"] == {"tokens_per_minute": 1}
+
+
+def test_every_sequence_counts_against_the_key(gateway):
+    """A prompt list times n is that many sequences: a request whose sequences' max_tokens alone pass the key's
+    tokens_per_minute is refused whole (it had got 12,800 tokens past a limit of 2,000), and prompt tokens are
+    charged for each of the n copies."""
+    bob = client(gateway, BOB)  # 120 tokens a minute
+    for prompt, n in ((["a b"] * 20, 1), ("a b", 16)):  # 20 x 8 and 16 x 8 completion tokens: past 120 either way
+        with pytest.raises(openai.BadRequestError) as e:
+            bob.completions.create(model=gateway.model, prompt=prompt, n=n, max_tokens=8)
+        error = e.value.response.json()["error"]
+        assert error["code"] == "request_too_large" and error["param"] == "max_tokens", error
+    dave = client(gateway, DAVE)
+    num_prompt = json.loads(gateway.post("/tokenize", {"prompt": "a b c"}, key=DAVE)[1])["count"]
+    before = usage(gateway, DAVE)["usage"]
+    out = dave.completions.create(model=gateway.model, prompt=["a b c", "a b c"], n=3, max_tokens=2)
+    after = usage(gateway, DAVE)["usage"]
+    # (the response's usage counts each prompt once, as OpenAI's does; the key pays for every sequence's)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 6 * num_prompt == 3 * out.usage.prompt_tokens
+    assert after["completion_tokens"] - before["completion_tokens"] == out.usage.completion_tokens
+
+
+def test_tokenizer_routes_obey_the_keys_request_limits(gateway):
+    """/tokenize and /detokenize drive the tokenizer pool every request shares: grace's 2 requests a minute
+    cover them too."""
+    assert gateway.post("/tokenize", {"prompt": "one"}, key=GRACE)[0] == 200
+    assert gateway.post("/detokenize", {"tokens": [5, 6]}, key=GRACE)[0] == 200
+    for path, body in (("/tokenize", {"prompt": "two"}), ("/detokenize", {"tokens": [5]})):
+        code, raw = gateway.post(path, body, key=GRACE)
+        assert code == 429 and json.loads(raw)["error"]["code"] == "rate_limit_exceeded", raw
+    assert usage(gateway, GRACE)["usage"]["rejected_requests"] == {"requests_per_minute": 2}
 
 
 def test_concurrency_cap_under_parallel_streams(gateway):

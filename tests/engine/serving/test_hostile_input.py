@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 import zlib
@@ -117,3 +118,50 @@ def test_two_authorization_headers_are_refused(server):
         assert response.status == 400
         assert "more than one Authorization header" in json.loads(response.read())["error"]["message"]
         connection.close()
+
+
+def raw_request(server, head: bytes, body: bytes = b"") -> tuple[int, bytes, str]:
+    """Bytes on a socket as they are (no client tidies them): status, body and content type."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head + body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    header, _, rest = reply.partition(b"\r\n\r\n")
+    lines = header.decode("latin-1").split("\r\n")
+    content_type = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("content-type")), ""
+    )
+    return int(lines[0].split()[1]), rest, content_type
+
+
+MALFORMED = [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\nContent-Length: 0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"NOT-HTTP\r\n\r\n",
+]
+
+
+@pytest.mark.parametrize("head", MALFORMED, ids=["long-header", "bad-chunk", "long-line", "not-http"])
+def test_what_aiohttp_refuses_is_an_openai_error_too(server, head):
+    status, body, content_type = raw_request(server, head)
+    assert 400 <= status < 500 and content_type.startswith("application/json"), (status, body[:200])
+    assert json.loads(body)["error"]["message"].startswith("the HTTP request is malformed")
+    assert post(server, BODY, None)[0] == 200
+
+
+def test_sequences_per_request_are_bounded_before_any_work(server, tiny_llama_dir):
+    """prompts x n past --max-sequences-per-request (default 256) is a 400 naming the parameter at fault."""
+    code, raw = server.post("/v1/completions", {"prompt": ["hi"] * 256, "n": 2, "max_tokens": 1})
+    assert code == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
+    small = Server(tiny_llama_dir, "--max-sequences-per-request", "4")
+    try:
+        code, raw = small.post("/v1/chat/completions", {"messages": HI, "n": 5, "max_tokens": 1})
+        assert code == 400 and json.loads(raw)["error"]["param"] == "n", raw
+        code, raw = small.post("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1})
+        assert code == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
+        code, raw = small.post("/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        assert code == 200 and len(json.loads(raw)["choices"]) == 4, raw
+    finally:
+        small.stop()
