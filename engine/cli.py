@@ -226,6 +226,30 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a streaming client may leave its stream unread before the request is aborted",
     )
     srv.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive,
+        help="seconds an idle connection stays open, and the most a request's head may take to arrive",
+    )
+    srv.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=d.timeout_request_body,
+        help="seconds a request's body may take to arrive whole; slower is a 408",
+    )
+    srv.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=d.limit_concurrency,
+        help="open connections at most; a new one past it gets a 503 and is closed",
+    )
+    srv.add_argument(
+        "--parse-special-tokens-in-messages",
+        action="store_true",
+        help="read a special token's text in a chat message (e.g. <|im_end|>) as the token; by default it stays "
+        "plain text, so a user cannot open or close turns",
+    )
+    srv.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="let the model decide when to call tools (tool_choice 'auto', the default with tools); needs "

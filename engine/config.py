@@ -112,9 +112,17 @@ class ServerConfig:
     max_sequences_per_request: int = 256  # prompts x n in one request; more is a 400 before any work
     engine_timeout: float = 60.0  # seconds without a word from the engine core before it is declared stuck and killed
     stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
+    # connections: an idle one (before its first request, or between requests) and one whose request head has not
+    # come whole are closed after timeout_keep_alive; a body must arrive whole in timeout_request_body; past
+    # limit_concurrency open connections, a new one gets a 503 (uvicorn's names)
+    timeout_keep_alive: float = 5.0
+    timeout_request_body: float = 30.0
+    limit_concurrency: int = 1024
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (and tools without a tool_choice): needs a parser
     tool_call_parser: str | None = None  # how tool calls are read from the model's text: one of TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # chat replies' <think> part as reasoning_content: one of REASONING_PARSERS
+    # a special token's text in a chat message (`<|im_end|>`) is the token itself, not its characters
+    parse_special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key and self.api_keys_file:
@@ -127,6 +135,11 @@ class ServerConfig:
             raise ValueError(
                 f"unknown --reasoning-parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}"
             )
+        for name in ("timeout_keep_alive", "timeout_request_body", "stream_idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+        if not isinstance(self.limit_concurrency, int) or self.limit_concurrency < 1:
+            raise ValueError(f"--limit-concurrency must be at least 1, got {self.limit_concurrency}")
         if not isinstance(self.max_sequences_per_request, int) or self.max_sequences_per_request < 1:
             raise ValueError(f"--max-sequences-per-request must be at least 1, got {self.max_sequences_per_request}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

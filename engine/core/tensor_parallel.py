@@ -33,6 +33,7 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -162,13 +163,17 @@ class TensorParallelWorkers:
         # NOTE: NVLink multicast (NVLS) stays off: the GPU machines require it, and workers inherit the setting.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: loopback only
+        # NOTE: the store's server binds every interface when it makes its own socket, and it takes no address:
+        # it is handed one listening on loopback only (the ranks share this host), which it then owns
+        listener = socket.create_server(("127.0.0.1", 0))
         store = dist.TCPStore(
             "127.0.0.1",
-            0,
+            listener.getsockname()[1],
             self.size,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=STARTUP_TIMEOUT),
+            master_listen_fd=listener.detach(),
         )
         threads = torch.get_num_threads()
         if device.type == "cpu":

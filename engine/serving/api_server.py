@@ -12,16 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import posixpath
-import re
 import signal
-import socket
-import zlib
 from typing import Any
 
-from aiohttp import web, web_protocol
+from aiohttp import web
 
 from kiln.engine.config import EngineConfig, ServerConfig
 from kiln.engine.models.model_dir import generation_defaults, model_dir
@@ -36,9 +32,11 @@ from kiln.engine.serving.completion import (
     run_request,
 )
 from kiln.engine.serving.engine_client import AsyncEngineClient
+from kiln.engine.serving.http_server import Runner, check_port_free, error_response, raise_open_files_limit
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.reasoning import REASONING_PARSERS
+from kiln.engine.serving.request_body import MAX_BODY_BYTES, read_json
 from kiln.engine.serving.responses import ServerShutdown
 from kiln.engine.serving.responses_api import ResponseShape
 from kiln.engine.serving.responses_requests import in_responses_terms, parse_responses
@@ -47,7 +45,6 @@ from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
 
 logger = logging.getLogger("kiln")
 
-MAX_BODY_BYTES = 16 << 20
 OPEN_PATHS = ("/health", "/metrics")
 KEY = "kiln.api_key"  # the caller's api_keys.KeyState on a request, with --api-keys-file
 
@@ -70,10 +67,6 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
 
 
 # ---- middlewares ---------------------------------------------------------------------------------------
-
-
-def error_response(error: APIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=getattr(error, "headers", None))
 
 
 @web.middleware
@@ -119,41 +112,6 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-class _JsonErrors(web_protocol.RequestHandler):
-    """aiohttp's connection handler, answering what it refuses before any route sees the request (a header past
-    its limit, a malformed request line or chunked body) with an OpenAI error object instead of text/plain."""
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
-        super().handle_error(request, status, exc, message)  # (its log; it raises once a response has begun)
-        if status >= 500:
-            error = APIError(status, "internal server error", type_="internal_error")
-        else:
-            reason = getattr(exc, "message", None) or message or "a malformed HTTP request"
-            error = APIError(status, f"the HTTP request is malformed: {str(reason)[:200]}")
-        response = error_response(error)
-        response.force_close()
-        return response
-
-
-class _JsonErrorsServer(web.Server):
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _JsonErrors(self, loop=self._loop, **self._kwargs)
-
-
-class _Runner(web.AppRunner):
-    """The app's runner, with connections handled by `_JsonErrors`."""
-
-    async def _make_server(self) -> web.Server:
-        made = await super()._make_server()
-        return _JsonErrorsServer(
-            made.request_handler,
-            request_factory=made.request_factory,
-            handler_cancellation=made.handler_cancellation,
-            loop=made._loop,
-            **made._kwargs,
-        )
-
-
 # ---- simple routes -------------------------------------------------------------------------------------
 
 
@@ -197,51 +155,6 @@ async def model_card(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     check_model(state, {"model": request.match_info["model"]})
     return web.json_response(_card(state))
-
-
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _decoded(raw: bytes, encoding: str) -> bytes:
-    """The body as sent before its Content-Encoding: gzip and deflate are undone here (aiohttp's own decoding is off:
-    its failures were a 500 or a text/plain 400), with the result held to the body limit (a small bomb stays small)."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding not in ("gzip", "x-gzip", "deflate"):
-        message = f"Content-Encoding {encoding[:40]!r} is not supported: send the body as is, gzip or deflate"
-        raise APIError(415, message, type_="invalid_request_error")
-    # gzip's header, or zlib's (deflate as HTTP means it); a raw deflate stream is tried last
-    for wbits in (47,) if encoding != "deflate" else (15, -15):
-        decoder = zlib.decompressobj(wbits)
-        try:
-            body = decoder.decompress(raw, MAX_BODY_BYTES + 1)
-        except zlib.error:
-            continue
-        if len(body) > MAX_BODY_BYTES or decoder.unconsumed_tail:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes once decoded")
-        if decoder.eof:
-            return body
-    raise APIError(400, f"the body is not valid {encoding} data")
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
-    try:
-        # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
-        body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)
-    except UnicodeDecodeError:
-        raise APIError(400, "the body is not valid UTF-8") from None
-    except (ValueError, RecursionError) as e:  # ValueError: also an integer of more than 4300 digits
-        raise APIError(400, f"the body is not valid JSON: {type(e).__name__}") from None
-    # NOTE: JSON may escape a lone UTF-16 surrogate (`"\ud800"`); it decodes to a str that neither the
-    # tokenizer nor a UTF-8 encoder takes. Pairs (emoji) are fine; only bodies with such an escape are checked.
-    if _ESCAPED_SURROGATE.search(raw):
-        try:
-            json.dumps(body, ensure_ascii=False).encode()
-        except (UnicodeEncodeError, RecursionError):
-            raise APIError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
-    return body
 
 
 @contextlib.contextmanager
@@ -389,18 +302,6 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
         await client.shutdown()
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise ValueError (a line at start-up) unless `host:port` can be listened on."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket will be
-            probe.bind(address)
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise ValueError(f"cannot listen on {host}:{port} ({reason}); another server there? choose --port") from None
-
-
 async def _serve_ready(config, server, client, ready, keys, server_metrics, tokenizer_path, defaults, stop) -> int:
     """Serve with the engine up until `stop`, then drain; the caller stops the engine after."""
     name = server.served_model_name or config.model
@@ -422,11 +323,22 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
         max_num_queued_requests=server.max_num_queued_requests,
         max_sequences_per_request=server.max_sequences_per_request,
         write_timeout=server.stream_idle_timeout,
+        body_timeout=server.timeout_request_body,
         sampling_defaults=defaults,
         auto_tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
         reasoning_parser=server.reasoning_parser,
+        parse_special_tokens=server.parse_special_tokens_in_messages,
     )
-    runner = _Runner(build_app(state, keys), handler_cancellation=True, access_log=None, auto_decompress=False)
+    raise_open_files_limit(server.limit_concurrency)
+    runner = Runner(
+        build_app(state, keys),
+        server.limit_concurrency,
+        handler_cancellation=True,
+        access_log=None,
+        auto_decompress=False,
+        keepalive_timeout=server.timeout_keep_alive,
+        lingering_time=server.timeout_keep_alive,  # (how long the rest of a body refused early is read and dropped)
+    )
     await runner.setup()
     site = web.TCPSite(runner, server.host, server.port)
     try:
@@ -450,5 +362,6 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
             await asyncio.sleep(0.02)
     await runner.cleanup()
     state.pool.shutdown(wait=False)
+    state.grammar_checks.close()
     logger.info("server stopped")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from kiln.engine.sampling_params import StructuredOutputParams
 from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
+from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks
 from kiln.engine.serving.metrics import ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
 from kiln.engine.serving.reasoning import ChatReply
@@ -44,6 +46,7 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
+    grammar_checks: GrammarChecks = field(default_factory=GrammarChecks)  # processes of their own, not `pool`
     max_num_seqs: int = 256
     max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
     max_sequences_per_request: int = 256  # prompts x n
@@ -51,9 +54,12 @@ class ServerState:
     in_flight: int = 0  # HTTP requests being served
     engine_requests: int = 0  # requests (choices) they have in the engine
     write_timeout: float = 30.0  # seconds a stream may sit unread before it is aborted
+    body_timeout: float = 30.0  # seconds a request body may take to arrive
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json's (model_source)
     auto_tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    parse_special_tokens: bool = False  # --parse-special-tokens-in-messages: a message's `<|im_end|>` is the token
+    special_texts: list[str] | None = None  # the tokenizer's special tokens' texts, longest first (found once)
     # each token id's text alone, as logprobs list it: decoded once (a scored 4k-token prompt lists ~12k of them)
     token_texts: dict[int, str] = field(default_factory=dict)
 
@@ -100,39 +106,62 @@ async def encode_chat(
 ) -> list[int]:
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+        masked, plain = (messages, {}) if state.parse_special_tokens else _mask_special_text(state, messages)
         try:
             text = state.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+                masked, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # a template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        return encode_within(state, text, "messages", False)
+        if not plain:
+            return encode_within(state, text, "messages", False)
+        ids = []
+        for piece in re.split(f"({'|'.join(map(re.escape, plain))})", text):
+            if piece in plain:  # a special token's text that a message held: its characters, not the token
+                ids += state.tokenizer.encode(plain[piece], add_special_tokens=False, split_special_tokens=True)
+            elif piece:
+                ids += encode_within(state, piece, "messages", False)
+        return ids
 
     return await asyncio.get_running_loop().run_in_executor(state.pool, render)
 
 
+def _mask_special_text(state: ServerState, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict]:
+    """The messages with every special token's text in their content (`<|im_end|>`, ...) swapped for a placeholder
+    no one can type, and what each placeholder stands for: a user who writes a special token's text must not open
+    or close turns. (The text around a placeholder tokenizes as it would around the token: the tokenizer splits
+    at special tokens either way.)"""
+    specials = state.special_texts
+    if specials is None:
+        decoder = getattr(state.tokenizer, "added_tokens_decoder", {})
+        specials = state.special_texts = sorted((t.content for t in decoder.values() if t.special), key=len)[::-1]
+    if not specials or not any(s in m["content"] for m in messages for s in specials):
+        return messages, {}
+    nonce = uuid.uuid4().hex
+    plain: dict[str, str] = {}
+    pattern = re.compile("|".join(map(re.escape, specials)))
+
+    def placeholder(match: re.Match) -> str:
+        key = f"\ue000{nonce}{len(plain)}\ue001"
+        plain[key] = match.group(0)
+        return key
+
+    return [{**m, "content": pattern.sub(placeholder, m["content"])} for m in messages], plain
+
+
 async def check_structured_output(state: ServerState, constraint: StructuredOutputParams, param: str) -> None:
-    """A schema, regex or grammar that does not parse is a 400 before the engine sees it, streaming or not
-    (`param`: the request's parameter it came from). (Parsing builds no token masks, so it is quick; the engine's
-    compile, with its time limit, is the backstop.)"""
-    check = asyncio.get_running_loop().run_in_executor(state.pool, _grammar_problem, constraint)
+    """A schema, regex or grammar that does not parse, or that xgrammar would not hold output to, is a 400 before
+    the engine sees it, streaming or not (`param`: the request's parameter it came from); its check runs in a worker
+    process (`grammar_checks`), killed if it takes too long. The engine's compile, with its time limit, is the
+    backstop."""
     try:
-        problem = await asyncio.wait_for(check, timeout=10.0)
+        problem = await state.grammar_checks.problem(constraint)
     except TimeoutError:
         raise APIError(400, f"the {param} constraint took too long to parse", param) from None
+    except ChecksBusy:
+        raise APIError(503, "constraint checks are busy; retry later", type_="service_unavailable") from None
     if problem is not None:
         raise APIError(400, problem, param)
-
-
-def _grammar_problem(constraint: StructuredOutputParams) -> str | None:
-    # xgrammar is imported on first use, here on a worker thread: a server that never sees a constraint never loads it.
-    from kiln.engine.structured_output.grammar import GrammarError, check_grammar  # noqa: PLC0415
-
-    try:
-        check_grammar(constraint)
-    except GrammarError as e:
-        return str(e)
-    return None
 
 
 def check_sequences(state: ServerState, parsed: ParsedRequest) -> None:

@@ -15,9 +15,7 @@ request's logprobs are those of the masked distribution (as in vLLM).
 
 from __future__ import annotations
 
-import json
 import queue
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -29,76 +27,19 @@ import torch
 import xgrammar as xgr
 
 from kiln.engine.sampling_params import StructuredOutputParams
+from kiln.engine.structured_output.constraints import (
+    _WHAT,
+    _XGRAMMAR_ERRORS,
+    GrammarError,
+    _grammar,
+    _xgrammar_message,
+    check_grammar,
+)
+
+__all__ = ["GrammarBitmask", "GrammarCache", "GrammarError", "RequestGrammar", "check_grammar"]
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CACHED_GRAMMARS = 128
-
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "EBNF grammar"}
-# xgrammar's C++ errors read "[12:48:42] /project/cpp/regex_converter.cc:94: Check failed: (...) is false: msg".
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-_MAX_MESSAGE_CHARS = 300
-_XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # what xgrammar raises on a constraint it cannot take
-
-
-class GrammarError(ValueError):
-    """A constraint that cannot be compiled, or not in time; the message names the problem."""
-
-
-def check_grammar(params: StructuredOutputParams) -> None:
-    """Parse a constraint without a tokenizer (no token masks are built, so it is fast) and raise
-    `GrammarError` naming what is wrong. The API server runs it before admitting a request, so a bad
-    schema is a 400 at once, streaming or not."""
-    try:
-        _grammar(params)
-    except _XGRAMMAR_ERRORS as e:
-        raise GrammarError(f"invalid {_WHAT[params.kind]}: {_xgrammar_message(e)}") from None
-
-
-def _grammar(params: StructuredOutputParams) -> xgr.Grammar:
-    # JSON is compact with fixed separators (", " and ": "): a model cannot pad it with whitespace forever.
-    if params.kind == "json":
-        schema = _string_lengths_as_patterns(json.loads(params.json))
-        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    if params.kind == "json_object":  # any object (strict mode would allow only the listed properties: none)
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if params.kind == "regex":
-        return xgr.Grammar.from_regex(params.regex)
-    return xgr.Grammar.from_ebnf(params.grammar)
-
-
-def _string_lengths_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` in which a string with minLength / maxLength (and no pattern or format) says the
-    same as a pattern, ``^.{min,max}$``.
-
-    NOTE: xgrammar 0.2.9 compiles a length-limited string to a character class that lets raw control
-    characters (a tab, say) into it: invalid JSON. Its pattern path encodes the string properly (no raw
-    control characters, no quote or backslash), so the limits are handed over that way.
-    """
-    if isinstance(schema, list):
-        return [_string_lengths_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    # Values under these keys are data, not schemas.
-    out = {
-        k: v if k in ("enum", "const", "default", "examples") else _string_lengths_as_patterns(v)
-        for k, v in schema.items()
-    }
-    lengths = [out.get("minLength"), out.get("maxLength")]
-    if (
-        out.get("type") == "string"
-        and lengths != [None, None]
-        and all(isinstance(n, int | None) for n in lengths)
-        and not {"pattern", "format", "enum", "const"} & set(out)
-    ):
-        out.pop("minLength", None)
-        out.pop("maxLength", None)
-        out["pattern"] = f"^.{{{lengths[0] or 0},{'' if lengths[1] is None else lengths[1]}}}$"
-    return out
-
-
-def _xgrammar_message(error: Exception) -> str:
-    message = _XGRAMMAR_PREFIX.sub("", str(error).strip())
-    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
 
 
 class RequestGrammar:

@@ -9,6 +9,7 @@ layers cut their weights for more ranks than the CPU tests start.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import multiprocessing
@@ -160,6 +161,34 @@ def test_a_rank0_only_failure_is_fatal_not_retried(tiny_llama_dir, monkeypatch):
         llm.engine.step(isolate_failures=True)
     llm.close()
     _assert_reaped(workers)
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(fields[1].split(":")[0])
+    return found
+
+
+def test_the_rendezvous_and_the_ranks_listen_on_loopback_only(tiny_llama_dir):
+    """The TCPStore (the ranks' rendezvous, up for the whole run) and gloo's sockets, in rank 0 and a worker."""
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    with LLM(str(tiny_llama_dir), enforce_eager=True, tensor_parallel_size=2, **ENGINE) as llm:
+        for pid in (os.getpid(), *(p.pid for p in llm.engine.executor.tp_workers.processes)):
+            addresses = listening_addresses(pid)
+            assert set(addresses) <= loopback, (pid, addresses)
+        assert listening_addresses(os.getpid())  # (the store is there to be found)
 
 
 def test_dropped_engine_reaps_its_workers(tiny_llama_dir):

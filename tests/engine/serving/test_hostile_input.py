@@ -165,3 +165,46 @@ def test_sequences_per_request_are_bounded_before_any_work(server, tiny_llama_di
         assert code == 200 and len(json.loads(raw)["choices"]) == 4, raw
     finally:
         small.stop()
+
+
+def test_special_token_text_in_a_message_stays_plain_text(server, tiny_llama_dir):
+    """A user who writes the end-of-text token's text cannot end the turn: its characters are tokenized, so the
+    prompt decodes to the template's text and holds no more special tokens than the template put there.
+    --parse-special-tokens-in-messages restores the token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    messages = [{"role": "user", "content": f"hi {eos} there {eos}{eos}"}]
+    code, raw = server.post("/tokenize", {"messages": messages})
+    assert code == 200, raw
+    ids = json.loads(raw)["tokens"]
+    plain = server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert eos_id not in ids and eos_id not in json.loads(plain[1])["tokens"]
+    assert tokenizer.decode(ids).count(eos) == 3  # the characters are all there
+    assert server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})[0] == 200
+    parsing = Server(tiny_llama_dir, "--parse-special-tokens-in-messages")
+    try:
+        ids = json.loads(parsing.post("/tokenize", {"messages": messages})[1])["tokens"]
+        assert ids.count(eos_id) == 3
+    finally:
+        parsing.stop()
+
+
+def test_schemas_xgrammar_would_not_enforce_are_400s_before_streaming(server):
+    """A keyword xgrammar passes over, or a schema nested past the limit: a 400 at once, for a stream as well."""
+    nested: dict = {"type": "string"}
+    for _ in range(40):
+        nested = {"type": "object", "properties": {"a": nested}}
+    for schema, words in (({"type": "integer", "not": {"const": 3}}, "'not'"), (nested, "deeper than 32")):
+        for stream in (False, True):
+            body = {
+                "messages": HI,
+                "max_tokens": 4,
+                "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            }
+            code, raw = server.post("/v1/chat/completions", body)
+            assert code == 400, raw[:300]
+            error = json.loads(raw)["error"]
+            assert error["param"] == "response_format" and words in error["message"], error

@@ -320,3 +320,74 @@ def test_batch_fill_equals_one_by_one(cache, tokenizer):
     for g, row in zip(grammars, (7, 0, 3, 5)):
         alone.fill([g], [0])
         assert torch.equal(together.host[row], alone.host[0])
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+REFUSED = [
+    ({"type": "integer", "not": {"const": 3}}, "'not' (at #)"),
+    (
+        {"type": "object", "properties": {"x": {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}}},
+        "#/properties/x",
+    ),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "'contains'"),
+    ({"anyOf": [{"type": "object", "dependentRequired": {"a": ["b"]}}]}, "#/anyOf/0"),
+    ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "'allOf' with several schemas"),
+    (_nested(40), "deeper than 32 levels"),
+]
+
+
+@pytest.mark.parametrize("schema,match", REFUSED, ids=range(len(REFUSED)))
+def test_keywords_xgrammar_would_pass_over_are_refused(schema, match):
+    """xgrammar 0.2.9 accepts output that breaks these (its own parse goes through): a 400 says so instead."""
+    with pytest.raises(GrammarError, match=re.escape(match)):
+        check_grammar(StructuredOutputParams(json=schema))
+
+
+def test_what_xgrammar_holds_output_to_is_let_through():
+    # names are not keywords (a property called "not"), a false uniqueItems asks nothing, allOf of one is one
+    for schema in (
+        {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+        {"allOf": [{"type": "integer", "minimum": 3}]},
+        _nested(30),
+    ):
+        check_grammar(StructuredOutputParams(json=schema))
+
+
+def test_a_check_past_its_time_limit_kills_its_worker_and_frees_the_slot():
+    """The worker processes' mechanism: an answer that does not come in time kills the process (a thread could
+    not be stopped), the next check starts another; a full pool is ChecksBusy, not a wait without end."""
+    import asyncio
+    import multiprocessing
+
+    from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks
+
+    def workers() -> list:
+        return [p for p in multiprocessing.active_children() if p.name == "kiln-grammar-check"]
+
+    async def run() -> None:
+        checks = GrammarChecks(workers=1, timeout=0.05)  # shorter than a worker's start: it cannot answer
+        with pytest.raises(TimeoutError):
+            await checks.problem(StructuredOutputParams(regex="a+"))
+        assert not workers()  # killed and reaped
+        checks.timeout = 60
+        assert await checks.problem(StructuredOutputParams(regex="a+")) is None
+        problem = await checks.problem(StructuredOutputParams(json={"type": "integer", "not": {"const": 3}}))
+        assert "'not' (at #) is not supported" in problem
+        assert "invalid regex" in await checks.problem(StructuredOutputParams(regex="(["))
+        held = await checks._slots.get()  # the one worker, taken
+        checks.timeout = 0.2
+        with pytest.raises(ChecksBusy):
+            await checks.problem(StructuredOutputParams(regex="b+"))
+        checks._slots.put_nowait(held)
+        checks.close()
+        assert not workers()
+
+    asyncio.run(run())
