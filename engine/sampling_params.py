@@ -21,6 +21,7 @@ SAMPLING_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_STOP_TOKEN_IDS = 1024
 MIN_REPETITION_PENALTY = 0.001
@@ -39,7 +40,8 @@ class SamplingType(IntEnum):
 
 
 def _fail(name: str, value: Any, allowed: str) -> NoReturn:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    shown = repr(value)  # (a value of megabytes is not sent back whole)
+    raise ValueError(f"{name} must be {allowed}, got {shown if len(shown) <= 200 else shown[:200] + '...'}")
 
 
 def _is_int(value: Any) -> bool:
@@ -234,10 +236,14 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is None:
             return []
-        allowed = f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
+        allowed = (
+            f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings, "
+            f"each at most {MAX_STOP_STRING_CHARS} characters"
+        )
         if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_STRINGS:
             _fail("stop", self.stop, allowed)
-        if not all(isinstance(s, str) and s for s in stop):
+        # (a stream holds back as much text as its longest stop string, and matches each against it)
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop):
             _fail("stop", self.stop, allowed)
         return list(stop)
 

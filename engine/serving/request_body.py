@@ -13,6 +13,7 @@ from aiohttp import web
 from kiln.engine.serving.api_errors import APIError
 
 MAX_BODY_BYTES = 16 << 20
+PARSE_ON_LOOP_BYTES = 256 << 10  # larger bodies are parsed on a thread
 
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -48,6 +49,12 @@ async def read_json(request: web.Request) -> Any:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", type_="timeout") from None
     raw = _decoded(raw, request.headers.get("Content-Encoding", ""))
+    if len(raw) > PARSE_ON_LOOP_BYTES:  # (parsing megabytes takes a while: the other streams go on meanwhile)
+        return await asyncio.get_running_loop().run_in_executor(None, _parsed, raw)
+    return _parsed(raw)
+
+
+def _parsed(raw: bytes) -> Any:
     try:
         # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
         body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)

@@ -86,6 +86,52 @@ def test_fuzzed_bodies_never_5xx(fuzz_server, body, chat, raw):
     assert_clean_error(status, out, body)
 
 
+# every route's fields, with values at the edges of their ranges mixed in with arbitrary JSON
+EDGES = st.sampled_from([-1, 0, 1, 2, 20, 21, 2**31 - 1, 2**31, 2**63, 2**64, -(2**63), 1e-300, 1e300, -0.0, 0.5])
+values = json_values | EDGES | st.lists(EDGES, max_size=4)
+ROUTES = {
+    "/v1/completions": (
+        {"prompt": "hi", "max_tokens": 2},
+        FIELDS
+        + ["suffix", "best_of", "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens"]
+        + ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format"],
+    ),
+    "/v1/chat/completions": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        [f for f in FIELDS if f not in ("prompt", "echo")]
+        + ["max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"]
+        + ["guided_json", "guided_choice", "prompt_logprobs", "chat_template_kwargs", "reasoning_effort"],
+    ),
+    "/v1/responses": (
+        {"input": "hi", "max_output_tokens": 2},
+        ["input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools"]
+        + ["tool_choice", "parallel_tool_calls", "store", "previous_response_id", "background", "reasoning"]
+        + ["metadata", "model", "user", "truncation", "include"],
+    ),
+    "/tokenize": ({"prompt": "hi"}, ["prompt", "messages", "add_special_tokens", "tools", "model"]),
+    "/detokenize": ({"tokens": [5, 6]}, ["tokens", "model"]),
+}
+
+
+@st.composite
+def route_bodies(draw):
+    path = draw(st.sampled_from(sorted(ROUTES)))
+    base, fields = ROUTES[path]
+    extra = draw(st.dictionaries(st.sampled_from(fields), values, max_size=4))
+    return path, {**base, **extra}
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=route_bodies())
+def test_every_routes_fields_fuzzed_never_5xx(fuzz_server, case):
+    """Each field of /v1/completions, /v1/chat/completions, /v1/responses, /tokenize and /detokenize, of any type
+    and at the edges of its range: an answer within the client's time limit, never a 5xx, every error an OpenAI
+    error object (a stream's: its error event)."""
+    path, body = case
+    status, out = fuzz_server.post(path, json.dumps(body, allow_nan=True).encode())
+    assert_clean_error(status, out, (path, body))
+
+
 CHAT_HI = [{"role": "user", "content": "hi"}]
 NASTY = [
     b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',  # invalid UTF-8

@@ -46,6 +46,8 @@ BIG = [
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(200_000))}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    # a stream holds back as much text as its longest stop string: a megabyte one would hold back everything
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 100_000]}, "stop"),
 ]
 
 
