@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import os
+from collections import OrderedDict
 from typing import Any
 
 from kiln.engine.sampling_params import StructuredOutputParams
 
 WORKERS = 2
 TIMEOUT_S = 10.0
+MAX_REMEMBERED = 256
 
 
 class _Worker:
@@ -42,6 +45,7 @@ class _Worker:
 
 
 def _serve(conn) -> None:
+    os.nice(10)  # a check yields the CPU to the server and the engine: a flood of them slows only each other
     from kiln.engine.structured_output.constraints import GrammarError, check_grammar  # noqa: PLC0415
 
     while True:
@@ -63,14 +67,21 @@ class ChecksBusy(Exception):
 class GrammarChecks:
     """At most `workers` checks at once, each (its wait for a free worker included) within `timeout` seconds."""
 
-    def __init__(self, workers: int = WORKERS, timeout: float = TIMEOUT_S) -> None:
+    def __init__(self, workers: int = WORKERS, timeout: float = TIMEOUT_S, remembered: int = MAX_REMEMBERED) -> None:
         self.timeout = timeout
         self._slots: asyncio.Queue | None = None  # a free worker each (None: not started yet)
         self._workers = workers
+        # the answers for recent constraints (an agent sends one schema again and again), newest last
+        self._answers: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        self._remembered = remembered
 
     async def problem(self, constraint: StructuredOutputParams) -> str | None:
         """What is wrong with `constraint`, or None. Raises TimeoutError when its check takes too long, ChecksBusy
         when no worker came free in time."""
+        key = (constraint.kind, constraint.spec)
+        if key in self._answers:
+            self._answers.move_to_end(key)
+            return self._answers[key]
         loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Queue()
@@ -89,6 +100,9 @@ class GrammarChecks:
         answered, problem = await asyncio.shield(asked)
         if not answered:
             raise TimeoutError
+        self._answers[key] = problem
+        if len(self._answers) > self._remembered:
+            self._answers.popitem(last=False)
         return problem
 
     def close(self) -> None:

@@ -15,6 +15,8 @@ request's logprobs are those of the masked distribution (as in vLLM).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
@@ -136,6 +138,9 @@ class GrammarCache:
             self._jobs.put(None)
 
     def _work(self) -> None:
+        # NOTE: on Linux a thread has a priority of its own: a compile yields the CPU to the engine's loop
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while (job := self._jobs.get()) is not None:
             future, params = job
             if not future.set_running_or_notify_cancel():

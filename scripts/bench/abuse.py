@@ -111,7 +111,7 @@ async def cancelled_stream(session, args, phase: Phase, rng: random.Random) -> N
 
 async def abuser(session, args, phase: Phase, stop: float, rng: random.Random) -> None:
     while time.monotonic() < stop:
-        kind = rng.choice(["reader", "writer", "head", "grammar", "grammar", "cancel", "cancel"])
+        kind = rng.choice(args.kinds)
         try:
             if kind == "reader":
                 await slow_reader(session, args, phase, stop)
@@ -156,8 +156,14 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8, help="well-behaved clients, requests back to back")
     p.add_argument("--abusers", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--kinds",
+        default="reader,writer,head,grammar,grammar,cancel,cancel",
+        help="the abusers' mix (reader, writer, head, grammar, cancel; repeat one to weigh it)",
+    )
     p.add_argument("--json", help="append the results as one JSON line to this file")
     args = p.parse_args()
+    args.kinds = args.kinds.split(",")
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     free_before = metric(args.url, "kiln_kv_cache_free_blocks")
     alone = asyncio.run(run_phase(args, 0))
