@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kiln.engine.messages import RequestFailed
 from kiln.engine.sampling_params import StructuredOutputParams
 from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
 from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks
@@ -164,6 +165,16 @@ async def check_structured_output(state: ServerState, constraint: StructuredOutp
         raise APIError(400, problem, param)
 
 
+async def _first_word(queue: Inbox, param: str) -> None:
+    """A constrained stream opens once the engine has said something of it: its grammar compiled (a token came)
+    or not (it failed, or took too long), which is then a 400 rather than an error event midway through a stream."""
+    items = await queue.take_all()
+    queue.items[:0] = items  # (back in order, for the stream)
+    for item in items:
+        if isinstance(item, RequestFailed) and not item.message.startswith("internal error"):
+            raise APIError(400, item.message, param)
+
+
 def check_sequences(state: ServerState, parsed: ParsedRequest) -> None:
     """A 400 for a request of more sequences (prompts x n) than the server allows, before any work is done."""
     limit, n = state.max_sequences_per_request, parsed.params.n
@@ -261,6 +272,8 @@ async def run_request(
             # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
             seed = None if params.seed is None else (params.seed + j) % 2**64
             state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
+        if (parsed.stream or shape is not None) and params.structured_output is not None:
+            await _first_word(queue, parsed.constraint_param or "response_format")
         if shape is not None:
             return await shape.reply(request, state, next(iter(choices.values())), queue)
         if parsed.stream:

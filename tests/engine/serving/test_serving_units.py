@@ -165,3 +165,28 @@ def test_a_chat_longer_than_the_context_is_refused_after_its_head(tiny_llama_dir
         asyncio.run(encode_chat(_state(tokenizer), parsed.messages))
     assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == "messages"
     assert calls == [32 * 128]  # the head only
+
+
+def test_a_constrained_stream_opens_only_after_the_engines_first_word():
+    """The engine's compile of a constraint can fail after the API's check passed: for a stream, its failure is
+    then a 400 before the stream opens, and a first token leaves the queue as it was for the stream to read."""
+    from kiln.engine.serving.completion import _first_word
+
+    async def run() -> None:
+        failed = Inbox()
+        failed.put(messages.RequestFailed("r-0", "compiling the JSON schema took longer than 30 s"))
+        with pytest.raises(APIError) as e:
+            await _first_word(failed, "response_format")
+        assert e.value.status == 400 and e.value.param == "response_format" and "longer than" in e.value.message
+        ok = Inbox()
+        first, second = (messages.EngineCoreOutput("r-0", [t]) for t in (5, 6))
+        ok.put(first)
+        ok.put(second)
+        await _first_word(ok, "response_format")
+        assert await ok.take_all() == [first, second]
+        internal = Inbox()  # a fault of the engine's own stays the stream's error event (a 500 there)
+        internal.put(messages.RequestFailed("r-0", "internal error while setting up the grammar"))
+        await _first_word(internal, "response_format")
+        assert len(await internal.take_all()) == 1
+
+    asyncio.run(run())
