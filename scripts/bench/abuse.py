@@ -6,6 +6,9 @@ clients' p50/p99 request latency in each phase and their ratio (the goal: p99 wi
 
     kiln serve MODEL --port 8000 &
     python scripts/bench/abuse.py --url http://127.0.0.1:8000 --seconds 30 --concurrency 8 --abusers 16
+
+Each abuser acts at most once a second (--abuse-interval): what is measured is the harm of each kind of abuse,
+not of volume, which per-key rate limits bound.
 """
 
 from __future__ import annotations
@@ -110,7 +113,10 @@ async def cancelled_stream(session, args, phase: Phase, rng: random.Random) -> N
 
 
 async def abuser(session, args, phase: Phase, stop: float, rng: random.Random) -> None:
+    """One abusive act after another, at most one each --abuse-interval seconds (the harm of each kind, not of
+    sheer volume: that is what per-key rate limits are for)."""
     while time.monotonic() < stop:
+        began = time.monotonic()
         kind = rng.choice(args.kinds)
         try:
             if kind == "reader":
@@ -123,6 +129,7 @@ async def abuser(session, args, phase: Phase, stop: float, rng: random.Random) -
                 await cancelled_stream(session, args, phase, rng)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
+        await asyncio.sleep(max(0.0, args.abuse_interval - (time.monotonic() - began)))
 
 
 async def run_phase(args, abusers: int) -> Phase:
@@ -156,6 +163,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8, help="well-behaved clients, requests back to back")
     p.add_argument("--abusers", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--abuse-interval", type=float, default=1.0, help="seconds between one abuser's acts, at least")
     p.add_argument(
         "--kinds",
         default="reader,writer,head,grammar,grammar,cancel,cancel",
