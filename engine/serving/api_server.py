@@ -252,9 +252,10 @@ async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: d
     check_model(state, body)
     check_sequences(state, parsed)
     parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
+    key = request.get(KEY)
     for schema in tool_schema_checks(parsed):
-        await check_structured_output(state, schema, "tools")
-    if key := request.get(KEY):
+        await check_structured_output(state, schema, "tools", key)
+    if key:
         key.check_seat()  # (before tokenizing)
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key:

@@ -17,8 +17,9 @@ from aiohttp import web
 
 from kiln.engine.messages import RequestFailed
 from kiln.engine.sampling_params import StructuredOutputParams
+from kiln.engine.serving.api_keys import RateLimited
 from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
-from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks
+from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks, OwnerBusy
 from kiln.engine.serving.metrics import ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, ParsedRequest
 from kiln.engine.serving.reasoning import ChatReply
@@ -150,17 +151,23 @@ def _mask_special_text(state: ServerState, messages: list[dict[str, Any]]) -> tu
     return [{**m, "content": pattern.sub(placeholder, m["content"])} for m in messages], plain
 
 
-async def check_structured_output(state: ServerState, constraint: StructuredOutputParams, param: str) -> None:
+async def check_structured_output(
+    state: ServerState, constraint: StructuredOutputParams, param: str, key: KeyState | None = None
+) -> None:
     """A schema, regex or grammar that does not parse, or that xgrammar would not hold output to, is a 400 before
     the engine sees it, streaming or not (`param`: the request's parameter it came from); its check runs in a worker
-    process (`grammar_checks`), killed if it takes too long. The engine's compile, with its time limit, is the
-    backstop."""
+    process (`grammar_checks`), killed if it takes too long, one at a time per API key. The engine's compile, with
+    its time limit, is the backstop."""
     try:
-        problem = await state.grammar_checks.problem(constraint)
+        problem = await state.grammar_checks.problem(constraint, None if key is None else key.name)
     except TimeoutError:
         raise APIError(400, f"the {param} constraint took too long to parse", param) from None
     except ChecksBusy:
         raise APIError(503, "constraint checks are busy; retry later", type_="service_unavailable") from None
+    except OwnerBusy:
+        key.reject("constraint_checks")
+        message = "this API key has a constraint being checked already; wait for it"
+        raise RateLimited(message, "constraint_checks", 1) from None
     if problem is not None:
         raise APIError(400, problem, param)
 
@@ -235,7 +242,9 @@ async def run_request(
     except ValueError as e:
         raise APIError(400, str(e)) from None
     if params.structured_output is not None:
-        await check_structured_output(state, params.structured_output, parsed.constraint_param or "response_format")
+        await check_structured_output(
+            state, params.structured_output, parsed.constraint_param or "response_format", key
+        )
 
     base = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())

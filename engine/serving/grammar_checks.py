@@ -64,6 +64,11 @@ class ChecksBusy(Exception):
     """Every worker stayed busy through the time limit (with other requests' constraints)."""
 
 
+class OwnerBusy(Exception):
+    """The owner (an API key) has as many checks in flight as it may: one, so a key flooding the workers with
+    slow constraints takes one of them at most."""
+
+
 class GrammarChecks:
     """At most `workers` checks at once, each (its wait for a free worker included) within `timeout` seconds."""
 
@@ -74,14 +79,25 @@ class GrammarChecks:
         # the answers for recent constraints (an agent sends one schema again and again), newest last
         self._answers: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         self._remembered = remembered
+        self._owners: set[str] = set()  # those with a check in flight
 
-    async def problem(self, constraint: StructuredOutputParams) -> str | None:
+    async def problem(self, constraint: StructuredOutputParams, owner: str | None = None) -> str | None:
         """What is wrong with `constraint`, or None. Raises TimeoutError when its check takes too long, ChecksBusy
-        when no worker came free in time."""
+        when no worker came free in time, OwnerBusy when `owner` has a check in flight already."""
         key = (constraint.kind, constraint.spec)
         if key in self._answers:
             self._answers.move_to_end(key)
             return self._answers[key]
+        if owner is not None:
+            if owner in self._owners:
+                raise OwnerBusy
+            self._owners.add(owner)
+        try:
+            return await self._ask(constraint, key)
+        finally:
+            self._owners.discard(owner)
+
+    async def _ask(self, constraint: StructuredOutputParams, key: tuple[str, str]) -> str | None:
         loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Queue()

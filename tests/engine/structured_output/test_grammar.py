@@ -367,13 +367,13 @@ def test_a_check_past_its_time_limit_kills_its_worker_and_frees_the_slot():
     import asyncio
     import multiprocessing
 
-    from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks
+    from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks, OwnerBusy
 
     def workers() -> list:
         return [p for p in multiprocessing.active_children() if p.name == "kiln-grammar-check"]
 
     async def run() -> None:
-        checks = GrammarChecks(workers=1, timeout=0.05)  # shorter than a worker's start: it cannot answer
+        checks = GrammarChecks(workers=2, timeout=0.05)  # shorter than a worker's start: it cannot answer
         with pytest.raises(TimeoutError):
             await checks.problem(StructuredOutputParams(regex="a+"))
         assert not workers()  # killed and reaped
@@ -382,11 +382,22 @@ def test_a_check_past_its_time_limit_kills_its_worker_and_frees_the_slot():
         problem = await checks.problem(StructuredOutputParams(json={"type": "integer", "not": {"const": 3}}))
         assert "'not' (at #) is not supported" in problem
         assert "invalid regex" in await checks.problem(StructuredOutputParams(regex="(["))
-        held = await checks._slots.get()  # the one worker, taken
+        assert await checks.problem(StructuredOutputParams(regex="a+")) is None  # remembered: no worker asked
+        held = [await checks._slots.get() for _ in range(2)]  # both workers, taken
         checks.timeout = 0.2
         with pytest.raises(ChecksBusy):
             await checks.problem(StructuredOutputParams(regex="b+"))
-        checks._slots.put_nowait(held)
+        for worker in held:
+            checks._slots.put_nowait(worker)
+        # one check in flight per owner (an API key): its second is refused while the first runs, others go on
+        checks.timeout = 60
+        first = asyncio.ensure_future(checks.problem(StructuredOutputParams(regex="c+"), owner="alice"))
+        await asyncio.sleep(0)
+        with pytest.raises(OwnerBusy):
+            await checks.problem(StructuredOutputParams(regex="d+"), owner="alice")
+        assert await checks.problem(StructuredOutputParams(regex="e+"), owner="bob") is None
+        assert await first is None
+        assert await checks.problem(StructuredOutputParams(regex="f+"), owner="alice") is None
         checks.close()
         assert not workers()
 
