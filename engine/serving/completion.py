@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import time
 import uuid
@@ -61,9 +62,15 @@ class ServerState:
     auto_tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
     parse_special_tokens: bool = False  # --parse-special-tokens-in-messages: a message's `<|im_end|>` is the token
-    special_texts: list[str] | None = None  # the tokenizer's special tokens' texts, longest first (found once)
     # each token id's text alone, as logprobs list it: decoded once (a scored 4k-token prompt lists ~12k of them)
     token_texts: dict[int, str] = field(default_factory=dict)
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern | None:
+        """The tokenizer's special tokens' texts, longest first, as one pattern (None: it has none)."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        specials = sorted((t.content for t in decoder.values() if t.special), key=len)[::-1]
+        return re.compile("|".join(map(re.escape, specials))) if specials else None
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -133,15 +140,11 @@ def _mask_special_text(state: ServerState, messages: list[dict[str, Any]]) -> tu
     no one can type, and what each placeholder stands for: a user who writes a special token's text must not open
     or close turns. (The text around a placeholder tokenizes as it would around the token: the tokenizer splits
     at special tokens either way.)"""
-    specials = state.special_texts
-    if specials is None:
-        decoder = getattr(state.tokenizer, "added_tokens_decoder", {})
-        specials = state.special_texts = sorted((t.content for t in decoder.values() if t.special), key=len)[::-1]
-    if not specials or not any(s in m["content"] for m in messages for s in specials):
+    pattern = state.special_pattern
+    if pattern is None or not any(pattern.search(m["content"]) for m in messages):
         return messages, {}
     nonce = uuid.uuid4().hex
     plain: dict[str, str] = {}
-    pattern = re.compile("|".join(map(re.escape, specials)))
 
     def placeholder(match: re.Match) -> str:
         key = f"\ue000{nonce}{len(plain)}\ue001"

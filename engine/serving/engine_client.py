@@ -150,11 +150,9 @@ class AsyncEngineClient:
             except messages.ProtocolError as e:
                 logger.warning("dropped a frame from the engine: %s", e)
                 continue
-            if isinstance(message, messages.Alive):
-                self.last_heard = asyncio.get_running_loop().time()
+            self.last_heard = asyncio.get_running_loop().time()  # (its heartbeat, `Alive`, says no more than that)
             if not isinstance(message, messages.EngineOutputs):
                 continue
-            self.last_heard = asyncio.get_running_loop().time()
             self.stats = message.stats
             for out in message.outputs:
                 if (q := self.queues.get(out.request_id)) is not None:

@@ -8,6 +8,7 @@ schemas likewise): output that broke the schema would pass as valid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Any
@@ -74,7 +75,7 @@ def schema_problem(schema: Any, path: str = "#", depth: int = 0) -> str | None:
     return None
 
 
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "EBNF grammar"}
+WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "EBNF grammar"}
 # xgrammar's C++ errors read "[12:48:42] /project/cpp/regex_converter.cc:94: Check failed: (...) is false: msg".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_MESSAGE_CHARS = 300
@@ -89,13 +90,21 @@ def check_grammar(params: StructuredOutputParams) -> None:
         problem = schema_problem(json.loads(params.json))
         if problem is not None:
             raise GrammarError(f"invalid JSON schema: {problem}")
+    with xgrammar_errors(params):
+        xgrammar_grammar(params)
+
+
+@contextlib.contextmanager
+def xgrammar_errors(params: StructuredOutputParams):
+    """What xgrammar raises on `params` (parsing it, or compiling it for a tokenizer), as a GrammarError naming the
+    kind of constraint and the problem without xgrammar's source location."""
     try:
-        _grammar(params)
+        yield
     except _XGRAMMAR_ERRORS as e:
-        raise GrammarError(f"invalid {_WHAT[params.kind]}: {_xgrammar_message(e)}") from None
+        raise GrammarError(f"invalid {WHAT[params.kind]}: {_xgrammar_message(e)}") from None
 
 
-def _grammar(params: StructuredOutputParams) -> xgr.Grammar:
+def xgrammar_grammar(params: StructuredOutputParams) -> xgr.Grammar:
     # JSON is compact with fixed separators (", " and ": "): a model cannot pad it with whitespace forever.
     if params.kind == "json":
         schema = _string_lengths_as_patterns(json.loads(params.json))

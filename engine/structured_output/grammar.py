@@ -30,12 +30,11 @@ import xgrammar as xgr
 
 from kiln.engine.sampling_params import StructuredOutputParams
 from kiln.engine.structured_output.constraints import (
-    _WHAT,
-    _XGRAMMAR_ERRORS,
+    WHAT,
     GrammarError,
-    _grammar,
-    _xgrammar_message,
     check_grammar,
+    xgrammar_errors,
+    xgrammar_grammar,
 )
 
 __all__ = ["GrammarBitmask", "GrammarCache", "GrammarError", "RequestGrammar", "check_grammar"]
@@ -62,7 +61,7 @@ class RequestGrammar:
             return True
         if not self.compiled.done():
             if (time.monotonic() if now is None else now) >= self.deadline:
-                raise GrammarError(f"compiling the {_WHAT[self.params.kind]} took longer than {self.timeout_s:g} s")
+                raise GrammarError(f"compiling the {WHAT[self.params.kind]} took longer than {self.timeout_s:g} s")
             return False
         self.matcher = xgr.GrammarMatcher(self.compiled.result())  # result() re-raises a GrammarError
         return True
@@ -156,10 +155,8 @@ class GrammarCache:
 
     def _compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         compiler = self._tokenizer_compiler()
-        try:
-            return compiler.compile_grammar(_grammar(params))
-        except _XGRAMMAR_ERRORS as e:
-            raise GrammarError(f"invalid {_WHAT[params.kind]}: {_xgrammar_message(e)}") from None
+        with xgrammar_errors(params):
+            return compiler.compile_grammar(xgrammar_grammar(params))
 
     def _tokenizer_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
