@@ -1,5 +1,5 @@
-"""A constraint parsed without a tokenizer (xgrammar, no torch): what the API server checks before it admits a
-request, and what the engine compiles for its tokenizer (`grammar`).
+"""A constraint parsed without a tokenizer (xgrammar; no model code): what the API server's check workers run before
+it admits a request, and what the engine's compile workers compile for its tokenizer (`compile_worker`).
 
 A JSON schema is refused before xgrammar sees it when it nests past MAX_SCHEMA_DEPTH (the parse's time grows with
 it) or uses a keyword xgrammar 0.2.9 passes over without enforcing (`IGNORED_KEYWORDS`; an `allOf` of several

@@ -1,22 +1,20 @@
 """Structured output: a request's JSON schema, regex or EBNF grammar as a mask on its logits (xgrammar).
 
-    add_request ─► GrammarCache.get ─► Future[CompiledGrammar]       (LRU by (kind, spec); worker threads)
+    add_request ─► GrammarCache.get ─► Future[CompiledGrammar]       (LRU by (kind, spec); worker processes)
                       │ each step: RequestGrammar.poll() until compiled, failed, or past its time limit
                       ▼
     runner:    enqueue forward + logits ─► GrammarBitmask.apply: fill rows on the host (the device is
                busy meanwhile), copy them over, mask the constrained rows in place ─► sampler
     scheduler: RequestGrammar.accept_token(token) for each token the request gets
 
-A grammar is compiled once per constraint for the engine's tokenizer, off the engine thread, so a
-pathological schema costs its own request a time-out and never stalls a step. A batch without a
+A grammar is compiled once per constraint for the engine's tokenizer, in worker processes, so a
+pathological schema costs its own request a time-out (its process killed) and never stalls a step. A batch without a
 constrained request never reaches this module. The mask is applied before the sampler, so a constrained
 request's logprobs are those of the masked distribution (as in vLLM).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
 import threading
 import time
@@ -29,13 +27,8 @@ import torch
 import xgrammar as xgr
 
 from kiln.engine.sampling_params import StructuredOutputParams
-from kiln.engine.structured_output.constraints import (
-    WHAT,
-    GrammarError,
-    check_grammar,
-    xgrammar_errors,
-    xgrammar_grammar,
-)
+from kiln.engine.structured_output.compile_worker import CompileProcess
+from kiln.engine.structured_output.constraints import WHAT, GrammarError, check_grammar
 
 __all__ = ["GrammarBitmask", "GrammarCache", "GrammarError", "RequestGrammar", "check_grammar"]
 
@@ -80,12 +73,13 @@ class GrammarCache:
     """Compiled grammars by (kind, spec); beyond `max_entries` the least recently used is dropped.
 
     The cache holds futures, so requests with one schema share one compile, finished or not, and a
-    failed compile is remembered too (a bad schema sent again fails at once). The tokenizer is loaded,
-    and xgrammar's view of it built, on the first compile. Call `get` from one thread (the engine's).
+    failed compile is remembered too (a bad schema sent again fails at once, a slow one too). The
+    tokenizer is loaded, and xgrammar's view of it built, on the first compile. Call `get` from one
+    thread (the engine's).
 
-    NOTE: a compile past its time limit cannot be cancelled: it keeps its worker thread until it ends.
-    Its request has failed by then, and `num_workers` bounds how many such compiles can run at once.
-    The workers are daemon threads, so a compile that never ends cannot hold up the process's exit.
+    Each of the `num_workers` threads hands its compiles to a process of its own (compile_worker.py)
+    and waits; a compile past `timeout_s` gets its process killed, so the capacity it held comes back at
+    once, and the thread starts another process for its next compile.
     """
 
     def __init__(
@@ -110,8 +104,8 @@ class GrammarCache:
         ]
         for worker in self._workers:
             worker.start()
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
+        self._tokenizer_info: tuple[xgr.TokenizerInfo, str] | None = None  # and its JSON, for the processes
+        self._tokenizer_lock = threading.Lock()
 
     def get(self, params: StructuredOutputParams) -> Future:
         """The compile of `params` (a `Future` of an xgrammar `CompiledGrammar`), started if not cached."""
@@ -137,30 +131,29 @@ class GrammarCache:
             self._jobs.put(None)
 
     def _work(self) -> None:
-        # NOTE: on Linux a thread has a priority of its own: a compile yields the CPU to the engine's loop
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        process: CompileProcess | None = None
         while (job := self._jobs.get()) is not None:
             future, params = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self._compile(params))
+                info, info_json = self._xgrammar_tokenizer()
+                if process is None or not process.alive:
+                    process = CompileProcess(info_json)
+                compiled = process.compile(params, self.timeout_s)
+                future.set_result(xgr.CompiledGrammar.deserialize_json(compiled, info))
             except GrammarError as e:
                 future.set_exception(e)
             except Exception as e:  # a bug, not the schema's fault: still only its requests fail
                 future.set_exception(
                     GrammarError(f"internal error while compiling the grammar: {type(e).__name__}: {e}")
                 )
+        if process is not None:
+            process.kill()
 
-    def _compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        compiler = self._tokenizer_compiler()
-        with xgrammar_errors(params):
-            return compiler.compile_grammar(xgrammar_grammar(params))
-
-    def _tokenizer_compiler(self) -> xgr.GrammarCompiler:
-        with self._compiler_lock:
-            if self._compiler is None:
+    def _xgrammar_tokenizer(self) -> tuple[xgr.TokenizerInfo, str]:
+        with self._tokenizer_lock:
+            if self._tokenizer_info is None:
                 try:
                     info = xgr.TokenizerInfo.from_huggingface(
                         self.load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
@@ -169,9 +162,8 @@ class GrammarCache:
                     raise GrammarError(
                         f"internal error: structured output needs the model's tokenizer: {type(e).__name__}: {e}"
                     ) from None
-                # This cache is the only one: xgrammar's own would grow without bound.
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-            return self._compiler
+                self._tokenizer_info = info, info.serialize_json()
+            return self._tokenizer_info
 
 
 class GrammarBitmask:

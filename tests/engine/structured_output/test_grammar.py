@@ -5,6 +5,7 @@ test_structured_output.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 import time
@@ -228,6 +229,69 @@ def test_a_slow_compile_fails_its_request_at_the_time_limit_without_blocking(tok
     finally:
         release.set()
         grammars.shutdown()
+
+
+def _slow_schema() -> dict:
+    """A JSON schema inside every size and depth limit whose compile takes about a second or more (anyOf nested 12
+    deep: xgrammar's compile grows with the alternatives)."""
+    schema: dict = {"type": "string"}
+    for _ in range(12):
+        schema = {"anyOf": [schema, {"type": "array", "items": schema}]}
+    return schema
+
+
+def test_a_compile_past_its_time_limit_is_killed_and_its_capacity_comes_back(tokenizer):
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS], num_workers=1, timeout_s=3)
+    try:
+        # the worker process is started and warm before the slow compile is timed
+        assert grammars.get(StructuredOutputParams(regex="a+")).result(timeout=60) is not None
+        grammars.timeout_s = 0.2
+        slow = StructuredOutputParams(json=_slow_schema())
+        start = time.monotonic()
+        with pytest.raises(GrammarError, match=r"compiling the JSON schema took longer than 0.2 s"):
+            grammars.get(slow).result(timeout=30)
+        assert time.monotonic() - start < 0.2 + 1.0  # failed at its limit, not when xgrammar would have finished
+        grammars.timeout_s = 30
+        # the one worker is free for the next constraint (in a new process)
+        assert grammars.request_grammar(StructuredOutputParams(regex="[0-9]+")).compiled.result(timeout=60)
+        # the slow schema sent again fails at once, costing no compile
+        compiles = grammars.num_compiles
+        assert isinstance(grammars.get(slow).exception(timeout=0), GrammarError)
+        assert grammars.num_compiles == compiles
+    finally:
+        grammars.shutdown()
+
+
+def test_compile_worker_processes_end_with_the_cache(tokenizer):
+    others = _children()  # other caches' (this module's fixture's)
+    grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS], num_workers=2)
+    assert grammars.get(StructuredOutputParams(regex="x+")).result(timeout=60) is not None
+    children = _children() - others
+    assert children, "the compile ran in a process of its own"
+    grammars.shutdown()
+    deadline = time.monotonic() + 30
+    while _children() & children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _children() & children
+
+
+def _children() -> set[int]:
+    """This process's live children that run the compile worker."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"compile_worker" in cmdline:
+            found.add(int(entry.name))
+    return found
 
 
 # ---- the mask against a reference -----------------------------------------------------------------------

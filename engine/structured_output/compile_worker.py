@@ -1,0 +1,112 @@
+"""A grammar compiled for the engine's tokenizer in a process of its own, which is killed when the compile runs past
+its time limit: xgrammar's compile of a hostile constraint can run for minutes, and a thread cannot be stopped, so a
+compile on a thread would hold its share of the engine's compile capacity (and a CPU) long after its request failed.
+
+The engine side (`CompileProcess`) hands the worker xgrammar's tokenizer info once, as JSON, then one constraint at a
+time; the worker answers with the compiled grammar serialized (xgrammar's own JSON form), which the engine turns back
+into a `CompiledGrammar` for its matchers. The worker is started with `python -m` rather than `multiprocessing`, so an
+offline script without a `__main__` guard is never imported again in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+from kiln.engine.sampling_params import StructuredOutputParams
+from kiln.engine.structured_output.constraints import WHAT, GrammarError
+
+START_TIMEOUT_S = 120.0
+
+
+class CompileProcess:
+    """One worker process compiling grammars for one tokenizer, one at a time."""
+
+    def __init__(self, tokenizer_info_json: str) -> None:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        self.conn = Connection(ours.detach())
+        self.conn.send_bytes(tokenizer_info_json.encode())
+        # its start (xgrammar's import, the tokenizer read back) is not part of any compile's time limit
+        try:
+            if not self.conn.poll(START_TIMEOUT_S) or self.conn.recv_bytes() != b"ready":
+                raise EOFError
+        except (EOFError, OSError):
+            self.kill()
+            raise GrammarError("internal error: the grammar compiler's process did not start") from None
+
+    def compile(self, params: StructuredOutputParams, timeout_s: float) -> str:
+        """`params` compiled, as xgrammar's JSON of a `CompiledGrammar`. Raises `GrammarError` if the constraint
+        cannot be compiled, or if the compile runs past `timeout_s` (then this process is killed: start another)."""
+        try:
+            self.conn.send(dataclasses.asdict(params))
+            if not self.conn.poll(timeout_s):
+                self.kill()
+                raise GrammarError(f"compiling the {WHAT[params.kind]} took longer than {timeout_s:g} s")
+            compiled, problem = self.conn.recv()
+        except (EOFError, OSError):  # it died (out of memory, say): its request fails, and the next gets a new one
+            self.kill()
+            raise GrammarError("internal error: the grammar compiler's process ended during the compile") from None
+        if problem is not None:
+            raise GrammarError(problem)
+        return compiled
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None and not self.conn.closed
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when the engine thread that started it ends (or the engine does)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the line above: nobody is left to ask for anything
+        sys.exit(0)
+
+
+def _serve(conn: Connection) -> None:
+    os.nice(10)  # a compile yields the CPU to the engine's loop and the API server
+    import xgrammar as xgr  # noqa: PLC0415
+
+    from kiln.engine.structured_output.constraints import xgrammar_errors, xgrammar_grammar  # noqa: PLC0415
+
+    info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the engine keeps the only cache
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            params = StructuredOutputParams(**conn.recv())
+        except EOFError:  # the engine is gone
+            return
+        try:
+            with xgrammar_errors(params):
+                compiled = compiler.compile_grammar(xgrammar_grammar(params))
+            conn.send((compiled.serialize_json(), None))
+        except GrammarError as e:
+            conn.send((None, str(e)))
+        except Exception as e:  # a bug, not the constraint's fault: still only its requests fail
+            conn.send((None, f"internal error while compiling the grammar: {type(e).__name__}: {e}"))
+
+
+if __name__ == "__main__":
+    _die_with_parent(int(sys.argv[2]))
+    _serve(Connection(int(sys.argv[1])))
