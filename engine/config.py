@@ -7,7 +7,7 @@ devices and dtypes (`kiln.engine.core.startup`).
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from kiln.engine.models.presets import DEFAULT_MODEL
 
@@ -51,6 +51,10 @@ class EngineConfig:
     generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # None where a field has a value by default: that value (vLLM reads None so)
+            if getattr(self, f.name) is None and f.default is not None and f.default is not MISSING:
+                object.__setattr__(self, f.name, f.default)
+
         def positive(name: str, value: int | None) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -48,3 +48,10 @@ def tiny_model_dir_qwen3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session", params=["mixtral", "qwen3_moe", "qwen2_moe"])
+def tiny_moe_dir(request, tmp_path_factory) -> Path:
+    """Mixtral (every layer sparse), Qwen3-MoE (a dense layer by decoder_sparse_step) and Qwen2-MoE (a dense layer
+    by mlp_only_layers, a gated shared expert)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)

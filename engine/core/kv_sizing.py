@@ -127,3 +127,31 @@ def profile_forward(
     del runner, kv_caches
     torch.cuda.empty_cache()
     return peak + max(outside_torch, 0)
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a GPU; None on the CPU, whose memory Kiln does not size."""
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        return torch.cuda.mem_get_info()
+
+
+def check_weights_fit(model: torch.nn.Module, device: torch.device, config: EngineConfig) -> None:
+    """Raise a one-line ValueError, with the sizes, when this rank's weights (of `model`, built on the meta
+    device) cannot fit in `gpu_memory_utilization` of its GPU."""
+    memory = device_memory(device)
+    if memory is None:
+        return
+    free, total = memory
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    usable = min(free, int(total * config.gpu_memory_utilization))
+    if weights > usable:
+        gib = 1 << 30
+        ranks = config.tensor_parallel_size
+        raise ValueError(
+            f"the model's weights need {weights / gib:.1f} GiB on each GPU (tensor_parallel_size {ranks}), but "
+            f"{device} has {usable / gib:.1f} GiB usable ({free / gib:.1f} GiB free of {total / gib:.1f} GiB, "
+            f"gpu_memory_utilization {config.gpu_memory_utilization}); use a larger tensor_parallel_size, a "
+            "smaller model, or a quantized checkpoint"
+        )

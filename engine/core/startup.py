@@ -32,7 +32,7 @@ from kiln.compile import (
     pin_triton_setup,
 )
 from kiln.engine.config import DTYPES, EngineConfig, kiln_version
-from kiln.engine.core.kv_sizing import num_kv_blocks
+from kiln.engine.core.kv_sizing import check_weights_fit, num_kv_blocks
 from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_ranks
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
@@ -128,6 +128,25 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
     return max_model_len
 
 
+def _build_on_device(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    shard: TensorParallelShard,
+    config: EngineConfig,
+) -> nn.Module:
+    """`build_model`; out of memory, a one-line error with the weights' size and the GPU's (measured on a model
+    built on the meta device, which costs start-up time only then)."""
+    try:
+        return build_model(model_config, dtype, device, max_model_len, shard)
+    except torch.OutOfMemoryError:
+        pass  # (outside the handler: its traceback holds the tensors allocated so far)
+    torch.cuda.empty_cache()
+    check_weights_fit(build_model(model_config, dtype, torch.device("meta"), max_model_len, shard), device, config)
+    raise ValueError(f"out of GPU memory while allocating the model's weights on {device}")
+
+
 def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several)."""
     start = time.perf_counter()
@@ -144,7 +163,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     max_model_len = context_length(config, model_config)
     torch.manual_seed(config.seed)
     shard = TensorParallelShard(rank, config.tensor_parallel_size)
-    model = build_model(model_config, dtype, device, max_model_len, shard)
+    model = _build_on_device(model_config, dtype, device, max_model_len, shard, config)
     backend = get_attention_backend(config.attention_backend or default_backend_name(device))
     cudagraph_mode = _cudagraph_mode(config, device, backend)
     counters = CompileCounters()

@@ -5,7 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# the attention of each mixture of experts is its dense sibling's
+_ATTENTION_OF = {
+    "MixtralForCausalLM": "MistralForCausalLM",
+    "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+    "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +42,14 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...] = field(default=())
     sliding_window: int | None = None  # some layers attend this many tokens back only (not implemented: max_context)
+    # A mixture of experts (num_experts > 0): the layers in `moe_layers` route each token to `num_experts_per_tok`
+    # of `num_experts` SiLU MLPs of `moe_intermediate_size`, the others have the dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = field(default=())
+    norm_topk_prob: bool = False  # the top-k routing weights divided by their sum
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, scaled by a sigmoid gate
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -45,6 +67,7 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        attention = _ATTENTION_OF.get(arch, arch)
         activation = getattr(hf_config, "hidden_act", "silu")
         if activation not in ("silu", "swish"):
             raise ValueError(f"hidden_act {activation!r} is not supported: Kiln's MLP is SiLU-and-mul")
@@ -52,7 +75,7 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported: Kiln's MLP projections have no bias")
         # Mistral: every layer slides when sliding_window is set; Qwen2/3: the layers transformers marks so
         layer_types = getattr(hf_config, "layer_types", None)
-        slides = "sliding_attention" in layer_types if layer_types else arch == "MistralForCausalLM"
+        slides = "sliding_attention" in layer_types if layer_types else attention == "MistralForCausalLM"
         window = getattr(hf_config, "sliding_window", None) if slides else None
         return cls(
             architecture=arch,
@@ -68,12 +91,17 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if arch in ("LlamaForCausalLM", "MistralForCausalLM") else False,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
+            qk_norm=attention == "Qwen3ForCausalLM",
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
+            **_experts(arch, hf_config),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @property
     def max_context(self) -> int:
@@ -84,3 +112,36 @@ class ModelConfig:
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
             positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
         return min(positions, self.sliding_window or positions)
+
+
+def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of `arch`'s config (none for a dense model)."""
+    if arch not in _ATTENTION_OF:
+        return {}
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    if num_experts == 0:  # (Qwen's MoE configs allow it: every layer dense)
+        return {}
+    top_k = hf_config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
+    if arch == "MixtralForCausalLM":  # every layer sparse; the top-k weights always renormalised
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=hf_config.intermediate_size,
+            moe_layers=tuple(range(hf_config.num_hidden_layers)),
+            norm_topk_prob=True,
+        )
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hf_config.moe_intermediate_size,
+        moe_layers=layers,
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0)
+        if arch == "Qwen2MoeForCausalLM"
+        else 0,
+    )

@@ -1,4 +1,5 @@
-"""The Llama family over a flat token layout: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm).
+"""The Llama family over a flat token layout: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), and their
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: a sparse MLP in the layers the config names, moe.py).
 
 `forward(input_ids[T], positions[T]) -> hidden[T, H]`: no batch dimension and no padding inside the
 model; how tokens group into requests is known only to the attention op, through the forward context.
@@ -13,6 +14,7 @@ from torch import nn
 from kiln.backends.attention.op import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, norm_linear, rms_norm
+from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -127,7 +129,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_index, rotary_emb, shard)
-        self.mlp = MLP(config, shard)
+        self.mlp = SparseMoeBlock(config, shard) if layer_index in config.moe_layers else MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
@@ -94,7 +98,17 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
         raise WeightLoadError(f"{model_dir}: checkpoint is missing {len(missing)} tensors: {shown}")
 
 
+# One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py)
+_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
+_EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
+
+
 def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router and experts
+    if (expert := _EXPERT.match(name)) and expert["proj"] in _EXPERT_PARTS:
+        param, part = _EXPERT_PARTS[expert["proj"]]
+        return f"{expert['layer']}.mlp.experts.{param}", (int(expert["expert"]), part)
     for hf_name, (fused, shard) in model.stacked_params.items():
         if f".{hf_name}." in name:
             return name.replace(hf_name, fused), shard

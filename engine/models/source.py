@@ -155,6 +155,9 @@ def _model_type(architecture: str) -> str:
         "MistralForCausalLM": "mistral",
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
+        "MixtralForCausalLM": "mixtral",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
     }[architecture]
 
 

@@ -220,3 +220,20 @@ def test_close_gives_the_memory_back_while_the_llm_is_still_referenced(tiny_llam
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()  # idempotent
+
+
+def test_none_for_an_engine_setting_means_its_default():
+    """vLLM's reading: `LLM(..., max_num_batched_tokens=None)` is the default budget, not a crash deep in the runner."""
+    from kiln.engine.config import EngineConfig
+
+    config = EngineConfig(max_num_batched_tokens=None, max_num_seqs=None, block_size=None, enable_prefix_caching=None)
+    default = EngineConfig()
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (
+        default.max_num_batched_tokens,
+        default.max_num_seqs,
+        default.block_size,
+        default.enable_prefix_caching,
+    )
+    assert config.max_model_len is None  # a field whose default is None keeps it
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got 0"):
+        EngineConfig(max_num_seqs=0)

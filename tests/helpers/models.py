@@ -23,8 +23,20 @@ TINY = dict(
 )
 
 
+# Mixtures of experts: 8 (or 6) experts of 32 columns, k of them a token; the Qwen ones with a dense layer too
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def tiny_hf_config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if kind == "llama":
         rope = {
@@ -45,6 +57,36 @@ def tiny_hf_config(kind: str):
         rope = {"rope_type": "default", "rope_theta": 1e6}
         shape = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}  # GQA 4:1, head_dim 32 != 64 / 4
         return Qwen3Config(**shape, head_dim=32, rope_parameters=rope, tie_word_embeddings=False)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    if kind == "mixtral":  # every layer sparse, top-2 of 8 renormalised; its experts are intermediate_size wide
+        return MixtralConfig(
+            **{**TINY, "intermediate_size": 32},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters=rope,
+            sliding_window=None,
+        )
+    if kind == "qwen3_moe":  # layer 0 dense (decoder_sparse_step 2), top-3 of 8 renormalised, q/k norms
+        return Qwen3MoeConfig(
+            **TINY,
+            **{**TINY_MOE, "num_experts_per_tok": 3},
+            num_experts=8,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            head_dim=16,
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+        )
+    if kind == "qwen2_moe":  # 3 layers, the middle one dense (mlp_only_layers), a gated shared expert, QKV bias
+        return Qwen2MoeConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            **TINY_MOE,
+            num_experts=6,
+            mlp_only_layers=[1],
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            rope_parameters=rope,
+        )
     raise ValueError(kind)
 
 
@@ -58,7 +100,7 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
     if vocab_size is not None:
         config.vocab_size, config.eos_token_id = vocab_size, vocab_size - 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind == "qwen2":  # HF initialises biases to zero; make them matter
+    if kind in ("qwen2", "qwen2_moe"):  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):

@@ -1,0 +1,98 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): a router picks each token's top-k experts, and the
+`kiln::fused_moe` op runs only those (backends/kernels/moe.py).
+
+    router:  logits = x @ gate^T [T, E], softmax in float32, top-k, optionally renormalised
+    experts: sum over the k chosen e of  weight_e * down_e(silu(gate_e(x)) * up_e(x))
+    shared:  Qwen2-MoE adds sigmoid(x @ shared_gate^T) * shared_mlp(x), an MLP every token takes
+
+The checkpoints ship one tensor per expert and projection; the loader stacks them into one tensor a layer (w13:
+[E, 2I, H], gate's rows then up's; w2: [E, H, I]), which is what a grouped kernel reads. With tensor parallelism
+every rank holds every expert, cut along the intermediate dimension as the dense MLP is, and one all-reduce adds the
+ranks' partial sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import kiln.backends.kernels.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
+from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.layers import Linear, RMSNorm, linear, linear_silu_mul
+from kiln.engine.models.parallel import MergedColumnParallelLinear, RowParallelLinear, ShardId, TensorParallelShard
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up (`w13`) and down (`w2`) projections, this rank's intermediate columns of each."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard: TensorParallelShard) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.full_intermediate = intermediate_size
+        self.intermediate = shard.split(intermediate_size, "moe_intermediate_size")
+        self.start = shard.rank * self.intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+
+    def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
+        """One checkpoint tensor per expert and projection: (expert, 0) gate, (expert, 1) up, (expert, None) down."""
+        if param_name == "w13":
+            shape = (self.full_intermediate, self.hidden_size)
+            return [((e, part), shape) for e in range(self.num_experts) for part in (0, 1)]
+        return [((e, None), (self.hidden_size, self.full_intermediate)) for e in range(self.num_experts)]
+
+    def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
+        expert, part = shard
+        size, start = self.intermediate, self.start
+        if param_name == "w13":
+            self.w13[expert, part * size : (part + 1) * size].copy_(source[start : start + size])
+        else:
+            self.w2[expert].copy_(source[:, start : start + size])
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: `forward(norm, hidden, residual)` as the dense MLP's."""
+
+    def __init__(self, config: ModelConfig, shard: TensorParallelShard) -> None:
+        super().__init__()
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        # Mixtral keeps the routing weights in float32 into the experts; the Qwen models cast them to the model's dtype
+        self.float32_weights = config.architecture == "MixtralForCausalLM"
+        self.tp_size = shard.size
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router, whole on every rank
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, shard)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(config.hidden_size, config.shared_expert_intermediate_size, shard)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = norm(hidden, residual)
+        weights, experts = self.route(x)
+        out = torch.ops.kiln.fused_moe(x, self.experts.w13, self.experts.w2, weights, experts)
+        if self.tp_size > 1:
+            torch.ops.kiln.all_reduce_(out)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out, residual
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, k] (int32) and their weights [T, k] (see `float32_weights`)."""
+        probs = torch.softmax(linear(x, self.gate.weight).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights if self.float32_weights else weights.to(x.dtype), experts.to(torch.int32)
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a dense SiLU MLP (its down projection all-reduced on its own)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, shard: TensorParallelShard) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], shard)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
