@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import kiln.backends.kernels.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
+from kiln.backends.kernels import moe_triton
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import Linear, RMSNorm, linear, linear_silu_mul
+from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, linear, linear_silu_mul
 from kiln.engine.models.parallel import MergedColumnParallelLinear, RowParallelLinear, ShardId, TensorParallelShard
 
 
@@ -52,8 +53,9 @@ class Experts(nn.Module):
             self.w2[expert].copy_(source[:, start : start + size])
 
 
-class SparseMoeBlock(nn.Module):
-    """The MLP of a sparse layer: `forward(norm, hidden, residual)` as the dense MLP's."""
+class SparseMoeBlock(FusedKernelsMixin, nn.Module):
+    """The MLP of a sparse layer: `forward(norm, hidden, residual)` as the dense MLP's. Eager on the GPU (`fused`)
+    it calls the Triton kernels directly; otherwise the op (traced: opaque to Dynamo; on the CPU the plain form)."""
 
     def __init__(self, config: ModelConfig, shard: TensorParallelShard) -> None:
         super().__init__()
@@ -70,7 +72,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = norm(hidden, residual)
         weights, experts = self.route(x)
-        out = torch.ops.kiln.fused_moe(x, self.experts.w13, self.experts.w2, weights, experts)
+        moe = moe_triton.fused_moe if self.fused else torch.ops.kiln.fused_moe
+        out = moe(x, self.experts.w13, self.experts.w2, weights, experts)
         if self.tp_size > 1:
             torch.ops.kiln.all_reduce_(out)
         if hasattr(self, "shared_expert"):

@@ -81,7 +81,8 @@ def _from_memo(kept: Any) -> tuple[ModelConfig, str | None] | None:
     if kept is None:
         return None
     try:
-        fields = {**kept["model_config"], "eos_token_ids": tuple(kept["model_config"]["eos_token_ids"])}
+        config = kept["model_config"]
+        fields = {**config, "eos_token_ids": tuple(config["eos_token_ids"]), "moe_layers": tuple(config["moe_layers"])}
         return ModelConfig(**fields), kept["checkpoint_dtype"]
     except (KeyError, TypeError) as e:  # of another shape: resolved again
         logger.warning("the model config memo does not fit (%s); resolving the config again", e)

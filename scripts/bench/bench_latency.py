@@ -26,6 +26,7 @@ import time
 import torch
 
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import kv_heads_per_rank
 from kiln.engine.models.source import resolve_model
 
@@ -41,12 +42,21 @@ MODES = {
 
 def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
     """The weight bytes a decode step of `num_tokens` tokens reads on one GPU: every parameter (a tied embedding once:
-    the LM head reads it whole), except that an untied input embedding gives only one row a token."""
+    the LM head reads it whole), except that an untied input embedding gives only one row a token, and a mixture of
+    experts' layer only the experts its tokens chose: E * (1 - (1 - k/E)^T) of them expected, if the router spreads
+    tokens evenly (as random weights do), k at batch 1."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     if embed is not head:
         row = embed.shape[1] * embed.element_size()
         weights -= embed.numel() * embed.element_size() - min(num_tokens, embed.shape[0]) * row
+    for layer in model.model.layers:
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            continue
+        experts, top_k = layer.mlp.experts, layer.mlp.top_k
+        per_expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+        chosen = experts.num_experts * (1 - (1 - top_k / experts.num_experts) ** num_tokens)
+        weights -= int((experts.num_experts - chosen) * per_expert)
     return weights
 
 
@@ -196,7 +206,7 @@ def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def hf_tokens_per_s(model_name: str, batch: int) -> float:
+def hf_tokens_per_s(model_name: str, batch: int, cache: str = "static") -> float:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     # NOTE: built on the GPU: the random initialisation of an 8B model on the CPU outlasted a device call's step
@@ -213,7 +223,7 @@ def hf_tokens_per_s(model_name: str, batch: int) -> float:
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
-                cache_implementation="static",
+                cache_implementation=cache,
                 pad_token_id=0,
             )
         torch.cuda.synchronize()
@@ -232,6 +242,13 @@ def main() -> None:
     p.add_argument("--capture-sizes", default=None, help="comma-separated; default: the engine's")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate()")
     p.add_argument("--hf-batches", default="1", help="batches at which to time Hugging Face")
+    p.add_argument(
+        "--hf-cache",
+        default="static",
+        choices=["static", "dynamic"],
+        help="Hugging Face's KV cache: static (transformers compiles the decode step) or dynamic (eager, as a "
+        "mixture of experts runs there: its expert loop does not compile)",
+    )
     p.add_argument("--json")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
@@ -290,10 +307,10 @@ def main() -> None:
         del llm
     if args.hf:
         for batch in (int(b) for b in args.hf_batches.split(",")):
-            tps = hf_tokens_per_s(args.model, batch)
+            tps = hf_tokens_per_s(args.model, batch, args.hf_cache)
             rows.append(
                 {
-                    "engine": "hf static+compile",
+                    "engine": "hf static+compile" if args.hf_cache == "static" else "hf eager",
                     "batch": batch,
                     "prompt": PROMPT_LEN,
                     "tokens_per_s": tps,

@@ -5,12 +5,14 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
+#   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
-# LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths),
+# LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths;
+# LATENCY_HF_CACHE=dynamic times HF eager, as a mixture of experts must run there),
 # kernel-tests runs the kernel tests (tests/backends) on the GPU, bf16 and fp16 too, each test's result on its own line
 # (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step; ATTENTION_SHAPES=64x256,1x32768 only those points of
@@ -105,9 +107,14 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60
       grep -A20 "^one-row matmul" "$OUT/gemv.log" >> "$summary" ;;
+    moe-kernel:*)
+      model=${step#moe-kernel:}
+      timeout -s ABRT -k 15 ${MOE_TIMEOUT:-240} python3 scripts/bench/bench_moe.py --model "$model" ${MOE_TOKENS:+--tokens $MOE_TOKENS} \
+        ${MOE_CONFIGS:+--configs $MOE_CONFIGS} --json "$OUT/moe_$model.json" 2>&1 | tee "$OUT/moe_$model.log" | tail -n 40
+      grep -A40 "^fused MoE" "$OUT/moe_$model.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
-      hf=--hf; [ "${LATENCY_HF:-1}" = 0 ] && hf=
+      hf="--hf --hf-cache ${LATENCY_HF_CACHE:-static}"; [ "${LATENCY_HF:-1}" = 0 ] && hf=
       base=$(fresh "$OUT/latency_${model}_tp${TP:-1}$tag")
       timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from kiln.compile.cache import JsonFolder
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.source import resolve_model
@@ -52,7 +53,7 @@ def assert_matches_hf(hf, prompt: list[int], output) -> None:
         assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=1e-4), i
 
 
-def test_config_names_the_sparse_layers_and_the_router(tiny_moe_dir):
+def test_config_names_the_sparse_layers_and_the_router(tiny_moe_dir, tmp_path):
     config = resolve_model(str(tiny_moe_dir)).model_config
     hf_config = json.loads((tiny_moe_dir / "config.json").read_text())
     expected = {
@@ -68,6 +69,9 @@ def test_config_names_the_sparse_layers_and_the_router(tiny_moe_dir):
         config.shared_expert_intermediate_size,
     )
     assert got == expected
+    memo = JsonFolder(tmp_path / "memo")  # the engine keeps the resolved config; read back, it is the same
+    resolve_model(str(tiny_moe_dir), memo)
+    assert resolve_model(str(tiny_moe_dir), memo).model_config == config
 
 
 @pytest.mark.parametrize("budget", [None, 7], ids=["whole-prefill", "chunked-7"])

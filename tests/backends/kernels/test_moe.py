@@ -1,0 +1,108 @@
+"""The grouped expert kernels (`kiln::fused_moe`'s GPU form) against a float64 loop over the experts (Triton's
+interpreter on CPU): uneven expert loads, experts no token chose, one expert chosen by every token, tied routing
+weights, one token and many; the alignment's layout on its own; and a tiny mixture of experts through the kernels
+against Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.backends.kernels.moe import fused_moe_reference
+from kiln.backends.kernels.moe_triton import align, align_reference, fused_moe
+
+from helpers.kernels import DEVICE, DTYPES, close
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, kind: str, generator: torch.Generator):
+    """(weights [T, k], experts [T, k]) of one kind of load."""
+    if kind == "random":
+        logits = torch.randn(num_tokens, num_experts, generator=generator)
+    elif kind == "skewed":  # most tokens pick the same few experts; the last experts see none
+        logits = torch.randn(num_tokens, num_experts, generator=generator)
+        logits[:, : top_k + 1] += 4.0
+        logits[:, -2:] -= 100.0
+    else:  # "ties": every logit equal, so every token picks experts 0..k-1 with weight 1/E each
+        logits = torch.zeros(num_tokens, num_experts)
+    weights, experts = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return weights, experts.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_tokens,hidden,inter,num_experts,top_k,kind",
+    [
+        (1, 64, 32, 8, 2, "random"),  # a batch-1 decode: k experts, one row each
+        (7, 96, 48, 8, 3, "skewed"),  # K and N not multiples of the tiles; empty experts
+        (33, 64, 32, 6, 2, "ties"),  # every token on the same two experts
+        (70, 64, 64, 16, 4, "random"),  # past the decode tile: 280 pairs, BLOCK_M 32
+        (5, 64, 32, 4, 1, "random"),  # top-1
+    ],
+)
+def test_fused_moe_against_float64(dtype, num_tokens, hidden, inter, num_experts, top_k, kind):
+    generator = torch.Generator().manual_seed(num_tokens * 31 + top_k)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * inter**-0.5
+    weights, experts = _routing(num_tokens, num_experts, top_k, kind, generator)
+    reference = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), experts)
+    args = [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights.to(dtype), experts)]
+    out = fused_moe(*args)
+    assert out.shape == x.shape and out.dtype == dtype
+    close(out.cpu(), reference.to(dtype), dtype)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m",
+    [
+        (37, 12, 3, 16),
+        (37, 12, 3, 32),
+        (1, 128, 8, 16),
+        (300, 128, 8, 64),
+        (50, 256, 8, 16),
+        (3, 8, 2, 16),
+        (600, 64, 8, 64),
+    ],
+)
+def test_align_sorts_every_pair_once_into_blocks_of_one_expert(num_tokens, num_experts, top_k, block_m):
+    """The kernel's layout equals the torch ops' (a stable sort by expert), and that layout is right (600 x 8 pairs:
+    past the kernel's size, the torch ops themselves)."""
+    generator = torch.Generator().manual_seed(block_m + num_tokens)
+    _, experts = _routing(num_tokens, num_experts, top_k, "skewed", generator)
+    sorted_pairs, block_expert = align(experts.to(DEVICE), num_experts, block_m)
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    want_pairs, want_blocks = align_reference(experts, num_experts, block_m)
+    assert torch.equal(sorted_pairs, want_pairs) and torch.equal(block_expert, want_blocks)
+    num_pairs = experts.numel()
+    real = sorted_pairs[sorted_pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # each pair once, the rest padding
+    flat = experts.flatten()
+    for block, expert in enumerate(block_expert.tolist()):
+        pairs = sorted_pairs[block * block_m : (block + 1) * block_m]
+        pairs = pairs[pairs < num_pairs]
+        if expert < 0:
+            assert pairs.numel() == 0
+        else:
+            assert pairs.numel() > 0 and (flat[pairs] == expert).all()
+    used = int((block_expert >= 0).sum())
+    blocks_needed = sum(-(-int((flat == e).sum()) // block_m) for e in range(num_experts))
+    assert used == blocks_needed  # no block wasted on padding
+
+
+def test_tiny_moe_through_the_kernels_matches_hf(tiny_moe_dir):
+    """Eager with the GPU path's kernels (here under the interpreter) for attention, norms and the experts."""
+    from kiln.engine import LLM, SamplingParams
+    from kiln.engine.models.layers import use_fused_kernels
+
+    llm = LLM(str(tiny_moe_dir), enforce_eager=True, max_model_len=128, attention_backend="triton")
+    use_fused_kernels(llm.engine.executor.model, True)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    prompts = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 41))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert output.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
