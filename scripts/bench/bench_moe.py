@@ -79,7 +79,7 @@ def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, refere
 
     def row(kernel: str, us: float, experts_read: int) -> dict:
         return dict(
-            kernel=kernel, tokens=num_tokens, experts_read=experts_read, us=us, bw=experts_read * per_expert / us / 1e6
+            kernel=kernel, tokens=num_tokens, experts_read=experts_read, us=us, bw=experts_read * per_expert / us / 1e3
         )
 
     rows = []

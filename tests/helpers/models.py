@@ -100,6 +100,13 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
     if vocab_size is not None:
         config.vocab_size, config.eos_token_id = vocab_size, vocab_size - 1
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        # decisive routers (logits ~4x HF's init): a near-tie between experts would let bf16 rounding pick another
+        # expert, which says nothing about the kernels
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    p.mul_(4.0)
     if kind in ("qwen2", "qwen2_moe"):  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
