@@ -55,3 +55,8 @@ def tiny_moe_dir(request, tmp_path_factory) -> Path:
     """Mixtral (every layer sparse), Qwen3-MoE (a dense layer by decoder_sparse_step) and Qwen2-MoE (a dense layer
     by mlp_only_layers, a gated shared expert)."""
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")

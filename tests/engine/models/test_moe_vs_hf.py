@@ -158,3 +158,44 @@ def test_weights_too_large_for_the_gpu_fail_at_start_with_the_sizes(monkeypatch)
         LLM("qwen3-30b-a3b", enforce_eager=True, max_model_len=64)
     assert str(e.value).startswith(f"the model's weights need {need:.1f} GiB on each GPU (tensor_parallel_size 1)")
     assert "36.0 GiB usable (38.0 GiB free of 40.0 GiB, gpu_memory_utilization 0.9)" in str(e.value)
+
+
+def test_prefix_hits_and_preemption_with_experts(tiny_qwen3_moe_dir):
+    """A mixture of experts keeps the engine's paging: prefix-cache hits and preempted, recomputed requests give HF's
+    tokens, and every KV block comes back."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
+    shared = list(range(100, 140))
+    prompts = [shared + [1, 2], shared + [3], shared + [4, 5, 6], shared + [7]]
+    llm = LLM(str(tiny_qwen3_moe_dir), enforce_eager=True, max_model_len=80, num_kv_blocks=21, block_size=4)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 40 for o in rest)
+    # 20 blocks of 4 tokens cannot hold the 10 shared blocks and three requests' 5 blocks of their own each
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, first + rest):
+        assert_matches_hf(hf, prompt, output.outputs[0])
+    assert llm.engine.kv_cache_manager.num_free_blocks == 20
+
+
+def test_server_streams_and_constrains_a_mixture_of_experts(tiny_qwen3_moe_dir):
+    """The API over a MoE model: a JSON-schema-constrained completion parses and validates, a stream ends, and the
+    KV blocks come back."""
+    from helpers.server import Server
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    server = Server(tiny_qwen3_moe_dir)
+    try:
+        client = server.client()
+        baseline = server.metric("kiln_kv_cache_free_blocks")
+        out = client.completions.create(
+            model=server.model, prompt="json", max_tokens=40, seed=1, extra_body={"guided_json": schema}
+        )
+        value = json.loads(out.choices[0].text)
+        assert set(value) == {"n"} and isinstance(value["n"], int)
+        stream = client.completions.create(model=server.model, prompt="hi", max_tokens=8, stream=True, seed=2)
+        chunks = [c for c in stream if c.choices]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert server.metric("kiln_kv_cache_free_blocks") == baseline
+    finally:
+        server.stop()
