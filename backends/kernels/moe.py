@@ -1,12 +1,15 @@
-"""`kiln::fused_moe`: the experts of a mixture-of-experts layer, for tokens routed to k of them each.
+"""`kiln::fused_moe`: a mixture-of-experts layer's routing and experts, from the router's logits.
 
-    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], experts [T, k] int32) -> [T, H]
-        = sum over j < k of  weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),  e = experts[t, j]
+    fused_moe(x [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalise, float32_weights)
+        -> [T, H] = sum over j < k of  weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),  e = experts[t, j]
+    experts, weights: the top-k of softmax(router_logits) (float32), divided by their sum if `renormalise`, in
+    float32 (Mixtral) or x's dtype (the Qwen models), as Hugging Face rounds them
 
-One opaque op, as the attention is: Dynamo traces the router around it and Inductor fuses that; the op's
-GPU form is the grouped Triton kernel (moe_triton.py), which reads only the experts some token chose and runs
-inside CUDA graphs (fixed shapes, no host sync). `fused_moe_reference` is the plain-torch form: a loop over
-the experts that were chosen, as Hugging Face computes it (the CPU's form, and the tests' reference).
+One opaque op, as the attention is (Dynamo traces the router's matmul before it). Its GPU form is Triton's
+(moe_routing.py, moe_triton.py): routing and alignment in one launch for a decode, then grouped matmuls that read
+only the experts some token chose, inside CUDA graphs (fixed shapes, no host sync). The plain-torch form
+(`route_reference` in moe_routing.py, `fused_moe_reference` here: a loop over the chosen experts, as Hugging Face
+computes it) is the CPU's, and the tests' reference.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.backends.kernels.moe_routing import route_reference
 from kiln.backends.kernels.ops import define
 
 
@@ -31,23 +35,30 @@ def fused_moe_reference(
 
 
 def _fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalise: bool,
+    float32_weights: bool,
 ) -> torch.Tensor:
+    weights_dtype = torch.float32 if float32_weights else x.dtype
     if x.is_cuda:
         from kiln.backends.kernels.moe_triton import fused_moe  # noqa: PLC0415  (Triton only where there is a GPU)
 
-        return fused_moe(x, w13, w2, weights, experts)
+        return fused_moe(x, router_logits, w13, w2, top_k, renormalise, weights_dtype)
+    weights, experts = route_reference(router_logits, top_k, renormalise, weights_dtype)
     return fused_moe_reference(x, w13, w2, weights, experts)
 
 
-def _fused_moe_fake(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-) -> torch.Tensor:
+def _fused_moe_fake(x: torch.Tensor, router_logits: torch.Tensor, *args) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
 define(
-    "fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts) -> Tensor",
+    "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, bool renormalise, "
+    "bool float32_weights) -> Tensor",
     _fused_moe,
     _fused_moe_fake,
 )

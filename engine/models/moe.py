@@ -71,22 +71,18 @@ class SparseMoeBlock(FusedKernelsMixin, nn.Module):
 
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = norm(hidden, residual)
-        weights, experts = self.route(x)
-        moe = moe_triton.fused_moe if self.fused else torch.ops.kiln.fused_moe
-        out = moe(x, self.experts.w13, self.experts.w2, weights, experts)
+        logits = linear(x, self.gate.weight)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if self.fused:
+            weights_dtype = torch.float32 if self.float32_weights else x.dtype
+            out = moe_triton.fused_moe(x, logits, w13, w2, self.top_k, self.renormalise, weights_dtype)
+        else:
+            out = torch.ops.kiln.fused_moe(x, logits, w13, w2, self.top_k, self.renormalise, self.float32_weights)
         if self.tp_size > 1:
             torch.ops.kiln.all_reduce_(out)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out, residual
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts [T, k] (int32) and their weights [T, k] (see `float32_weights`)."""
-        probs = torch.softmax(linear(x, self.gate.weight).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights if self.float32_weights else weights.to(x.dtype), experts.to(torch.int32)
 
 
 class SharedExpert(nn.Module):

@@ -1,5 +1,6 @@
-"""The fused expert kernels (`kiln::fused_moe` on the GPU) alone, at a preset's layer shape: microseconds a layer
-and the bandwidth of the expert weights they read, against the plain-torch loop over experts and against one bf16
+"""The fused expert kernels (`kiln::fused_moe` on the GPU: routing from the router's logits, alignment, the grouped
+matmuls, the sum over k) alone, at a preset's layer shape: microseconds a layer and the bandwidth of the expert
+weights they read, against the plain-torch loop over experts and against one bf16
 dense MLP of the same active size (k experts' columns side by side, cuBLAS), each timed inside a CUDA graph (the
 loop, which syncs, eagerly). Routing is uniform random, as dummy weights route.
 
@@ -67,8 +68,8 @@ def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, refere
     w13, w2, dense13, dense2 = weights_of_layers
     layers, (num_experts, _, hidden) = len(w13), w13[0].shape
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    probs = torch.randn(num_tokens, num_experts, device="cuda").softmax(-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", dtype=x.dtype)
+    weights, experts = torch.topk(logits.float().softmax(-1), top_k, dim=-1)
     weights, experts = weights.to(x.dtype), experts.to(torch.int32)
     chosen = int(torch.unique(experts).numel())
     state = {"i": 0}
@@ -87,7 +88,7 @@ def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, refere
 
         def fused(config=config):
             i = layer()
-            moe_triton.fused_moe(x, w13[i], w2[i], weights, experts, config)
+            moe_triton.fused_moe(x, logits, w13[i], w2[i], top_k, True, x.dtype, config)
 
         name = "fused" if config is None else "fused " + "x".join(str(v) for v in config.values())
         rows.append(row(name, graph_time_us(fused), chosen))

@@ -1,7 +1,8 @@
 """The grouped expert kernels (`kiln::fused_moe`'s GPU form) against a float64 loop over the experts (Triton's
 interpreter on CPU): uneven expert loads, experts no token chose, one expert chosen by every token, tied routing
-weights, one token and many; the alignment's layout on its own; and a tiny mixture of experts through the kernels
-against Hugging Face."""
+weights, one token and many; the routing kernel against torch's softmax and top-k; the alignment's layout on its
+own; the whole op from the router's logits; and a tiny mixture of experts through the kernels against Hugging
+Face."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln.backends.kernels.moe import fused_moe_reference
-from kiln.backends.kernels.moe_triton import align, align_reference, fused_moe
+from kiln.backends.kernels.moe_routing import align, align_reference, route_and_align, route_reference
+from kiln.backends.kernels.moe_triton import experts_forward, fused_moe
 
 from helpers.kernels import DEVICE, DTYPES, close
 
@@ -48,8 +50,47 @@ def test_fused_moe_against_float64(dtype, num_tokens, hidden, inter, num_experts
     weights, experts = _routing(num_tokens, num_experts, top_k, kind, generator)
     reference = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), experts)
     args = [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights.to(dtype), experts)]
-    out = fused_moe(*args)
+    out = experts_forward(*args)
     assert out.shape == x.shape and out.dtype == dtype
+    close(out.cpu(), reference.to(dtype), dtype)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,renormalise",
+    [(1, 128, 8, True), (5, 8, 2, True), (37, 60, 4, False), (64, 128, 8, True), (3, 256, 8, True), (600, 16, 8, True)],
+)
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_routing_kernel_equals_softmax_and_topk(num_tokens, num_experts, top_k, renormalise, weights_dtype):
+    """The single program's experts and weights equal torch's (600 x 8 pairs: past its size, torch's own ops), and
+    its layout the alignment's of those experts; on an exact tie it takes the lowest index."""
+    generator = torch.Generator().manual_seed(num_tokens + num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    weights, experts, sorted_pairs, block_expert = route_and_align(
+        logits.to(DEVICE), top_k, renormalise, weights_dtype, 16
+    )
+    want_weights, want_experts = route_reference(logits, top_k, renormalise, weights_dtype)
+    assert torch.equal(experts.cpu(), want_experts) and weights.dtype == weights_dtype
+    tol = 1e-6 if weights_dtype == torch.float32 else 2**-8  # (bf16: the same float32 value may round a ulp apart)
+    torch.testing.assert_close(weights.cpu().float(), want_weights.float(), atol=tol, rtol=tol)
+    want_pairs, want_blocks = align_reference(want_experts, num_experts, 16)
+    assert torch.equal(sorted_pairs.cpu(), want_pairs) and torch.equal(block_expert.cpu(), want_blocks)
+    _, tied, _, _ = route_and_align(torch.zeros(2, 8, device=DEVICE), 3, True, torch.float32, 16)
+    assert tied.cpu().tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_op_from_router_logits_against_float64(dtype):
+    """`kiln::fused_moe`'s GPU form end to end (routing included) against torch's routing and the float64 loop."""
+    generator = torch.Generator().manual_seed(7)
+    num_tokens, hidden, inter, num_experts, top_k = 9, 64, 32, 16, 4
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * inter**-0.5
+    weights, experts = route_reference(logits, top_k, True, torch.float64)
+    reference = fused_moe_reference(x.double(), w13.double(), w2.double(), weights, experts)
+    args = [t.to(DEVICE, dtype) for t in (x, logits, w13, w2)]
+    out = fused_moe(*args, top_k, True, torch.float32)
     close(out.cpu(), reference.to(dtype), dtype)
 
 
