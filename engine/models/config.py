@@ -60,6 +60,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
+        _refuse_quantization(getattr(hf_config, "quantization_config", None))
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         rope_theta = float(rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -144,4 +145,19 @@ def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
         shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0)
         if arch == "Qwen2MoeForCausalLM"
         else 0,
+    )
+
+
+def _refuse_quantization(quantization: Any) -> None:
+    """A quantized checkpoint's weights are not what Kiln's layers hold: one line naming the method, rather than a
+    load that fails on its first scale tensor (or, worse, reads packed integers as weights)."""
+    if not quantization:
+        return
+    raw = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", lambda: {})()
+    method = raw.get("quant_method", getattr(quantization, "quant_method", None))
+    method = getattr(method, "value", method)  # (transformers' QuantizationMethod enum)
+    detail = f" (format {raw['format']!r})" if raw.get("format") else ""
+    raise ValueError(
+        f"quantization_config with quant_method {method!r}{detail} is not supported: Kiln loads unquantized "
+        "checkpoints (bfloat16, float16 or float32 weights)"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -256,3 +257,35 @@ def test_generation_config_sets_the_sampling_defaults(tiny_llama_dir, tmp_path, 
         m.setattr(llm_module, "EngineCore", lambda config: pytest.fail("the engine started"))
         with pytest.raises(ValueError, match="generation_config.json: temperature"):
             LLM(str(d), enforce_eager=True)
+
+
+@pytest.mark.parametrize(
+    "quantization,named",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, "'awq'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}, "'gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes'"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "'fp8'"),
+        (
+            {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}, "ignore": []},
+            "'compressed-tensors' (format 'float-quantized')",
+        ),
+        ({"quant_method": "made-up"}, "'made-up'"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_in_one_line_naming_its_method(tiny_llama_dir, tmp_path, quantization, named):
+    """Today Kiln holds unquantized weights only: a quantized checkpoint's config is refused before any tensor is
+    read (it used to fail on its first scale tensor, or could read packed integers as weights)."""
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(ValueError, match=f"quantization_config with quant_method {re.escape(named)} is not supported"):
+        resolve_model(str(d))
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln.engine.cli", "generate", str(d), "--max-tokens", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    (line,) = [line for line in run.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert named in line and "Traceback" not in run.stderr and run.returncode != 0
