@@ -15,6 +15,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from bench_attention import graph_time_ms
 
 from kiln.backends.kernels import moe_triton
 from kiln.backends.kernels.moe import fused_moe_reference
@@ -23,27 +24,9 @@ from kiln.engine.models.source import resolve_model
 PEAK_BYTES_PER_S = 4.3e12
 
 
-def graph_time_us(fn, iters: int = 50) -> float:
-    """Mean time of fn() replayed in a CUDA graph (20 calls a replay, so the replay's launch is spread thin)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * 20)
+def graph_time_us(fn, calls: int = 20) -> float:
+    """Mean time of fn() among `calls` captured back to back in one CUDA graph (the replay's launch spread thin)."""
+    return graph_time_ms(lambda: [fn() for _ in range(calls)]) * 1e3 / calls
 
 
 def eager_time_us(fn, iters: int = 20) -> float:
