@@ -9,8 +9,7 @@
 A block of rows belongs to one expert and reads only that expert's weights, so a step reads the weights of the
 experts some token chose and no others: at batch 1, k experts' (the point of a mixture at low batch). The grids
 are sized for the worst case of a shape (every chosen expert's run padded), and the blocks past the real end
-return at once; so the launch depends on T alone, and every graph size records its own. A decode of a few tokens
-takes moe_decode.py's two launches instead (no sort, no padding to `tl.dot`'s 16 rows, the sum over k fused).
+return at once; so the launch depends on T alone, and every graph size records its own.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends.kernels.moe_decode import DECODE_MAX_TOKENS, decode_moe
 from kiln.backends.kernels.moe_routing import align, route_and_align
 
 
@@ -142,10 +140,7 @@ def experts_forward(
     experts: torch.Tensor,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """The experts for a given routing (weights, experts [T, k]): a decode's per-pair programs (moe_decode.py), or
-    align, then the two grouped matmuls (a `config` of their tiles takes them at any size)."""
-    if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
-        return decode_moe(x, w13, w2, experts.shape[1], weights=weights, experts=experts)
+    """The experts for a given routing (weights, experts [T, k]): align, then the two grouped matmuls."""
     num_pairs = experts.numel()
     config = config or tile_config(num_pairs, w13.shape[1], w13.shape[2])
     sorted_pairs, block_expert = align(experts, w13.shape[0], config["BLOCK_M"])
@@ -162,11 +157,8 @@ def fused_moe(
     weights_dtype: torch.dtype,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """`kiln::fused_moe` on the GPU (and under Triton's interpreter): up to DECODE_MAX_TOKENS tokens the two
-    launches of moe_decode.py; past them (or for a `config` of the grouped tiles) routing and alignment (one launch
-    up to 4,096 pairs, moe_routing.py), then the two grouped matmuls and the sum over k."""
-    if config is None and x.shape[0] <= DECODE_MAX_TOKENS:
-        return decode_moe(x, w13, w2, top_k, router_logits, renormalise, weights_dtype=weights_dtype)
+    """`kiln::fused_moe` on the GPU (and under Triton's interpreter): routing and alignment in one launch for a
+    decode (moe_routing.py), then the two grouped matmuls and the sum over k."""
     num_pairs = x.shape[0] * top_k
     config = config or tile_config(num_pairs, w13.shape[1], w13.shape[2])
     weights, _, sorted_pairs, block_expert = route_and_align(

@@ -5,11 +5,7 @@ dense MLP of the same active size (k experts' columns side by side, cuBLAS), eac
 loop, which syncs, eagerly). Routing is uniform random, as dummy weights route.
 
     python scripts/bench/bench_moe.py --model qwen3-30b-a3b --tokens 1,8,64,256,2048
-    python scripts/bench/bench_moe.py --tokens 1,8 --configs 16x32x128x4x4,16x64x64x4x3   # grouped tile sweep
-    python scripts/bench/bench_moe.py --tokens 1,4 --decode-configs 1x2048x4x4x1024x4,2x1024x4x8x256x4
-
-"fused" is the op as the model calls it (a decode's per-pair programs up to DECODE_MAX_TOKENS tokens, the grouped
-matmuls past them); "grouped" and "decode" force one form.
+    python scripts/bench/bench_moe.py --tokens 1,8 --configs 16x32x128x4x4,16x64x64x4x3   # tile sweep
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from bench_attention import graph_time_ms
 
 from kiln.backends.kernels import moe_triton
 from kiln.backends.kernels.moe import fused_moe_reference
-from kiln.backends.kernels.moe_decode import decode_config, decode_moe
 from kiln.engine.models.source import resolve_model
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -52,7 +47,7 @@ def parse_config(text: str) -> dict[str, int]:
     return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
 
 
-def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, decode_configs, reference) -> list[dict]:
+def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, reference) -> list[dict]:
     w13, w2, dense13, dense2 = weights_of_layers
     layers, (num_experts, _, hidden) = len(w13), w13[0].shape
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -72,26 +67,14 @@ def time_shape(num_tokens, weights_of_layers, top_k, per_expert, configs, decode
         )
 
     rows = []
+    for config in configs:
 
-    def fused():
-        i = layer()
-        moe_triton.fused_moe(x, logits, w13[i], w2[i], top_k, True, x.dtype)
-
-    rows.append(row("fused", graph_time_us(fused), chosen))
-    for config in [moe_triton.tile_config(num_tokens * top_k, w13[0].shape[1], hidden)] + configs:
-
-        def grouped(config=config):
+        def fused(config=config):
             i = layer()
             moe_triton.fused_moe(x, logits, w13[i], w2[i], top_k, True, x.dtype, config)
 
-        rows.append(row("grouped " + "x".join(str(v) for v in config.values()), graph_time_us(grouped), chosen))
-    for config in [decode_config(hidden, w2[0].shape[2])] + decode_configs if num_tokens <= 16 else []:
-
-        def decode(config=config):
-            i = layer()
-            decode_moe(x, w13[i], w2[i], top_k, logits, True, weights_dtype=x.dtype, config=config)
-
-        rows.append(row("decode " + "x".join(str(v) for v in config), graph_time_us(decode), chosen))
+        name = "fused" if config is None else "fused " + "x".join(str(v) for v in config.values())
+        rows.append(row(name, graph_time_us(fused), chosen))
 
     def dense():
         i = layer()
@@ -109,10 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1,8,64,256,2048")
-    p.add_argument("--configs", default="", help="grouped tiles BMxBNxBKxWARPSxSTAGES to time besides the default")
-    p.add_argument(
-        "--decode-configs", default="", help="decode tiles N1xK1xWARPS1xN2xK2xWARPS2 (gate_up's, down's) to time"
-    )
+    p.add_argument("--configs", default="", help="tile configs BMxBNxBKxWARPSxSTAGES to time besides the default")
     p.add_argument("--no-reference", action="store_true", help="skip the plain-torch loop")
     p.add_argument("--json")
     args = p.parse_args()
@@ -126,12 +106,10 @@ def main() -> None:
     dense13 = [torch.randn(2 * top_k * inter, hidden, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
     dense2 = [torch.randn(hidden, top_k * inter, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
     per_expert = 3 * hidden * inter * 2
-    configs = [parse_config(t) for t in args.configs.split(",") if t]
-    decode_configs = [tuple(int(v) for v in t.split("x")) for t in args.decode_configs.split(",") if t]
+    configs = [None] + [parse_config(t) for t in args.configs.split(",") if t]
     rows = []
     for num_tokens in (int(t) for t in args.tokens.split(",")):
-        weights = (w13, w2, dense13, dense2)
-        rows += time_shape(num_tokens, weights, top_k, per_expert, configs, decode_configs, not args.no_reference)
+        rows += time_shape(num_tokens, (w13, w2, dense13, dense2), top_k, per_expert, configs, not args.no_reference)
     print(
         f"\nfused MoE: {args.model} layer (E={num_experts}, k={top_k}, H={hidden}, I={inter}), bf16, "
         f"{torch.cuda.get_device_name()}; GB/s of the chosen experts' weights (peak {PEAK_BYTES_PER_S / 1e9:.0f})"

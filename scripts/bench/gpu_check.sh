@@ -5,7 +5,7 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
-#   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,... MOE_DECODE_CONFIGS=1x2048x4x4x1024x4,...: tile sweeps)
+#   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
@@ -110,7 +110,7 @@ for step in $steps; do
     moe-kernel:*)
       model=${step#moe-kernel:}
       timeout -s ABRT -k 15 ${MOE_TIMEOUT:-240} python3 scripts/bench/bench_moe.py --model "$model" ${MOE_TOKENS:+--tokens $MOE_TOKENS} \
-        ${MOE_CONFIGS:+--configs $MOE_CONFIGS} ${MOE_DECODE_CONFIGS:+--decode-configs $MOE_DECODE_CONFIGS} --json "$OUT/moe_$model.json" 2>&1 | tee "$OUT/moe_$model.log" | tail -n 40
+        ${MOE_CONFIGS:+--configs $MOE_CONFIGS} --json "$OUT/moe_$model.json" 2>&1 | tee "$OUT/moe_$model.log" | tail -n 40
       grep -A40 "^fused MoE" "$OUT/moe_$model.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
