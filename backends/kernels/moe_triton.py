@@ -22,11 +22,16 @@ from kiln.backends.kernels.moe_routing import align, route_and_align
 
 
 def tile_config(num_pairs: int, n: int, k: int) -> dict[str, int]:
-    """BLOCK_M from the rows a step routes (a decode's few pairs: 16, the least `tl.dot` takes), the rest fixed."""
+    """The tiles from the rows a step routes: a decode's few pairs BLOCK_M 16 (the least `tl.dot` takes) and
+    narrow N blocks, so that k experts' weights spread over every SM; a long prefill's 128 x 128 (the best of
+    `bench_moe.py --configs` on the qwen3-30b-a3b layer at each size)."""
     if num_pairs <= 64:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128 if k >= 128 else 64, num_warps=4, num_stages=4)
+    if num_pairs <= 1024:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128 if k >= 128 else 64, num_warps=4, num_stages=4)
-    block_m = 32 if num_pairs <= 1024 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if k >= 64 else 32, num_warps=4, num_stages=3)
+    if num_pairs <= 8192:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64 if k >= 64 else 32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64 if k >= 64 else 32, num_warps=8, num_stages=3)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln.backends.kernels.moe import fused_moe_reference
 from kiln.backends.kernels.moe_routing import align, align_reference, route_and_align, route_reference
-from kiln.backends.kernels.moe_triton import experts_forward, fused_moe
+from kiln.backends.kernels.moe_triton import experts_forward, fused_moe, tile_config
 
 from helpers.kernels import DEVICE, DTYPES, close
 
@@ -38,7 +38,7 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, kind: str, generator
         (1, 64, 32, 8, 2, "random"),  # a batch-1 decode: k experts, one row each
         (7, 96, 48, 8, 3, "skewed"),  # K and N not multiples of the tiles; empty experts
         (33, 64, 32, 6, 2, "ties"),  # every token on the same two experts
-        (70, 64, 64, 16, 4, "random"),  # past the decode tile: 280 pairs, BLOCK_M 32
+        (70, 64, 64, 16, 4, "random"),  # past the decode tile: 280 pairs, BLOCK_N 64
         (5, 64, 32, 4, 1, "random"),  # top-1
     ],
 )
@@ -53,6 +53,21 @@ def test_fused_moe_against_float64(dtype, num_tokens, hidden, inter, num_experts
     out = experts_forward(*args)
     assert out.shape == x.shape and out.dtype == dtype
     close(out.cpu(), reference.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("num_pairs", [300, 5000, 20000])
+def test_every_prefill_tile_against_float64(num_pairs):
+    """The tiles of longer steps (BLOCK_M 16, 64 and 128: 64 x 64 and 128 x 128 blocks), on a few tokens' pairs."""
+    generator = torch.Generator().manual_seed(num_pairs)
+    num_tokens, hidden, inter, num_experts, top_k = 40, 128, 192, 8, 2
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * inter**-0.5
+    weights, experts = _routing(num_tokens, num_experts, top_k, "skewed", generator)
+    reference = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), experts)
+    config = tile_config(num_pairs, 2 * inter, hidden)
+    out = experts_forward(*[t.to(DEVICE) for t in (x, w13, w2, weights, experts)], config=config)
+    close(out.cpu(), reference.float(), torch.float32)
 
 
 @pytest.mark.parametrize(
