@@ -14,6 +14,7 @@ from kiln.engine.config import (
     ATTENTION_BACKENDS,
     CUDAGRAPH_MODES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -47,6 +48,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.load_format,
         choices=LOAD_FORMATS,
         help="dummy = random weights (presets always use them)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: quantize a 16-bit checkpoint's linear layers to FP8 at load (FP8 checkpoints need no flag)",
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -21,6 +21,7 @@ DTYPES = {
     "bf16": "bfloat16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)  # --quantization: a 16-bit checkpoint's linear layers quantized at load
 ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
 CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
 
@@ -32,6 +33,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     load_format: str = "auto"  # auto: dummy for presets, safetensors for directories
+    quantization: str | None = None  # fp8: quantize the linear layers at load (an FP8 checkpoint is read as it is)
     seed: int = 0
     max_model_len: int | None = None  # default: the model's ModelConfig.max_context (its positions, its window)
     max_num_seqs: int = 256
@@ -78,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {list(QUANTIZATIONS)}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; choose one of {list(ATTENTION_BACKENDS)}"

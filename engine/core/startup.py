@@ -34,6 +34,7 @@ from kiln.compile import (
 from kiln.engine.config import DTYPES, EngineConfig, kiln_version
 from kiln.engine.core.kv_sizing import check_weights_fit, num_kv_blocks
 from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_ranks
+from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
@@ -153,6 +154,9 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     pin_triton_setup()  # before anything compiles
     source = resolve_model(config.model, model_memo(config))
     model_config = source.model_config
+    quantization = quant_config.resolve(config.quantization, model_config.quantization)
+    if quantization != model_config.quantization:  # (--quantization fp8 of a 16-bit checkpoint)
+        model_config = dataclasses.replace(model_config, quantization=quantization)
     device = resolve_device(config, rank)
     dtype = resolve_dtype(config, device, source.checkpoint_dtype_name)
     load_format = config.load_format
@@ -250,6 +254,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         "load_seconds": load_seconds,
         "num_kv_blocks": num_blocks,
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
+        "quantization": quantization.describe() if quantization is not None else None,
         "compile_cache_dir": cache_dir,
         **counters.as_dict(),
     }

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.engine.models.quant_config import QuantConfig, parse_checkpoint_quantization
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -50,6 +52,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = field(default=())
     norm_topk_prob: bool = False  # the top-k routing weights divided by their sum
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, scaled by a sigmoid gate
+    quantization: QuantConfig | None = None  # FP8 linear layers (the checkpoint's, or --quantization fp8)
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -60,7 +63,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
-        _refuse_quantization(getattr(hf_config, "quantization_config", None))
+        quantization = parse_checkpoint_quantization(getattr(hf_config, "quantization_config", None))
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         rope_theta = float(rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -97,8 +100,13 @@ class ModelConfig:
             qk_norm=attention == "Qwen3ForCausalLM",
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
+            quantization=quantization,
             **_experts(arch, hf_config),
         )
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.num_experts:
+            raise ValueError("FP8 quantization of a mixture of experts is not supported yet: serve its 16-bit weights")
 
     @property
     def is_moe(self) -> bool:
@@ -145,19 +153,4 @@ def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
         shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0)
         if arch == "Qwen2MoeForCausalLM"
         else 0,
-    )
-
-
-def _refuse_quantization(quantization: Any) -> None:
-    """A quantized checkpoint's weights are not what Kiln's layers hold: one line naming the method, rather than a
-    load that fails on its first scale tensor (or, worse, reads packed integers as weights)."""
-    if not quantization:
-        return
-    raw = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", lambda: {})()
-    method = raw.get("quant_method", getattr(quantization, "quant_method", None))
-    method = getattr(method, "value", method)  # (transformers' QuantizationMethod enum)
-    detail = f" (format {raw['format']!r})" if raw.get("format") else ""
-    raise ValueError(
-        f"quantization_config with quant_method {method!r}{detail} is not supported: Kiln loads unquantized "
-        "checkpoints (bfloat16, float16 or float32 weights)"
     )

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.backends.kernels import fp8, gemv
 from kiln.backends.kernels import fused as fused_kernels
-from kiln.backends.kernels import gemv
 
 
 class Linear(nn.Linear):
@@ -25,7 +25,20 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return project(x, self)
+
+
+def project(x: torch.Tensor, layer: nn.Linear, with_bias: bool = True) -> torch.Tensor:
+    """x through a linear layer: `linear` of its weights, or `kiln::fp8_linear` when they are FP8 (quantization.py;
+    traced or not, the op, whose form is the plain-torch reference)."""
+    bias = layer.bias if with_bias else None
+    quant = getattr(layer, "quant", None)
+    if quant is None:
+        return linear(x, layer.weight, bias)
+    block_n, block_k = quant.block if quant.weights == "block" else (0, quant.block[1] if quant.block else 0)
+    input_scale = getattr(layer, "input_scale", None)
+    args = (x, layer.weight, layer.weight_scale, input_scale, bias, block_n, block_k, quant.activations)
+    return torch.ops.kiln.fp8_linear(*args) if torch.compiler.is_compiling() else fp8.fp8_linear_reference(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,17 +67,27 @@ def norm_linear(
     norm: RMSNorm,
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    proj: nn.Linear,
     epilogue: str = "",
     rope: Any = None,
     rot_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sub-block's input: `norm(x + residual)` (`norm(x)` without a residual, the first layer's) projected by
-    weight, with the projection's epilogue: "" plain, "silu_mul" (`linear_silu_mul`) or "rope" (`kiln::linear_rope`,
-    the rotary by `rope`'s cos, sin, for the compiled GPU pieces only). Returns (the projection, the new residual).
-    On the GPU with a residual, the `kiln::add_norm_linear` op: at batch 1 the norm inside the one-row matmul (no
-    kernel of its own), beyond it the add + norm kernel and the projection."""
+    the linear layer `proj`, with the projection's epilogue: "" plain, "silu_mul" (`linear_silu_mul`) or "rope"
+    (`kiln::linear_rope`, the rotary by `rope`'s cos, sin, for the compiled GPU pieces only; not for FP8 layers).
+    Returns (the projection, the new residual). On the GPU with a residual, the `kiln::add_norm_linear` op: at
+    batch 1 the norm inside the one-row matmul (no kernel of its own), beyond it the add + norm kernel and the
+    projection. An FP8 layer takes the norm, then `project`, then the epilogue."""
+    weight, bias = proj.weight, proj.bias
+    if getattr(proj, "quant", None) is not None:
+        if residual is None:
+            residual, x = x, norm(x)
+        else:
+            x, residual = norm(x, residual)
+        out = project(x, proj)
+        if epilogue == "silu_mul":
+            out = fused_kernels.silu_and_mul(out) if norm.fused else silu_and_mul(out)
+        return out, residual
     if x.is_cuda and residual is not None:
         cos, sin = rope if rope is not None else (None, None)
         args = (x, residual, norm.weight, norm.eps, weight, bias, epilogue, cos, sin, rot_rows)

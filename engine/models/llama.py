@@ -23,6 +23,7 @@ from kiln.engine.models.parallel import (
     TensorParallelShard,
     VocabParallelEmbedding,
 )
+from kiln.engine.models.quantization import is_fp8
 
 
 class Attention(nn.Module):
@@ -54,21 +55,21 @@ class Attention(nn.Module):
         """Attention over norm(hidden + residual) (see `norm_linear`), then o: (o's output, the new residual).
         `rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
-        if hidden.is_cuda and torch.compiler.is_compiling() and not hasattr(self, "q_norm"):
+        plain_qkv = hasattr(self, "q_norm") or is_fp8(self.qkv_proj)
+        if hidden.is_cuda and torch.compiler.is_compiling() and not plain_qkv:
             # the rotary inside the projection's op: at batch 1 the one-row kernel rotates q and k (no launch of
             # its own); beyond it, cuBLAS then the rotary kernel in place
             qkv, residual = norm_linear(
                 norm,
                 hidden,
                 residual,
-                self.qkv_proj.weight,
-                self.qkv_proj.bias,
+                self.qkv_proj,
                 "rope",
                 rope,
                 self.q_size + self.kv_size,
             )
             return self._attend(qkv), residual
-        qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv, residual = norm_linear(norm, hidden, residual, self.qkv_proj)
         # q and k side by side, [T, Hq + Hk, D] (a view): Qwen3's head norms and the rotary each run over
         # both at once, one kernel instead of two. v stays a view too: the attention op takes strided rows.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
@@ -119,7 +120,7 @@ class MLP(nn.Module):
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of norm(hidden + residual): (its output, the new residual)."""
         # at batch 1 on the GPU one kernel for the norm, the gate/up matmul and the activation
-        act, residual = norm_linear(norm, hidden, residual, self.gate_up_proj.weight, epilogue="silu_mul")
+        act, residual = norm_linear(norm, hidden, residual, self.gate_up_proj, epilogue="silu_mul")
         return self.down_proj(act), residual
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.llama import LlamaForCausalLM
 from kiln.engine.models.parallel import ShardId, TensorParallelShard, checkpoint_parts, load_part
@@ -48,7 +50,23 @@ def build_model(
             model = cls(config, max_positions, shard)
     finally:
         torch.set_default_dtype(default_dtype)
+    if config.quantization is not None:
+        # NOTE: built in 16 bits first, then its linear layers made FP8: start-up needs the 16-bit size for a moment
+        quantization.quantize_layers(model, config.quantization, _hf_names(model))
     return model.eval().requires_grad_(False)
+
+
+def _hf_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The Hugging Face modules of each fused layer ("...qkv_proj": "...q_proj", "...k_proj", "...v_proj")."""
+    parts: dict[str, list[str]] = {}
+    for hf_name, (fused, _) in model.stacked_params.items():
+        parts.setdefault(fused, []).append(hf_name)
+    names = {}
+    for name, _ in model.named_modules():
+        head, _, last = name.rpartition(".")
+        if last in parts:
+            names[name] = tuple(f"{head}.{hf}" for hf in parts[last])
+    return names
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -86,10 +104,13 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
                 module, param_name = _owner(model, target)
                 expected = dict(checkpoint_parts(module, param_name))[shard]
                 source = f.get_slice(name)
-                if tuple(source.get_shape()) != expected:
+                if not _shape_fits(tuple(source.get_shape()), expected):
                     raise WeightLoadError(
                         f"{path.name}: tensor {name!r} has shape {tuple(source.get_shape())}, expected {expected}"
                     )
+                fp8_weight = param_name == "weight" and quantization.is_fp8(module)
+                if fp8_weight and not quantization.quantized_at_load(module) and source.get_dtype() != "F8_E4M3":
+                    raise WeightLoadError(f"{path.name}: tensor {name!r} is {source.get_dtype()}, expected F8_E4M3")
                 load_part(module, param_name, source, shard)
                 filled.add((target, shard))
     missing = [_describe(target, shard) for target, shard in _expected_parts(model) if (target, shard) not in filled]
@@ -104,8 +125,15 @@ _EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1
 _EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
 
 
+def _shape_fits(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Equal, or both one value (a per-tensor scale ships as [] or [1])."""
+    return shape == expected or (len(shape) <= 1 and len(expected) <= 1 and math.prod(shape) == math.prod(expected))
+
+
 def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router and experts
+    if name.endswith(".weight_scale_inv"):  # Hugging Face's fine-grained FP8: multiplied, as compressed-tensors' is
+        name = name.removesuffix("_inv")
     if (expert := _EXPERT.match(name)) and expert["proj"] in _EXPERT_PARTS:
         param, part = _EXPERT_PARTS[expert["proj"]]
         return f"{expert['layer']}.mlp.experts.{param}", (int(expert["expert"]), part)
@@ -138,14 +166,19 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     the same whatever the tensor-parallel size."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = next(param.dtype for name, param in model.named_parameters() if "norm" in name)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)
             continue
         module, param_name = _owner(model, name)
+        if quantization.is_fp8(module) and not quantization.quantized_at_load(module):
+            raise ValueError("dummy weights of an FP8 checkpoint: give its 16-bit sibling with quantization='fp8'")
         parts = checkpoint_parts(module, param_name)
+        if not parts:  # (an FP8 layer's scales, made as its weights are quantized)
+            continue
         rows = [shape[0] for _, shape in parts]
-        full = torch.empty(sum(rows), *parts[0][1][1:], dtype=param.dtype, device=device)
+        full = torch.empty(sum(rows), *parts[0][1][1:], dtype=dtype, device=device)
         full.normal_(0.0, 0.02, generator=generator)
         for (shard, _), source in zip(parts, full.split(rows)):
             load_part(module, param_name, source, shard)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.backends.kernels.collectives  # noqa: F401  (registers torch.ops.kiln.all_reduce_ / all_gather)
-from kiln.engine.models.layers import Embedding, Linear, linear
+from kiln.engine.models import quantization
+from kiln.engine.models.layers import Embedding, Linear, project
 
 ShardId = str | int | None  # which Hugging Face tensor of a fused parameter ("q", "k", "v", 0, 1); None: unfused
 
@@ -60,6 +61,8 @@ class ColumnParallelLinear(Linear):
         self.parts = parts
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
+        if param_name in ("weight_scale", "input_scale"):  # an FP8 layer's
+            return quantization.scale_parts(self, param_name, [(s, rows) for s, (rows, _, _) in self.parts.items()])
         tail = (self.in_features,) if param_name == "weight" else ()
         return [(shard, (rows, *tail)) for shard, (rows, _, _) in self.parts.items()]
 
@@ -67,7 +70,12 @@ class ColumnParallelLinear(Linear):
         offset = 0
         for key, (_, start, size) in self.parts.items():
             if key == shard:
-                getattr(self, param_name)[offset : offset + size].copy_(source[start : start + size])
+                if param_name in ("weight_scale", "input_scale"):
+                    quantization.load_scale(self, param_name, source, offset, start, size)
+                elif param_name == "weight" and quantization.quantized_at_load(self):
+                    quantization.quantize_rows(self, source[start : start + size], offset)
+                else:
+                    getattr(self, param_name)[offset : offset + size].copy_(source[start : start + size])
                 return
             offset += size
         raise KeyError(shard)
@@ -111,15 +119,21 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = linear(x, self.weight)
+        out = project(x, self, with_bias=False)
         torch.ops.kiln.all_reduce_(out)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
+        if param_name in ("weight_scale", "input_scale"):  # an FP8 layer's
+            return quantization.scale_parts(self, param_name, [(None, self.out_features)])
         return [(None, (self.out_features, self.full_in_features) if param_name == "weight" else (self.out_features,))]
 
     def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
-        if param_name == "weight":
+        if param_name in ("weight_scale", "input_scale"):
+            quantization.load_scale(self, param_name, source, 0, 0, self.out_features)
+        elif param_name == "weight" and quantization.quantized_at_load(self):
+            quantization.quantize_rows(self, source[:, self.start : self.start + self.in_features], 0)
+        elif param_name == "weight":
             self.weight.copy_(source[:, self.start : self.start + self.in_features])
         else:
             self.bias.copy_(source[:])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.engine.models import config as config_module
+from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.model_dir import model_dir as checked_model_dir
 from kiln.engine.models.presets import PRESETS
@@ -83,6 +84,7 @@ def _from_memo(kept: Any) -> tuple[ModelConfig, str | None] | None:
     try:
         config = kept["model_config"]
         fields = {**config, "eos_token_ids": tuple(config["eos_token_ids"]), "moe_layers": tuple(config["moe_layers"])}
+        fields["quantization"] = quant_config.from_dict(config["quantization"])
         return ModelConfig(**fields), kept["checkpoint_dtype"]
     except (KeyError, TypeError) as e:  # of another shape: resolved again
         logger.warning("the model config memo does not fit (%s); resolving the config again", e)

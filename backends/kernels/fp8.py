@@ -1,0 +1,79 @@
+"""`kiln::fp8_linear`: a linear layer with FP8 e4m3 weights (engine/models/quantization.py says which formats).
+
+    fp8_linear(x [.., K], weight [N, K] e4m3, weight_scale, input_scale?, bias?, block_n, block_k, activations)
+        weight_scale: [N] a scale an output row (block_n = 0), or [N / block_n, K / block_k] a scale a block
+        activations:  how x is quantized to e4m3 first, as the checkpoint was calibrated: "static" (by input_scale),
+                      "token" (a scale a row, its largest |x| / 448), "group" (a scale a row and block_k columns),
+                      "none" (x stays in its dtype)
+        -> [.., N] in x's dtype:  dequant(x) @ dequant(weight)^T + bias, in float32
+
+One opaque op (Dynamo traces past it, as it does the attention). Its form here is plain torch, the reference the
+tests hold every FP8 path to: it dequantizes the weights on every call, so it is correct anywhere and fast nowhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.backends.kernels.ops import define
+
+FP8_MAX = 448.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_activations(x: torch.Tensor, activations: str, input_scale: torch.Tensor | None, group: int):
+    """x rounded through e4m3 as `activations` says, back in float32 (what an FP8 matmul of x computes with)."""
+    x32 = x.float()
+    if activations == "none":
+        return x32
+    if activations == "static":
+        scale = input_scale.float().reshape(())
+    elif activations == "token":
+        scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    else:  # "group": a scale a row and `group` columns
+        grouped = x32.unflatten(-1, (-1, group))
+        scale = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+        return (_round(grouped / scale) * scale).flatten(-2)
+    return _round(x32 / scale) * scale
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The float32 weights: each e4m3 value times its row's (or its block's) scale."""
+    w = weight.float()
+    if block_n == 0:
+        return w * weight_scale.float()[:, None]
+    n, k = w.shape
+    scale = weight_scale.float().repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    return w * scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    activations: str,
+) -> torch.Tensor:
+    x32 = quantize_activations(x, activations, input_scale, block_k)
+    w32 = dequantize_weight(weight, weight_scale, block_n, block_k)
+    return F.linear(x32, w32, None if bias is None else bias.float()).to(x.dtype)
+
+
+def _fake(x, weight, *args) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+define(
+    "fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, int block_n, "
+    "int block_k, str activations) -> Tensor",
+    fp8_linear_reference,
+    _fake,
+)

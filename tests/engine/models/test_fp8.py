@@ -1,0 +1,247 @@
+"""FP8 checkpoints against Hugging Face (fp32, CPU). Tiny Llama and Qwen3 checkpoints are written here in each format
+exactly as it ships (compressed-tensors FP8, FP8_DYNAMIC and FP8_BLOCK as llm-compressor writes them, Hugging Face's
+fine-grained FP8 as Qwen3-*-FP8 ships), and `--quantization fp8` quantizes a 16-bit one at load. The reference is
+the Hugging Face model of the same checkpoint with the dequantized weights, each quantized layer's input rounded
+through e4m3 as the format says (a forward pre-hook: this file's own rounding): what an FP8 matmul computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.models.quantization import FP8_DTYPE
+
+from helpers.models import make_tiny_model_dir
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 61)), [300, 12]]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+BLOCK = (16, 32)  # rows x columns: the tiny models' parts are whole blocks (a real checkpoint's are 128 x 128)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# each layer input's quantization (the parts of a fused layer share their input, and so its calibrated scale)
+_INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp", "up_proj": "mlp"}
+_INPUT_OF["down_proj"] = "down"
+
+# format -> (weights, activations)
+FORMATS = {
+    "ct-fp8": ("tensor", "static"),
+    "ct-fp8-dynamic": ("channel", "token"),
+    "ct-fp8-block": ("block", "group"),
+    "hf-fp8": ("block", "group"),
+}
+
+
+def _quantize(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, scales as the format ships them): w ~ q * s."""
+    w = w.float()
+    if weights == "tensor":
+        scale = (w.abs().max() / FP8_MAX).reshape(1)
+        return (w / scale).to(FP8_DTYPE), scale
+    if weights == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        return (w / scale).to(FP8_DTYPE), scale
+    rows, cols = w.shape
+    blocks = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    return (blocks / scale[:, None, :, None]).reshape(rows, cols).to(FP8_DTYPE), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
+    if weights == "block":
+        scale = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+    return q.float() * scale
+
+
+def _round_input(x: torch.Tensor, activations: str, input_scale: float) -> torch.Tensor:
+    if activations == "static":
+        return (x / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * input_scale
+    groups = x.unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.unsqueeze(-2)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    return ((groups / scale).to(FP8_DTYPE).float() * scale).reshape(x.shape)
+
+
+def write_fp8_checkpoint(src, dst, fmt: str) -> dict[str, tuple[torch.Tensor, float]]:
+    """`src`'s checkpoint in `fmt` at `dst`; returns each quantized layer's (dequantized weight, input scale)."""
+    weights, activations = FORMATS[fmt]
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    out, layers = {}, {}
+    for name, tensor in tensors.items():
+        module, _, kind = name.rpartition(".")
+        proj = module.rpartition(".")[2]
+        if kind != "weight" or proj not in _PROJECTIONS:
+            out[name] = tensor
+            continue
+        q, scale = _quantize(tensor, weights)
+        layer = module.rsplit(".", 2)[0]
+        input_scale = 0.02 + 0.01 * (hash((layer, _INPUT_OF[proj])) % 7) / 7  # (one value per input, as calibrated)
+        out[name] = q
+        out[f"{module}.weight_scale_inv" if fmt == "hf-fp8" else f"{module}.weight_scale"] = scale
+        if activations == "static":
+            out[f"{module}.input_scale"] = torch.tensor([input_scale])
+        layers[module] = (_dequantize(q, scale, weights), input_scale)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = _config_of(fmt)
+    (dst / "config.json").write_text(json.dumps(config))
+    return layers
+
+
+def _config_of(fmt: str) -> dict:
+    if fmt == "hf-fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    weights, activations = FORMATS[fmt]
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "observer": "minmax"}
+    scheme = {"weights": {**fp8, "strategy": weights, "dynamic": False, "block_structure": None}}
+    if weights == "block":
+        scheme["weights"]["block_structure"] = list(BLOCK)
+    scheme["input_activations"] = {
+        "static": {**fp8, "strategy": "tensor", "dynamic": False},
+        "token": {**fp8, "strategy": "token", "dynamic": True, "observer": None},
+        "group": {**fp8, "strategy": "group", "dynamic": True, "group_size": BLOCK[1], "observer": None},
+    }[activations]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, **scheme}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def fp8_reference(src, layers, activations: str):
+    """The Hugging Face model of `src` with the FP8 layers' dequantized weights and e4m3-rounded inputs."""
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    for name, module in hf.named_modules():
+        if name in layers:
+            weight, input_scale = layers[name]
+            module.weight.data.copy_(weight)
+            module.register_forward_pre_hook(
+                lambda m, args, s=input_scale: (_round_input(args[0], activations, s),) + args[1:]
+            )
+    return hf
+
+
+def assert_matches(hf, prompts, outputs, tol: float) -> None:
+    """Greedy tokens of HF's `generate()` and HF's log-probabilities of Kiln's tokens."""
+    for prompt, output in zip(prompts, outputs):
+        got = output.outputs[0]
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+            logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert got.token_ids == want
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        for i, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=tol), i
+
+
+# A float32 difference in a layer's input (Kiln's norm and HF's sum in other orders) can move one value across an
+# e4m3 rounding boundary, a step of 1/16 of it: a few 1e-4 in a log-probability, where unquantized models agree
+# to 1e-5.
+TOL = 2e-3
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_dir(request, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_an_fp8_checkpoint_matches_hf_with_its_dequantized_weights(tiny_dir, tmp_path, fmt):
+    layers = write_fp8_checkpoint(tiny_dir, tmp_path / fmt, fmt)
+    with LLM(str(tmp_path / fmt), enforce_eager=True, max_model_len=128) as llm:
+        qkv = llm.engine.executor.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == FP8_DTYPE and llm.engine.executor.model.lm_head.weight.dtype == torch.float32
+        assert llm.engine.executor.startup_stats["quantization"].startswith("fp8 (")
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches(fp8_reference(tiny_dir, layers, FORMATS[fmt][1]), PROMPTS, outputs, TOL)
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8", "hf-fp8"])
+def test_compiled_and_chunked_fp8_match_hf(tiny_model_dir_qwen3, tmp_path, fmt):
+    layers = write_fp8_checkpoint(tiny_model_dir_qwen3, tmp_path / fmt, fmt)
+    engine = dict(max_model_len=128, max_num_batched_tokens=16, compile_cache_dir=str(tmp_path / "cache"))
+    with LLM(str(tmp_path / fmt), **engine) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches(fp8_reference(tiny_model_dir_qwen3, layers, FORMATS[fmt][1]), PROMPTS, outputs, TOL)
+
+
+def test_quantization_fp8_quantizes_a_16_bit_checkpoint_at_load(tiny_llama_dir):
+    """Per output channel (a scale a row, its largest |w| / 448), activations per token."""
+    with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128, quantization="fp8") as llm:
+        model = llm.engine.executor.model
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    layers = {}
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in _PROJECTIONS:
+            layers[name] = (_dequantize(*_quantize(module.weight, "channel"), "channel"), 0.0)
+    down = model.model.layers[1].mlp.down_proj
+    assert down.weight.dtype == FP8_DTYPE and down.weight_scale.shape == (down.out_features,)
+    assert_matches(fp8_reference(tiny_llama_dir, layers, "token"), PROMPTS, outputs, TOL)
+
+
+def test_dummy_weights_with_quantization_fp8(tiny_llama_dir):
+    """`--load-format dummy --quantization fp8`: every preset benchmarks in FP8 (its weights drawn, then quantized)."""
+    with LLM(str(tiny_llama_dir), load_format="dummy", quantization="fp8", max_model_len=64, enforce_eager=True) as llm:
+        gate_up = llm.engine.executor.model.model.layers[0].mlp.gate_up_proj
+        assert gate_up.weight.dtype == FP8_DTYPE and bool((gate_up.weight_scale > 0).all())
+        (output,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_tensor_parallel_fp8_matches_one_rank(tiny_llama_dir, tmp_path):
+    """TP=2 over gloo: each rank its rows (qkv, gate_up: their per-part scales) or columns (o, down: their blocks)."""
+    write_fp8_checkpoint(tiny_llama_dir, tmp_path / "m", "hf-fp8")
+    engine = dict(enforce_eager=True, max_model_len=128)
+    with LLM(str(tmp_path / "m"), **engine) as llm:
+        single = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(tmp_path / "m"), tensor_parallel_size=2, **engine) as llm:
+        split = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for a, b in zip(single, split):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert math.isclose(x[token].logprob, y[token].logprob, abs_tol=TOL)
+
+
+def test_a_scale_missing_or_a_16_bit_weight_is_refused_by_name(tiny_llama_dir, tmp_path):
+    write_fp8_checkpoint(tiny_llama_dir, tmp_path / "m", "ct-fp8-dynamic")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 tensors: model\.layers\.1\.mlp\.down_proj\.weight_scale"):
+        LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+    tensors["model.layers.1.mlp.down_proj.weight_scale"] = torch.ones(64, 1)
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight' is F32, expected F8_E4M3"):
+        LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+
+
+def test_an_fp8_lm_head_or_a_half_ignored_fused_layer_is_refused(tiny_llama_dir, tmp_path):
+    write_fp8_checkpoint(tiny_llama_dir, tmp_path / "m", "ct-fp8")
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["ignore"] = []
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="an FP8 lm_head"):
+        LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*k_proj$"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="ignoring only some of .*q_proj, .*k_proj, .*v_proj"):
+        LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
