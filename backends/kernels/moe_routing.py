@@ -6,7 +6,7 @@ logits, and the (token, expert) pairs laid out by expert for the grouped matmuls
     align:  the T * k pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M (`sorted_pairs`;
             padding = T * k), and the expert of every BLOCK_M rows (`block_expert`, -1 past the end)
 
-A decode has a few pairs (at most 64 tokens x 8), and each of these steps is a handful of instructions on them: one
+A decode has a few pairs (up to 128 tokens x 8), and each of these steps is a handful of instructions on them: one
 program does both (`route_and_align`), one launch a layer where torch's softmax, top-k, division and sort take a
 dozen. A prefill's many pairs go through torch's parallel kernels (`route_reference`, `align_reference`), which lay
 them out the same way. Neither syncs with the host, so the whole op records into a CUDA graph.
@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Up to this many pairs the single program; past it, its loop would outlast torch's parallel kernels.
-KERNEL_MAX_PAIRS = 4096
+# Up to this many pairs the single program; past it, its loop outlasts torch's parallel kernels (which cost ~65 us
+# at any size: scripts/dev/time_moe_routing.py, 128 experts top-8: 61 against 107 us at 1,024 pairs, 118 against
+# 109 at 2,048).
+KERNEL_MAX_PAIRS = 1024
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
