@@ -52,8 +52,17 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.model_info = Gauge(
+            "kiln_model_config_info",
+            "1, labelled with how the engine runs the model (its quantization: 'none', or FP8 and its format)",
+            [*labels, "quantization"],
+            registry=r,
+        )
         self.model = model_name
         self._itl = self.itl.labels(model_name)  # observed for every token: look its child up once
+
+    def engine_started(self, startup_stats: dict[str, Any]) -> None:
+        self.model_info.labels(self.model, startup_stats.get("quantization") or "none").set(1)
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)

@@ -245,3 +245,24 @@ def test_an_fp8_lm_head_or_a_half_ignored_fused_layer_is_refused(tiny_llama_dir,
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="ignoring only some of .*q_proj, .*k_proj, .*v_proj"):
         LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+
+
+def test_a_server_with_quantization_fp8_says_so_in_its_metrics_and_serves(tiny_llama_dir):
+    """`kiln serve --quantization fp8`: /metrics names the quantization, and the official client's greedy completion
+    is the offline engine's."""
+    from helpers.server import Server  # noqa: PLC0415  (imports openai)
+
+    with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128, quantization="fp8") as llm:
+        (offline,) = llm.generate([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    server = Server(tiny_llama_dir, "--quantization", "fp8")
+    try:
+        metrics = server.get("/metrics")[1].decode()
+        (line,) = [line for line in metrics.splitlines() if line.startswith("kiln_model_config_info{")]
+        assert 'quantization="fp8 (online: weights per channel, activations token)"' in line
+        completion = server.client().completions.create(
+            model=server.model, prompt=[5, 17, 33], max_tokens=6, temperature=0.0, logprobs=1
+        )
+        assert completion.choices[0].logprobs.tokens is not None
+        assert completion.choices[0].text == offline.outputs[0].text
+    finally:
+        server.stop()
