@@ -7,8 +7,11 @@
                       "none" (x stays in its dtype)
         -> [.., N] in x's dtype:  dequant(x) @ dequant(weight)^T + bias, in float32
 
-One opaque op (Dynamo traces past it, as it does the attention). Its form here is plain torch, the reference the
-tests hold every FP8 path to: it dequantizes the weights on every call, so it is correct anywhere and fast nowhere.
+One opaque op (Dynamo traces past it, as it does the attention). On the GPU (`fp8_linear`): one row takes the
+FP8 one-row matmul (fp8_gemv.py); more rows with a scale per output row and activations per token or static take
+`torch._scaled_mm` (e4m3 x e4m3 on the tensor cores, a scale per row of each side); the rest (block scales past
+one row, weight-only layers) dequantize the weights and multiply in 16 bits. `fp8_linear_reference` is the plain
+form, the CPU's, and the reference the tests hold every path to.
 """
 
 from __future__ import annotations
@@ -67,6 +70,43 @@ def fp8_linear_reference(
     return F.linear(x32, w32, None if bias is None else bias.float()).to(x.dtype)
 
 
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    activations: str,
+) -> torch.Tensor:
+    """The op: the GPU's forms (see the module's docstring), or the reference."""
+    args = (x, weight, weight_scale, input_scale, bias, block_n, block_k, activations)
+    if not x.is_cuda:
+        return fp8_linear_reference(*args)
+    if x.numel() == x.shape[-1]:
+        from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415  (Triton only where there is a GPU)
+
+        return fp8_gemv(*args).view(*x.shape[:-1], weight.shape[0])
+    if block_n == 0 and activations in ("token", "static"):
+        return _scaled_mm(x, weight, weight_scale, input_scale, bias, activations)
+    w = dequantize_weight(weight, weight_scale, block_n, block_k).to(x.dtype)
+    return F.linear(quantize_activations(x, activations, input_scale, block_k).to(x.dtype), w, bias)
+
+
+def _scaled_mm(x, weight, weight_scale, input_scale, bias, activations: str) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if activations == "static":
+        scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    else:
+        scale = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    xq = (x2 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=scale, scale_b=weight_scale.float().view(1, -1), out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _fake(x, weight, *args) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -74,6 +114,6 @@ def _fake(x, weight, *args) -> torch.Tensor:
 define(
     "fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, int block_n, "
     "int block_k, str activations) -> Tensor",
-    fp8_linear_reference,
+    fp8_linear,
     _fake,
 )

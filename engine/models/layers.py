@@ -30,7 +30,7 @@ class Linear(nn.Linear):
 
 def project(x: torch.Tensor, layer: nn.Linear, with_bias: bool = True) -> torch.Tensor:
     """x through a linear layer: `linear` of its weights, or `kiln::fp8_linear` when they are FP8 (quantization.py;
-    traced or not, the op, whose form is the plain-torch reference)."""
+    traced, the op; eager, the same function called directly)."""
     bias = layer.bias if with_bias else None
     quant = getattr(layer, "quant", None)
     if quant is None:
@@ -38,7 +38,7 @@ def project(x: torch.Tensor, layer: nn.Linear, with_bias: bool = True) -> torch.
     block_n, block_k = quant.block if quant.weights == "block" else (0, quant.block[1] if quant.block else 0)
     input_scale = getattr(layer, "input_scale", None)
     args = (x, layer.weight, layer.weight_scale, input_scale, bias, block_n, block_k, quant.activations)
-    return torch.ops.kiln.fp8_linear(*args) if torch.compiler.is_compiling() else fp8.fp8_linear_reference(*args)
+    return torch.ops.kiln.fp8_linear(*args) if torch.compiler.is_compiling() else fp8.fp8_linear(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

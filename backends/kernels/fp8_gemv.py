@@ -1,0 +1,125 @@
+"""The one-row matmul of an FP8 linear layer: y = dequant(x) @ dequant(W)^T (+ b) for x [1, K], W e4m3 [N, K].
+
+A batch-1 decode step reads every weight once, so FP8 weights halve its bytes. Each program reads BLOCK_N weight rows
+in BLOCK_K chunks, as the 16-bit one-row matmul does (gemv.py), converts them to float32 in registers and dots them
+with x rounded through e4m3 as the layer's activations say (`kiln::fp8_linear`, fp8.py): by its static scale, by the
+row's largest |x| / 448 (a first pass over x, which every program reads: K values), or by each BLOCK_K group's.
+A scale per output row multiplies the sum once; a scale per weight block multiplies each chunk's partial sum (the
+chunk is then one block wide).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _round_e4m3(x, scale):
+    """x / scale rounded to the nearest e4m3 value (ties to even, saturated at 448), times scale; in float32
+    arithmetic: three mantissa bits kept of a normal value (a carry moves the exponent, as it must), multiples of
+    2^-9 below 2^-6 (e4m3's subnormals). The same in Triton's interpreter, whose e4m3 conversion drops such a carry."""
+    v = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # (-1048576: 0xFFF00000, the low 20 bits cleared)
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0  # (1.5 * 2^14: float32's rounding to multiples of 2^-9)
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal) * scale
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    in_scale_ptr,
+    b_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_scale,  # a row of block scales (BLOCKED)
+    ACT: tl.constexpr,  # "none", "static", "token", "group"
+    BLOCKED: tl.constexpr,  # a scale per (SCALE_ROWS x BLOCK_K) block, else per row
+    SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(idx, N - 1)  # (rows past N re-read row N-1: full-width loads)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if ACT == "static":
+        x_scale = tl.load(in_scale_ptr).to(tl.float32)
+    elif ACT == "token":
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            chunk = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(chunk))
+        x_scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, 1.1754943508222875e-38)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + offs_k < K
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if ACT == "group":
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, 1.1754943508222875e-38)
+        if ACT != "none":
+            x = _round_e4m3(x, x_scale)
+        w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], axis=1)
+        if BLOCKED:
+            part *= tl.load(w_scale_ptr + (rows // SCALE_ROWS) * stride_scale + k0 // BLOCK_K)
+        acc += part
+    if not BLOCKED:
+        acc *= tl.load(w_scale_ptr + rows)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + idx, acc.to(y_ptr.dtype.element_ty), mask=idx < N)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    activations: str,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [1, K] (or [K]) through the FP8 layer: [1, N] in x's dtype. `config`: (BLOCK_N, BLOCK_K, num_warps); a
+    block-scaled layer's BLOCK_K is its block's columns (so a chunk has one scale a row)."""
+    n, k = weight.shape
+    x = x.reshape(k).contiguous()
+    block_rows, chunk, warps = config or (max(1, 8192 // triton.next_power_of_2(k)), min(1024, k), 4)
+    if block_n or activations == "group":
+        chunk = block_k
+    chunk = triton.next_power_of_2(chunk)
+    if (block_n or activations == "group") and chunk != block_k:
+        raise ValueError(f"an FP8 block of {block_k} columns is not a power of two")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_rows),)](
+        y,
+        x,
+        weight,
+        weight_scale,
+        input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale,
+        n,
+        k,
+        weight.stride(0),
+        weight_scale.stride(0),
+        ACT=activations,
+        BLOCKED=block_n > 0,
+        SCALE_ROWS=max(block_n, 1),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_rows,
+        BLOCK_K=chunk,
+        num_warps=warps,
+    )
+    return y

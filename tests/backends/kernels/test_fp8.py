@@ -1,0 +1,92 @@
+"""The FP8 linear layer's GPU forms against its plain-torch reference (`kiln::fp8_linear`, fp8.py): the one-row
+matmul under Triton's interpreter (on the GPU, the kernel itself) for every scale layout and activation rounding,
+and on the GPU `torch._scaled_mm` and the dequantizing fallback past one row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kiln.backends.kernels.fp8 import fp8_linear, fp8_linear_reference
+from kiln.backends.kernels.fp8_gemv import _round_e4m3, fp8_gemv
+
+from helpers.kernels import DEVICE
+
+FP8_MAX = 448.0
+
+
+def _layer(n: int, k: int, block: tuple[int, int] | None, generator: torch.Generator):
+    """(e4m3 weights, float32 scales): a scale per row, or per block."""
+    w = torch.randn(n, k, generator=generator) * 0.05
+    if block is None:
+        scale = w.abs().amax(dim=1) / FP8_MAX
+        return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    scale = torch.rand(rows, cols, generator=generator) * 1e-3 + 1e-4
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+CASES = [
+    # (N, K, block, activations, bias)
+    (96, 256, None, "token", False),
+    (100, 200, None, "token", True),  # N and K past the tiles' multiples
+    (64, 128, None, "static", False),
+    (64, 128, None, "none", True),
+    (80, 256, (16, 64), "group", False),  # a block-scaled layer (N not whole blocks)
+    (64, 256, (32, 128), "none", False),
+]
+
+
+@pytest.mark.parametrize("n,k,block,activations,bias", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_fp8_gemv_against_the_reference(n, k, block, activations, bias, dtype):
+    generator = torch.Generator().manual_seed(n + k)
+    weight, scale = _layer(n, k, block, generator)
+    x = torch.randn(1, k, generator=generator) * 2
+    b = torch.randn(n, generator=generator) if bias else None
+    input_scale = torch.tensor([0.01]) if activations == "static" else None
+    block_n, block_k = block or (0, 0)
+    args = [t.to(DEVICE) if t is not None else None for t in (x.to(dtype), weight, scale, input_scale, b)]
+    args[4] = args[4].to(dtype) if bias else None
+    got = fp8_gemv(*args, block_n, block_k, activations)
+    want = fp8_linear_reference(*[a.cpu() if a is not None else None for a in args], block_n, block_k, activations)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch._scaled_mm and the fallback are the GPU's")
+@pytest.mark.parametrize("n,k,block,activations,bias", CASES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_the_op_on_the_gpu_against_the_reference(n, k, block, activations, bias, rows):
+    """Within bf16's output rounding; _scaled_mm's e4m3 inputs are the reference's."""
+    generator = torch.Generator().manual_seed(rows + n)
+    weight, scale = _layer(n, k, block, generator)
+    x = (torch.randn(rows, k, generator=generator) * 2).to(torch.bfloat16)
+    b = torch.randn(n, generator=generator).to(torch.bfloat16) if bias else None
+    input_scale = torch.tensor([0.01]) if activations == "static" else None
+    block_n, block_k = block or (0, 0)
+    want = fp8_linear_reference(x, weight, scale, input_scale, b, block_n, block_k, activations)
+    cuda = [t.cuda() if t is not None else None for t in (x, weight, scale, input_scale, b)]
+    got = fp8_linear(*cuda, block_n, block_k, activations)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@triton.jit
+def _rounding_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, _round_e4m3(tl.load(x_ptr + i), 1.0))
+
+
+def test_the_kernels_e4m3_rounding_is_torchs():
+    """Every value of a dense sweep over e4m3's range (normals, subnormals, ties, carries into the exponent, past
+    448) rounds as torch's cast of the clamped value does."""
+    x = torch.cat([torch.linspace(-470, 470, 150001), torch.linspace(-0.03, 0.03, 100001)])
+    padded = torch.zeros(triton.next_power_of_2(x.numel()))
+    padded[: x.numel()] = x
+    y = torch.empty_like(padded, device=DEVICE)
+    _rounding_kernel[(padded.numel() // 1024,)](padded.to(DEVICE), y, BLOCK=1024)
+    assert torch.equal(y.cpu(), padded.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float())
