@@ -6,10 +6,13 @@ logits, and the (token, expert) pairs laid out by expert for the grouped matmuls
     align:  the T * k pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M (`sorted_pairs`;
             padding = T * k), and the expert of every BLOCK_M rows (`block_expert`, -1 past the end)
 
-A decode has a few pairs (up to 128 tokens x 8), and each of these steps is a handful of instructions on them: one
+A decode has a few pairs (up to 16 tokens x 8), and each of these steps is a handful of instructions on them: one
 program does both (`route_and_align`), one launch a layer where torch's softmax, top-k, division and sort take a
-dozen. A prefill's many pairs go through torch's parallel kernels (`route_reference`, `align_reference`), which lay
-them out the same way. Neither syncs with the host, so the whole op records into a CUDA graph.
+dozen. More pairs take three launches (`_parallel`): programs of CHUNK_PAIRS pairs route their tokens and count
+their pairs by expert; one program turns the counts into each chunk's first place for each expert (the experts'
+padded runs in order, a chunk's pairs after the earlier chunks'); the chunks' programs place their pairs. The
+layout is the same as torch's stable sort (`route_reference`, `align_reference`: the tests' references). None of
+them syncs with the host, so the whole op records into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Up to this many pairs the single program; past it, its loop outlasts torch's parallel kernels (which cost ~65 us
-# at any size: scripts/dev/time_moe_routing.py, 128 experts top-8: 61 against 107 us at 1,024 pairs, 118 against
-# 109 at 2,048).
-KERNEL_MAX_PAIRS = 1024
+# Up to this many pairs the single program (scripts/dev/time_moe_routing.py, 128 experts top-8: 5.6 us at 8 pairs,
+# 11.1 at 128, 61 at 1,024: its loops grow with the pairs); past it, the three launches of the parallel form.
+KERNEL_MAX_PAIRS = 128
+CHUNK_PAIRS = 256  # pairs a program of the parallel form takes (at most: whole tokens)
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -216,22 +219,173 @@ def _launch(logits, weights, experts, num_experts: int, top_k: int, renormalise:
     return sorted_pairs, block_expert
 
 
+@triton.jit
+def _count_kernel(
+    logits_ptr,
+    stride_logits,
+    weights_ptr,
+    experts_ptr,
+    counts_ptr,  # [chunks, E_PAD]
+    num_tokens,
+    num_experts,
+    TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr,
+    ROUTE: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    CHUNK_T: tl.constexpr,  # tokens a program
+    ROUTE_T: tl.constexpr,  # tokens `_route` takes at a time
+    PAIRS_PAD: tl.constexpr,  # CHUNK_T * TOP_K, to a power of two
+):
+    chunk = tl.program_id(0)
+    first = chunk * CHUNK_T
+    if ROUTE:
+        _route(
+            logits_ptr + first.to(tl.int64) * stride_logits,
+            stride_logits,
+            weights_ptr + first * TOP_K,
+            experts_ptr + first * TOP_K,
+            tl.minimum(num_tokens - first, CHUNK_T),
+            num_experts,
+            TOP_K,
+            RENORMALISE,
+            E_PAD,
+            K_PAD,
+            ROUTE_T,
+        )
+        tl.debug_barrier()  # this program's experts are written before it counts them
+    lanes = tl.arange(0, PAIRS_PAD)
+    pairs = first * TOP_K + lanes
+    valid = (lanes < CHUNK_T * TOP_K) & (pairs < num_tokens * TOP_K)
+    e = tl.load(experts_ptr + pairs, mask=valid, other=-1)
+    bins = tl.arange(0, E_PAD)
+    counts = tl.sum(((e[:, None] == bins[None, :]) & valid[:, None]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + chunk * E_PAD + bins, counts)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr,  # [chunks, E_PAD] in; each chunk's first place for each expert out (in place)
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_chunks,
+    num_pairs,
+    num_experts,
+    rows,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    bins = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    for start in range(0, rows, CHUNK):  # every row padding until a pair takes it
+        tl.store(sorted_pairs_ptr + start + lanes, num_pairs, mask=start + lanes < rows)
+    total = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in range(num_chunks):
+        total += tl.load(counts_ptr + c * E_PAD + bins)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_end = tl.where(bins < num_experts, padded_end, 2147483647)  # (padding bins never own a block)
+    for start in range(0, rows, CHUNK * BLOCK_M):
+        blocks = start // BLOCK_M + lanes
+        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks * BLOCK_M < rows)
+    place = padded_end - padded
+    for c in range(num_chunks):
+        count = tl.load(counts_ptr + c * E_PAD + bins)
+        tl.store(counts_ptr + c * E_PAD + bins, place)
+        place += count
+
+
+@triton.jit
+def _place_kernel(
+    experts_ptr,
+    offsets_ptr,  # [chunks, E_PAD]
+    sorted_pairs_ptr,
+    num_pairs,
+    PAIRS: tl.constexpr,  # pairs a chunk
+    PAIRS_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    lanes = tl.arange(0, PAIRS_PAD)
+    pairs = chunk * PAIRS + lanes
+    valid = (lanes < PAIRS) & (pairs < num_pairs)
+    e = tl.load(experts_ptr + pairs, mask=valid, other=-1)
+    bins = tl.arange(0, E_PAD)
+    one_hot = (e[:, None] == bins[None, :]) & valid[:, None]
+    base = tl.sum(tl.where(one_hot, tl.load(offsets_ptr + chunk * E_PAD + bins)[None, :], 0), axis=1)
+    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[None, :]
+    tl.store(sorted_pairs_ptr + base + tl.sum(earlier.to(tl.int32), axis=1), pairs, mask=valid)
+
+
+def _parallel(logits, weights, experts, num_experts: int, top_k: int, renormalise: bool, route: bool, block_m: int):
+    """(sorted_pairs, block_expert) in three launches (see the module's docstring); with `route`, `weights` and
+    `experts` are filled from `logits` on the way."""
+    num_tokens = experts.shape[0]
+    num_pairs = num_tokens * top_k
+    rows = capacity(num_pairs, num_experts, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk_t = max(1, CHUNK_PAIRS // top_k)
+    num_chunks = triton.cdiv(num_tokens, chunk_t)
+    pairs_pad = triton.next_power_of_2(chunk_t * top_k)
+    device = experts.device
+    offsets = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    _count_kernel[(num_chunks,)](
+        logits,
+        logits.stride(0),
+        weights,
+        experts,
+        offsets,
+        num_tokens,
+        num_experts,
+        TOP_K=top_k,
+        RENORMALISE=renormalise,
+        ROUTE=route,
+        E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k),
+        CHUNK_T=chunk_t,
+        ROUTE_T=max(1, min(16, chunk_t, 4096 // e_pad)),
+        PAIRS_PAD=pairs_pad,
+        num_warps=8,
+    )
+    _offsets_kernel[(1,)](
+        offsets,
+        sorted_pairs,
+        block_expert,
+        num_chunks,
+        num_pairs,
+        num_experts,
+        rows,
+        BLOCK_M=block_m,
+        E_PAD=e_pad,
+        CHUNK=64 if e_pad <= 128 else 32,
+        num_warps=8,
+    )
+    _place_kernel[(num_chunks,)](
+        experts, offsets, sorted_pairs, num_pairs, PAIRS=chunk_t * top_k, PAIRS_PAD=pairs_pad, E_PAD=e_pad, num_warps=8
+    )
+    return sorted_pairs, block_expert
+
+
 def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs, block_expert) for given `experts` [T, k]: the single program for few pairs, else torch's."""
-    if experts.numel() > KERNEL_MAX_PAIRS:
-        return align_reference(experts, num_experts, block_m)
-    return _launch(experts, experts, experts.contiguous(), num_experts, experts.shape[1], False, False, block_m)
+    """(sorted_pairs, block_expert) for given `experts` [T, k]: the single program for few pairs, else the
+    parallel form."""
+    experts = experts.contiguous()
+    launch = _launch if experts.numel() <= KERNEL_MAX_PAIRS else _parallel
+    return launch(experts, experts, experts, num_experts, experts.shape[1], False, False, block_m)
 
 
 def route_and_align(
     logits: torch.Tensor, top_k: int, renormalise: bool, weights_dtype: torch.dtype, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights, experts, sorted_pairs, block_expert) from the router's logits [T, E]: one launch for few pairs."""
+    """(weights, experts, sorted_pairs, block_expert) from the router's logits [T, E]: one launch for few pairs,
+    three for more."""
     num_tokens, num_experts = logits.shape
-    if num_tokens * top_k > KERNEL_MAX_PAIRS:
-        weights, experts = route_reference(logits, top_k, renormalise, weights_dtype)
-        return weights, experts, *align_reference(experts, num_experts, block_m)
     weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
-    sorted_pairs, block_expert = _launch(logits, weights, experts, num_experts, top_k, renormalise, True, block_m)
+    launch = _launch if num_tokens * top_k <= KERNEL_MAX_PAIRS else _parallel
+    sorted_pairs, block_expert = launch(logits, weights, experts, num_experts, top_k, renormalise, True, block_m)
     return weights, experts, sorted_pairs, block_expert

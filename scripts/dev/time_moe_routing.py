@@ -1,5 +1,5 @@
-"""The MoE routing alone at each batch size: the single-program kernel (moe_routing.py) against torch's ops, each
-timed inside a CUDA graph; where the two cross is `KERNEL_MAX_PAIRS`.
+"""The MoE routing alone at each batch size: the single-program kernel (moe_routing.py), its parallel form (three
+launches) and torch's ops, each timed inside a CUDA graph; where the first two cross is `KERNEL_MAX_PAIRS`.
 
     python scripts/dev/time_moe_routing.py --experts 128 --top-k 8 --tokens 1,8,32,64,128,256,512
 """
@@ -25,14 +25,15 @@ def main() -> None:
     p.add_argument("--tokens", default="1,8,16,32,64,128,256,512")
     args = p.parse_args()
     print(f"\nMoE routing (E={args.experts}, k={args.top_k}): us a layer, in a CUDA graph")
-    print(f"{'tokens':>6} {'kernel':>9} {'torch':>9}")
+    print(f"{'tokens':>6} {'single':>9} {'parallel':>9} {'torch':>9}")
     for t in (int(v) for v in args.tokens.split(",")):
-        kernel, torch_ops = time_one(t, args.experts, args.top_k)
-        print(f"{t:>6} {kernel:>9.1f} {torch_ops:>9.1f}")
+        single, parallel, torch_ops = time_one(t, args.experts, args.top_k)
+        print(f"{t:>6} {single:>9.1f} {parallel:>9.1f} {torch_ops:>9.1f}")
 
 
-def time_one(t: int, experts: int, k: int) -> tuple[float, float]:
-    """(kernel, torch ops) microseconds of routing t tokens' logits and aligning their pairs."""
+def time_one(t: int, experts: int, k: int) -> tuple[float, float, float]:
+    """(single program, parallel form, torch ops) microseconds of routing t tokens' logits and aligning their
+    pairs."""
     logits = torch.randn(t, experts, device="cuda", dtype=torch.bfloat16)
     block_m = 16 if t * k <= 1024 else 64
     weights, chosen = _buffers(t, k)
@@ -40,10 +41,13 @@ def time_one(t: int, experts: int, k: int) -> tuple[float, float]:
     def kernel():
         moe_routing._launch(logits, weights, chosen, experts, k, True, True, block_m)
 
+    def parallel():
+        moe_routing._parallel(logits, weights, chosen, experts, k, True, True, block_m)
+
     def torch_ops():
         moe_routing.align_reference(moe_routing.route_reference(logits, k, True, torch.bfloat16)[1], experts, block_m)
 
-    return tuple(graph_time_ms(lambda fn=fn: [fn() for _ in range(10)]) * 100 for fn in (kernel, torch_ops))
+    return tuple(graph_time_ms(lambda fn=fn: [fn() for _ in range(10)]) * 100 for fn in (kernel, parallel, torch_ops))
 
 
 def _buffers(t: int, k: int):
