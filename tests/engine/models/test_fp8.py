@@ -287,3 +287,26 @@ def test_fp8_on_the_gpu_matches_the_cpu_reference(tiny_model_dir_qwen3, tmp_path
         assert a.token_ids[:3] == b.token_ids[:3]
         errors += [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids[:3])]
     assert sum(errors) / len(errors) < 0.05, errors
+
+
+def test_an_fp8_warm_start_compiles_nothing_and_has_its_own_cache_key(tiny_llama_dir, tmp_path):
+    """The FP8 op is opaque to Dynamo, so the saved graph holds it: a warm start traces and compiles nothing and
+    gives the cold start's logprobs; the 16-bit model of the same checkpoint keys another cache entry."""
+    engine = dict(max_model_len=128, compile_cache_dir=str(tmp_path / "cache"))
+
+    def start(**extra):
+        with LLM(str(tiny_llama_dir), **engine, **extra) as llm:
+            outputs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, GREEDY)]
+            return llm.engine.startup_stats, outputs
+
+    cold, want = start(quantization="fp8")
+    warm, got = start(quantization="fp8")
+    assert cold["dynamo_traces"] == 1 and warm["dynamo_traces"] == 0 and warm["inductor_compiles"] == 0
+    assert got == want
+    plain, _ = start()
+    assert plain["dynamo_traces"] == 1 and plain["compile_cache_dir"] != cold["compile_cache_dir"]
+
+
+def test_fp8_of_a_mixture_of_experts_is_refused_in_one_line(tiny_qwen3_moe_dir):
+    with pytest.raises(ValueError, match="FP8 quantization of a mixture of experts is not supported"):
+        LLM(str(tiny_qwen3_moe_dir), enforce_eager=True, max_model_len=64, quantization="fp8")
