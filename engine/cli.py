@@ -13,6 +13,7 @@ from kiln.backends import environment
 from kiln.engine.config import (
     ATTENTION_BACKENDS,
     CUDAGRAPH_MODES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     REASONING_PARSERS,
@@ -61,6 +62,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; fp8 (= fp8_e4m3): K and V stored as e4m3, about twice the blocks",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="override KV cache sizing")

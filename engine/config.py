@@ -22,6 +22,7 @@ DTYPES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)  # --quantization: a 16-bit checkpoint's linear layers quantized at load
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (scale 1.0)
 ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
 CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
 
@@ -39,6 +40,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3: K and V stored as e4m3 (about twice the blocks)
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; on CPU the default is 1 GiB
     num_kv_blocks: int | None = None  # override the sizing (tests use it to force preemption)
@@ -80,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {list(QUANTIZATIONS)}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

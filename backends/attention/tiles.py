@@ -7,6 +7,9 @@ Paged K/V addressing (row = num_kv_heads * head_dim elements)::
     position p of request s  ->  page = block_table[s, p // BLOCK_SIZE]
                                  slot = page * BLOCK_SIZE + p % BLOCK_SIZE
                                  K[p, h, :] = k_cache[slot * row + h * head_dim : ... + head_dim]
+
+An FP8 cache (`--kv-cache-dtype fp8`) holds e4m3 values (scale 1.0): a tile is converted to q's dtype as it loads,
+and `to_cache` rounds what the kernels write.
 """
 
 from __future__ import annotations
@@ -14,7 +17,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kiln.backends.kernels.fp8_gemv import _round_e4m3
+
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x as the cache at cache_ptr holds it: for an FP8 cache, rounded to e4m3 (to nearest even, saturated; float32
+    arithmetic, as Triton's interpreter converts wrongly), else as it is (the store converts)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return _round_e4m3(x.to(tl.float32), 1.0).to(tl.float8e4nv)
+    return x
 
 
 @triton.jit
@@ -58,7 +72,7 @@ def _attend_tile(
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
     base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    s = tl.dot(q, k) * qk_scale
+    s = tl.dot(q, k.to(q.dtype)) * qk_scale
     allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,7 +80,7 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -151,7 +165,7 @@ def _attend_lean_tile(
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
     else:
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
-    s = tl.dot(q, k) * qk_scale
+    s = tl.dot(q, k.to(q.dtype)) * qk_scale
     if MASKED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -162,5 +176,5 @@ def _attend_lean_tile(
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i * alpha + tl.sum(p, 1), acc

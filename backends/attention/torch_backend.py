@@ -13,22 +13,29 @@ import torch.nn.functional as F
 from kiln.backends.attention.forward_context import AttentionMetadata
 from kiln.backends.attention.op import AttentionBackend, register_backend
 
+FP8_MAX = 448.0
+
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """K and V into their slots; an FP8 cache (scale 1.0) holds them rounded to e4m3, saturated at +-448."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `seq_len` positions of one request: [seq_len, num_kv_heads, head_dim] each."""
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `seq_len` positions of one request, in `dtype`: [seq_len, num_kv_heads, head_dim]."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_ids[:num_blocks].long()
     k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
     v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 @register_backend
@@ -48,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         for i, q_len in enumerate(query_lens):
             if q_len > 1:
                 start = int(starts[i])
-                k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i])
+                k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i], query.dtype)
                 output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale)
 
     def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor) -> None:
@@ -61,8 +68,8 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = int(metadata.seq_lens_cpu[rows].max())
         num_blocks = -(-max_len // block_size)
         blocks = metadata.block_table[rows_t, :num_blocks].long()  # [B, nb]
-        k = kv_cache[0, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
-        v = kv_cache[1, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
+        k = kv_cache[0, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len].to(query.dtype)
+        v = kv_cache[1, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len].to(query.dtype)
         token_index = metadata.query_start_loc_cpu[rows].to(device).long()
         q = query[token_index].unsqueeze(2)  # [B, H, 1, D]
         mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]  # [B, L]

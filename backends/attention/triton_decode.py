@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kiln.backends.attention.decode_merge import _merge_head, _merge_splits, merge_chunk
 from kiln.backends.attention.forward_context import AttentionMetadata
-from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
+from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32, to_cache
 from kiln.backends.kernels import pdl
 from kiln.backends.kernels.arrivals import arrival_counts
 
@@ -139,8 +139,8 @@ def _decode_split_kernel(
                 row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d
                 k_new = tl.load(key_ptr + token * stride_key + kv_head * HEAD_DIM + offs_d, mask=d_ok)
                 v_new = tl.load(value_ptr + token * stride_value + kv_head * HEAD_DIM + offs_d, mask=d_ok)
-                tl.store(k_cache_ptr + row, k_new, mask=d_ok)
-                tl.store(v_cache_ptr + row, v_new, mask=d_ok)
+                tl.store(k_cache_ptr + row, to_cache(k_new, k_cache_ptr), mask=d_ok)
+                tl.store(v_cache_ptr + row, to_cache(v_new, v_cache_ptr), mask=d_ok)
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.attention.forward_context import AttentionMetadata
-from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32
+from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32, to_cache
 
 
 @triton.jit
@@ -35,8 +35,8 @@ def _kv_write_kernel(
         mask = offs < ROW
         k = tl.load(key_ptr + token * stride_key + offs, mask=mask)
         v = tl.load(value_ptr + token * stride_value + offs, mask=mask)
-        tl.store(cache_ptr + slot * ROW + offs, k, mask=mask)
-        tl.store(cache_ptr + v_offset + slot * ROW + offs, v, mask=mask)
+        tl.store(cache_ptr + slot * ROW + offs, to_cache(k, cache_ptr), mask=mask)
+        tl.store(cache_ptr + v_offset + slot * ROW + offs, to_cache(v, cache_ptr), mask=mask)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

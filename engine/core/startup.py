@@ -195,7 +195,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
             kv_heads_per_rank(model_config.num_kv_heads, shard.size),
             model_config.head_dim,
             config.block_size,
-            dtype,
+            torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else dtype,
         )
         sizing_start = time.perf_counter()
 
@@ -255,6 +255,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         "num_kv_blocks": num_blocks,
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
         "quantization": quantization.describe() if quantization is not None else None,
+        "kv_cache_dtype": str(kv_spec.dtype).removeprefix("torch."),
         "compile_cache_dir": cache_dir,
         **counters.as_dict(),
     }

@@ -351,3 +351,45 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
     get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5, out)
     ref = reference_attention(q, history, query_lens, 128**-0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("query_lens,context_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 2, 80)])
+def test_an_fp8_kv_cache_against_the_reference_of_its_e4m3_values(
+    backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim
+):
+    """`--kv-cache-dtype fp8`: the new K/V land as torch's e4m3 rounding of them (the kernels round by arithmetic),
+    and attention over the cache equals the float64 reference over the e4m3 values of every K and V."""
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    kv_cache = _fp8(kv_cache)
+    history = [(_fp8(hk).float(), _fp8(hv).float()) for hk, hv in history]
+    out = torch.zeros_like(q)
+    get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, head_dim**-0.5, out)
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(flat[0, metadata.slot_mapping].float(), _fp8(k).float())
+    assert torch.equal(flat[1, metadata.slot_mapping].float(), _fp8(v).float())
+
+
+def test_split_kv_decode_with_an_fp8_cache():
+    """The decode kernel writes each token's K/V as e4m3 and reads the cache's e4m3 values (several splits)."""
+    query_lens, context_lens = [1, 1, 1], [3, 100, 300]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
+    )
+    kv_cache = _fp8(kv_cache)
+    history = [(_fp8(hk).float(), _fp8(hv).float()) for hk, hv in history]
+    out = torch.zeros_like(q)
+    split_kv_decode(q, k, v, kv_cache, metadata, 0.125, out, 4, 16, None)
+    torch.testing.assert_close(
+        out.double().cpu(), reference_attention(q, history, query_lens, 0.125), atol=TOL, rtol=TOL
+    )
+    assert torch.equal(kv_cache.reshape(2, -1, 2, 64)[0, metadata.slot_mapping].float(), _fp8(k).float())

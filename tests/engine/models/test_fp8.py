@@ -136,7 +136,8 @@ def fp8_reference(src, layers, activations: str):
 
 
 def assert_matches(hf, prompts, outputs, tol: float) -> None:
-    """Greedy tokens of HF's `generate()` and HF's log-probabilities of Kiln's tokens."""
+    """Greedy tokens of HF's `generate()` (up to a near-tie of HF's top two, within `tol`, after half of them), and
+    HF's log-probabilities of Kiln's tokens up to there."""
     for prompt, output in zip(prompts, outputs):
         got = output.outputs[0]
         with torch.no_grad():
@@ -144,9 +145,12 @@ def assert_matches(hf, prompts, outputs, tol: float) -> None:
                 torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
             )[0, len(prompt) :].tolist()
             logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
-        assert got.token_ids == want
         reference = torch.log_softmax(logits.double(), dim=-1)
-        for i, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        agreed = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
+        if agreed < len(want):
+            gap = reference[agreed, want[agreed]] - reference[agreed, got.token_ids[agreed]]
+            assert agreed >= MAX_TOKENS // 2 and gap <= tol, f"token {agreed} differs, HF's gap {gap:.2e}"
+        for i, (token, entry) in enumerate(zip(got.token_ids[: agreed + 1], got.logprobs)):
             assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=tol), i
 
 
@@ -310,3 +314,38 @@ def test_an_fp8_warm_start_compiles_nothing_and_has_its_own_cache_key(tiny_llama
 def test_fp8_of_a_mixture_of_experts_is_refused_in_one_line(tiny_qwen3_moe_dir):
     with pytest.raises(ValueError, match="FP8 quantization of a mixture of experts is not supported"):
         LLM(str(tiny_qwen3_moe_dir), enforce_eager=True, max_model_len=64, quantization="fp8")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_fp8_kv_cache_holds_more_blocks_and_matches_hf_with_e4m3_keys_and_values(
+    tiny_llama_dir, backend, monkeypatch
+):
+    """`kv_cache_dtype="fp8"`: the same KV memory holds 4x the blocks of a float32 cache (2x a 16-bit one), and the
+    model equals Hugging Face's with every key (after the rotary) and value rounded through e4m3, as the cache
+    holds them."""
+    from transformers.models.llama import modeling_llama  # noqa: PLC0415
+
+    engine = dict(enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=1 << 22, attention_backend=backend)
+    with LLM(str(tiny_llama_dir), **engine) as llm:
+        blocks = llm.engine.startup_stats["num_kv_blocks"]
+    with LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", **engine) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.engine.startup_stats
+    assert stats["num_kv_blocks"] == 4 * blocks and stats["kv_cache_dtype"] == "float8_e4m3fn"
+
+    def e4m3(x):
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype)
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rotate_and_round(q, k, *args, **kwargs):
+        q, k = rotary(q, k, *args, **kwargs)
+        return q, e4m3(k)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotate_and_round)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for layer in hf.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda m, args, out: e4m3(out))
+    # (every key and value is rounded here, so a float32 difference crossing an e4m3 boundary is likelier than in
+    # the layers' inputs: 5x TOL)
+    assert_matches(hf, PROMPTS, outputs, 5 * TOL)
