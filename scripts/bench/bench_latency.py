@@ -65,7 +65,8 @@ def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
     c = llm.engine.model_config
     avg_context = prompt_len + DECODE_STEPS / 2
     kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.executor.shard.size)  # under TP: what one GPU reads
-    kv = 2 * c.num_layers * kv_heads * c.head_dim * llm.engine.dtype.itemsize * avg_context * batch
+    kv_bytes = llm.engine.executor.kv_spec.dtype.itemsize
+    kv = 2 * c.num_layers * kv_heads * c.head_dim * kv_bytes * avg_context * batch
     return weights + kv
 
 
@@ -237,6 +238,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--quantization", default=None, help="fp8: the linear layers quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     p.add_argument("--modes", default="eager,compiled,graphs")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--capture-sizes", default=None, help="comma-separated; default: the engine's")
@@ -285,7 +288,12 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         kwargs = dict(
-            MODES[mode], max_model_len=args.max_model_len, max_num_seqs=max(batches), gpu_memory_utilization=0.8
+            MODES[mode],
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(batches),
+            gpu_memory_utilization=0.8,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         if mode == "graphs" and sizes:
             kwargs["cudagraph_capture_sizes"] = sizes
@@ -319,7 +327,9 @@ def main() -> None:
                 }
             )
     print(
-        f"\ndecode latency: {args.model}, bf16, dummy weights, {DECODE_STEPS} steps after the prompt, "
+        f"\ndecode latency: {args.model}, bf16{' + fp8 weights' if args.quantization else ''}"
+        f"{' + fp8 KV' if args.kv_cache_dtype != 'auto' else ''}, dummy weights, "
+        f"{DECODE_STEPS} steps after the prompt, "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
         f"(BW util: what one GPU reads)"
     )

@@ -43,6 +43,8 @@ def bench_kiln(args, prompts, output_lens) -> dict:
         attention_backend=args.attention_backend,
         cudagraph_capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",")),
         async_scheduling=not args.no_async_scheduling,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -122,6 +124,8 @@ def main() -> int:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="fp8: the linear layers quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
@@ -143,7 +147,8 @@ def main() -> int:
         results.append(bench_hf(args, prompts, output_lens))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(
-        f"\nthroughput: {args.model} ({args.dtype}), {args.num_seqs} seqs, "
+        f"\nthroughput: {args.model} ({args.dtype}{', fp8 weights' if args.quantization else ''}"
+        f"{', fp8 KV' if args.kv_cache_dtype != 'auto' else ''}), {args.num_seqs} seqs, "
         f"lengths U[{args.min_len}, {args.max_len}], "
         f"{'eager' if args.enforce_eager else 'compiled'}, {device}, torch {torch.__version__}"
     )

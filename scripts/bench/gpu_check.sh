@@ -21,6 +21,8 @@
 # Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
+# QUANT=fp8 / KV_DTYPE=fp8 run the latency and throughput-compiled steps with --quantization fp8 / --kv-cache-dtype fp8
+# (their logs' names carry them: set them with env:QUANT=fp8 between steps for a bf16/FP8 pair in one call).
 # TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/bench/gpu_check.sh gputests:tests/engine/core/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
@@ -116,7 +118,8 @@ for step in $steps; do
       model=${step#latency:}
       hf="--hf --hf-cache ${LATENCY_HF_CACHE:-static}"; [ "${LATENCY_HF:-1}" = 0 ] && hf=
       base=$(fresh "$OUT/latency_${model}_tp${TP:-1}$tag")
-      timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} --modes ${LATENCY_MODES:-eager,graphs} \
+      timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} ${QUANT:+--quantization $QUANT} \
+        ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
         --capture-sizes 1,2,4,8,16,32,64,128 ${LATENCY_PROMPTS:+--prompt-lens $LATENCY_PROMPTS} $hf --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
       grep -A24 "^decode latency" "$base.log" >> "$summary" ;;
@@ -170,7 +173,8 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       echo "soak: $(cat "$OUT/soak.json")" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
-      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench/bench_throughput.py --model "$model" -tp ${TP:-1} --json "$OUT/throughput.jsonl" 2>&1 \
+      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench/bench_throughput.py --model "$model" -tp ${TP:-1} ${QUANT:+--quantization $QUANT} \
+        ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} --json "$OUT/throughput.jsonl" 2>&1 \
         | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" | tail -n 5
       echo "-- throughput-compiled:$model$tag" >> "$summary"
       tail -n 4 "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" >> "$summary" ;;
