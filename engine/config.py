@@ -36,7 +36,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: dummy for presets, safetensors for directories
     quantization: str | None = None  # fp8: quantize the linear layers at load (an FP8 checkpoint is read as it is)
     seed: int = 0
-    max_model_len: int | None = None  # default: the model's ModelConfig.max_context (its positions, its window)
+    max_model_len: int | None = None  # default: the positions (a window, on a backend without windows)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16

@@ -53,6 +53,7 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
     backend: AttentionBackend
     cudagraph_size: int | None = None  # set: compiled pieces replay (or capture) their graph for this size
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer slides
 
 
 _forward_context: ForwardContext | None = None

@@ -25,13 +25,16 @@ class AttentionBackend(ABC):
          context `seq_lens[i]` tokens read through `block_table[i]`; query j of a request with q_len
          queries sits at position `seq_lens[i] - q_len + j` and attends causally to positions <= it;
       3. write the result into `output` `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are
-         padding and may hold anything.
+         padding and may hold anything;
+      4. with a `window` (a backend whose `sliding_window` is True), a query at position p sees only the keys at
+         positions > p - window.
     Writing before reading is what makes a request's own chunk, and blocks another request of the same
     batch just cached, visible to attention.
     """
 
     name: str
     cudagraph_safe: bool = True  # no host sync and no data-dependent launch shapes: may run inside a CUDA graph
+    sliding_window: bool = False  # reads `window`: with False a windowed model is capped at its window
 
     @abstractmethod
     def forward(
@@ -43,6 +46,7 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
+        window: int = 0,  # a query at position p sees keys after p - window only (0: all of them)
     ) -> None: ...
 
     def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Hashable:
@@ -92,7 +96,12 @@ def attend(
     the split graph's attention pieces once compiled), it is called directly: a `custom_op` call through the
     dispatcher costs tens of microseconds of Python more, once a layer every step."""
     context = get_forward_context()
-    context.backend.forward(query, key, value, context.kv_caches[layer_index], context.attn_metadata, scale, output)
+    kv_cache = context.kv_caches[layer_index]
+    if context.windows and context.windows[layer_index]:
+        window = context.windows[layer_index]
+        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output, window)
+    else:
+        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output)
 
 
 @unified_attention.register_fake

@@ -1,8 +1,9 @@
 """Reference attention backend in plain torch: correct on CPU and GPU, not fast.
 
 Decodes (one query per request) are batched into one padded SDPA call; prefill chunks run one SDPA
-call each with a bottom-right-aligned causal mask. It reads `_cpu` metadata, so it syncs with the host
-and cannot live inside a CUDA graph; the Triton backend is the one for graphs.
+call each with a bottom-right-aligned causal mask; a sliding window masks the keys before it. It reads
+`_cpu` metadata, so it syncs with the host and cannot live inside a CUDA graph; the Triton backend is the
+one for graphs.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def gather_kv(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cudagraph_safe = False
+    sliding_window = True
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
+    def forward(
+        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output, window: int = 0
+    ) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
         starts = metadata.query_start_loc_cpu
@@ -51,14 +55,14 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = metadata.seq_lens_cpu.tolist()
         decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
         if decode_rows:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output)
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output, window)
         for i, q_len in enumerate(query_lens):
             if q_len > 1:
                 start = int(starts[i])
                 k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i], query.dtype)
-                output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale)
+                output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale, window)
 
-    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor) -> None:
+    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor, window: int):
         """All single-query requests at once: gather their blocks padded to the longest context."""
         device = query.device
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -72,23 +76,29 @@ class TorchAttentionBackend(AttentionBackend):
         v = kv_cache[1, blocks].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len].to(query.dtype)
         token_index = metadata.query_start_loc_cpu[rows].to(device).long()
         q = query[token_index].unsqueeze(2)  # [B, H, 1, D]
-        mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]  # [B, L]
+        positions = torch.arange(max_len, device=device)[None, :]
+        mask = positions < seq_lens[:, None]  # [B, L]
+        if window:  # the query sits at seq_len - 1
+            mask &= positions > seq_lens[:, None] - 1 - window
         out = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
         )
         output[token_index] = out.squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """Causal attention of q_len queries that are the last q_len of seq_len positions."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float, window: int) -> torch.Tensor:
+    """Causal attention of q_len queries that are the last q_len of seq_len positions (within `window`)."""
     q_len = q.shape[0]
-    if q_len == seq_len:  # no cached context: plain causal, which lets SDPA pick a flash kernel
+    if q_len == seq_len and (not window or window >= seq_len):  # plain causal: SDPA may pick a flash kernel
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
         )
         return out.transpose(0, 1)
     positions = torch.arange(seq_len, device=q.device)
-    mask = positions[None, :] <= (seq_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+    query_positions = (seq_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+    mask = positions[None, :] <= query_positions
+    if window:
+        mask &= positions[None, :] > query_positions - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
     )

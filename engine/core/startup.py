@@ -115,15 +115,21 @@ def resolve_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: 
     return torch.bfloat16
 
 
-def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
-    """max_model_len, checked against what the model computes right (its positions, a sliding window)."""
-    max_model_len = config.max_model_len or model_config.max_context
-    if max_model_len > model_config.max_context:
-        window = model_config.sliding_window
-        if window is not None and max_model_len > window:
+def context_length(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> int:
+    """max_model_len, checked against what the model computes right: its positions; and for an attention backend
+    without sliding windows, a windowed model's window (the whole context is the window's attention only up to
+    its length)."""
+    limit = model_config.max_context
+    window = model_config.sliding_window
+    if window is not None and not backend.sliding_window:
+        limit = min(limit, window)
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        if window is not None and max_model_len > window and limit == window:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds this model's sliding window of {window} tokens: Kiln does not "
-                "implement sliding-window attention, and past the window its outputs would differ from the model's"
+                f"max_model_len {max_model_len} exceeds this model's sliding window of {window} tokens: the "
+                f"{backend.name} attention backend has no sliding windows (--attention-backend torch has), and past "
+                "the window its outputs would differ from the model's"
             )
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context} positions")
     return max_model_len
@@ -164,11 +170,11 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         load_format = "dummy" if source.is_preset else "safetensors"
     if source.is_preset and load_format != "dummy":
         raise ValueError(f"preset {config.model!r} has no checkpoint: use load_format='dummy'")
-    max_model_len = context_length(config, model_config)
+    backend = get_attention_backend(config.attention_backend or default_backend_name(device))
+    max_model_len = context_length(config, model_config, backend)
     torch.manual_seed(config.seed)
     shard = TensorParallelShard(rank, config.tensor_parallel_size)
     model = _build_on_device(model_config, dtype, device, max_model_len, shard, config)
-    backend = get_attention_backend(config.attention_backend or default_backend_name(device))
     cudagraph_mode = _cudagraph_mode(config, device, backend)
     counters = CompileCounters()
     compiled = None

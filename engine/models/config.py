@@ -43,7 +43,8 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...] = field(default=())
-    sliding_window: int | None = None  # some layers attend this many tokens back only (not implemented: max_context)
+    sliding_window: int | None = None  # the layers in `sliding_layers` attend this many tokens back only
+    sliding_layers: tuple[int, ...] = field(default=())
     # A mixture of experts (num_experts > 0): the layers in `moe_layers` route each token to `num_experts_per_tok`
     # of `num_experts` SiLU MLPs of `moe_intermediate_size`, the others have the dense MLP of `intermediate_size`.
     num_experts: int = 0
@@ -79,8 +80,13 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported: Kiln's MLP projections have no bias")
         # Mistral: every layer slides when sliding_window is set; Qwen2/3: the layers transformers marks so
         layer_types = getattr(hf_config, "layer_types", None)
-        slides = "sliding_attention" in layer_types if layer_types else attention == "MistralForCausalLM"
-        window = getattr(hf_config, "sliding_window", None) if slides else None
+        window = getattr(hf_config, "sliding_window", None)
+        if layer_types:
+            sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        else:
+            sliding = tuple(range(hf_config.num_hidden_layers)) if attention == "MistralForCausalLM" else ()
+        if not window or not sliding:
+            window, sliding = None, ()
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -100,6 +106,7 @@ class ModelConfig:
             qk_norm=attention == "Qwen3ForCausalLM",
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
+            sliding_layers=sliding,
             quantization=quantization,
             **_experts(arch, hf_config),
         )
@@ -114,13 +121,17 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context Kiln computes right: the positions (times a linear RoPE's factor, which stretches
-        them, as vLLM counts), and no more than a sliding window — Kiln attends to the whole context, which is the
-        same as the window's attention only up to the window's length."""
+        """The longest context the model's positions cover (times a linear RoPE's factor, which stretches them, as
+        vLLM counts). An attention backend without sliding windows caps a windowed model at its window
+        (engine/core/startup.py `context_length`)."""
         positions = self.max_position_embeddings
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
             positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
-        return min(positions, self.sliding_window or positions)
+        return positions
+
+    def window_of(self, layer: int) -> int:
+        """How many tokens back the layer attends (0: all of them)."""
+        return (self.sliding_window or 0) if layer in self.sliding_layers else 0
 
 
 def _experts(arch: str, hf_config: Any) -> dict[str, Any]:

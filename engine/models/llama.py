@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = config.window_of(layer_index)  # (the forward context hands it to the attention backend)
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_bias, shard)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

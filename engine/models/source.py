@@ -84,6 +84,7 @@ def _from_memo(kept: Any) -> tuple[ModelConfig, str | None] | None:
     try:
         config = kept["model_config"]
         fields = {**config, "eos_token_ids": tuple(config["eos_token_ids"]), "moe_layers": tuple(config["moe_layers"])}
+        fields["sliding_layers"] = tuple(config["sliding_layers"])
         fields["quantization"] = quant_config.from_dict(config["quantization"])
         return ModelConfig(**fields), kept["checkpoint_dtype"]
     except (KeyError, TypeError) as e:  # of another shape: resolved again

@@ -67,6 +67,9 @@ class ModelRunner:
         self.compiled = compiled
         self.kv_caches = kv_caches
         self.backend = backend
+        # each layer's sliding window, for a backend that reads them (for the others start-up capped the context)
+        windows = tuple(getattr(layer.self_attn, "window", 0) for layer in model.model.layers)
+        self.windows = windows if backend.sliding_window and any(windows) else ()
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -217,7 +220,7 @@ class ModelRunner:
             hidden, *head = self.compiled.replay_full_graph(plan.num_tokens)
             return hidden, tuple(head)
         piecewise_size = plan.num_tokens if plan.mode == "piecewise" else None
-        context = ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size=piecewise_size)
+        context = ForwardContext(metadata, self.kv_caches, self.backend, piecewise_size, self.windows)
         model = self.compiled if self.compiled is not None else self.model
         with set_forward_context(context):
             inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
@@ -270,7 +273,7 @@ class ModelRunner:
                 counters.cudagraphs_captured += 1
                 if self.cudagraph_mode == "full_and_piecewise" and size <= self.largest_full:
                     metadata, _ = self._dummy_metadata(size, True, "full")
-                    context = ForwardContext(metadata, self.kv_caches, self.backend)
+                    context = ForwardContext(metadata, self.kv_caches, self.backend, windows=self.windows)
                     inputs = self.inputs.views(size, size)
                     with set_forward_context(context):
                         self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions, self.head)

@@ -180,18 +180,21 @@ def _edited(src, dst, **fields):
     return d
 
 
-def test_a_sliding_window_caps_the_context(tiny_mistral_dir, tiny_llama_dir, tmp_path):
-    """Kiln attends to the whole context, which is a sliding window's attention only up to the window: a model
-    with one runs at most that long, and asking for more is refused, never silently wrong."""
+def test_a_sliding_window_caps_the_context_of_a_backend_without_windows(tiny_mistral_dir, tiny_llama_dir, tmp_path):
+    """The Triton backend attends to the whole context, which is a sliding window's attention only up to the window:
+    there a windowed model runs at most that long, and asking for more is refused, never silently wrong; the torch
+    backend has windows and runs it to its positions (test_sliding_window.py)."""
     mistral = _edited(tiny_mistral_dir, tmp_path / "mistral", sliding_window=16)
-    assert resolve_model(str(mistral)).model_config.max_context == 16
-    with pytest.raises(ValueError, match="sliding window of 16 tokens"):
-        LLM(str(mistral), enforce_eager=True, max_model_len=32)
-    llm = LLM(str(mistral), enforce_eager=True)
-    assert llm.engine.max_model_len == 16
-    llm.close()
+    config = resolve_model(str(mistral)).model_config
+    assert (config.sliding_window, config.sliding_layers, config.max_context) == (16, (0, 1), 512)
+    with pytest.raises(ValueError, match="sliding window of 16 tokens: the triton attention backend"):
+        LLM(str(mistral), enforce_eager=True, max_model_len=32, attention_backend="triton")
+    with LLM(str(mistral), enforce_eager=True, attention_backend="triton") as llm:
+        assert llm.engine.max_model_len == 16
+    with LLM(str(mistral), enforce_eager=True, attention_backend="torch") as llm:
+        assert llm.engine.max_model_len == 512
     # Qwen2 slides only where transformers marks the layers so: from layer max_window_layers on
-    for layers, cap in ((2, 512), (0, 16)):  # (2 of 2 layers: none slides)
+    for layers, sliding in ((2, ()), (0, (0, 1))):  # (2 of 2 layers: none slides)
         qwen = _edited(
             tiny_llama_dir,
             tmp_path / f"qwen{layers}",
@@ -201,7 +204,7 @@ def test_a_sliding_window_caps_the_context(tiny_mistral_dir, tiny_llama_dir, tmp
             sliding_window=16,
             max_window_layers=layers,
         )
-        assert resolve_model(str(qwen)).model_config.max_context == cap, layers
+        assert resolve_model(str(qwen)).model_config.sliding_layers == sliding, layers
 
 
 def test_what_the_mlp_cannot_do_is_refused(tiny_llama_dir, tmp_path):

@@ -1,0 +1,79 @@
+"""Sliding-window attention against Hugging Face (fp32, CPU, the torch backend): a tiny Mistral with a window of 8
+tokens and prompts of 50 and more, so that every decode and most of the prefill sees only the window; eager and
+compiled, with chunked prefill, and with a prefix hit that straddles the window's edge."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+
+WINDOW = 8
+PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tiny_mistral_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("windowed") / "m"
+    shutil.copytree(tiny_mistral_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf(windowed_dir):
+    model = AutoModelForCausalLM.from_pretrained(windowed_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def assert_matches_hf(hf, prompts, outputs) -> None:
+    for prompt, output in zip(prompts, outputs):
+        got = output.outputs[0]
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+            logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert got.token_ids == want
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        for i, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=1e-4), i
+
+
+def test_the_window_matters_here(windowed_dir, tiny_mistral_dir, hf):
+    """(the check has teeth: without its window the same model gives other logits on these prompts)"""
+    full = AutoModelForCausalLM.from_pretrained(tiny_mistral_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPTS[0]])
+        assert (hf(prompt).logits[0, -1] - full(prompt).logits[0, -1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_a_sliding_window_matches_hf(windowed_dir, hf, tmp_path, budget, enforce_eager):
+    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend="torch")
+    with LLM(str(windowed_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
+        assert llm.engine.max_model_len == 256  # past the window: the torch backend slides
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf, PROMPTS, outputs)
+
+
+def test_a_prefix_hit_across_the_window_edge(windowed_dir, hf):
+    """A second prompt shares the first's 48 tokens (3 blocks of 16): its prefill starts past the window's edge,
+    reading cached blocks of which only the last 8 tokens are in any of its queries' windows."""
+    first = list(range(3, 60))
+    second = first[:48] + [400, 401, 402, 403, 404, 405]
+    with LLM(str(windowed_dir), enforce_eager=True, max_model_len=256, attention_backend="torch") as llm:
+        llm.generate([first], GREEDY, use_tqdm=False)
+        (output,) = llm.generate([second], GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
+    assert_matches_hf(hf, [second], [output])
