@@ -64,9 +64,11 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """One online-softmax step over keys [start_n, start_n + TILE_N), on their pages (`_tile_pages`): row r may see
-    key n when n < visible_end and n <= causal_limit[r]. Scores are in log2 units (qk_scale includes log2 e)."""
+    key n when n < visible_end and n <= causal_limit[r] (and, with a WINDOW, n > causal_limit[r] - WINDOW). Scores
+    are in log2 units (qk_scale includes log2 e)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
@@ -74,6 +76,8 @@ def _attend_tile(
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(q.dtype)) * qk_scale
     allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
+    if WINDOW > 0:
+        allowed &= offs_n[None, :] > causal_limit[:, None] - WINDOW
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -104,11 +108,12 @@ def _attend_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
-    """`_attend_tile` over keys [start, end), tile by tile, each tile's pages loaded one iteration ahead (a value the
-    loop carries). NOTE: loaded in the iteration that uses them, they would leave Triton's pipeliner a K/V address that
-    hangs on a load of the same iteration, and it then keeps one K/V buffer whatever num_stages
-    (`scripts/dev/kernel_resources.py`'s BUF column)."""
+    """`_attend_tile` over keys [start, end) (within a WINDOW of each row's causal limit), tile by tile, each tile's
+    pages loaded one iteration ahead (a value the loop carries). NOTE: loaded in the iteration that uses them, they
+    would leave Triton's pipeliner a K/V address that hangs on a load of the same iteration, and it then keeps one
+    K/V buffer whatever num_stages (`scripts/dev/kernel_resources.py`'s BUF column)."""
     page = _tile_pages(table_row, start, end, BLOCK_SIZE, TILE_N)
     for start_n in range(start, end, TILE_N):
         this_page = page
@@ -132,6 +137,7 @@ def _attend_range(
             HEAD_DIM,
             BLOCK_SIZE,
             TILE_N,
+            WINDOW,
         )
     return m_i, l_i, acc
 

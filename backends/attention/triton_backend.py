@@ -16,6 +16,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Decode-only batches take the split-KV path; anything with a prefill chunk the unified kernel."""
 
     name = "triton"
+    sliding_window = True
 
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
@@ -30,12 +31,10 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(
         self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output, window: int = 0
     ) -> None:
-        if window:  # (start-up caps a windowed model at its window for this backend: no layer's window is reached)
-            raise NotImplementedError("the Triton attention backend has no sliding windows yet")
         if metadata.max_query_len == 1:
             num_reqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
             num_splits = decode_splits(num_reqs, num_heads, kv_cache.shape[-2], head_dim, self.num_sms)
-            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits)
+            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits, window=window)
         else:
             write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])
-            unified_attention(query, kv_cache, metadata, scale, output)
+            unified_attention(query, kv_cache, metadata, scale, output, window)

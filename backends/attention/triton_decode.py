@@ -94,6 +94,7 @@ def _decode_split_kernel(
     MERGE_CHUNK: tl.constexpr,
     LEAN: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -116,12 +117,15 @@ def _decode_split_kernel(
     if USE_PDL:  # everything else it reads but the cache comes from the kernels before it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
+    first_page = 0
+    if WINDOW > 0:  # a sliding layer's: the splits share the window's pages only
+        first_page = tl.maximum(seq_len - WINDOW, 0) // BLOCK_SIZE
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE) - first_page
     pages_per_split = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), min_split_pages)
     pages_per_split = tl.where(num_pages <= unsplit_pages, tl.maximum(num_pages, 1), pages_per_split)
     splits = tl.maximum(tl.cdiv(num_pages, pages_per_split), 1)
     if split < splits:
-        start = split * pages_per_split * BLOCK_SIZE
+        start = (first_page + split * pages_per_split) * BLOCK_SIZE
         end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
         offs_m = tl.arange(0, GROUP)
         offs_d = tl.arange(0, HEAD_DIM_P)
@@ -146,7 +150,7 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
-        if LEAN:  # full tiles without masks, then the partial one
+        if LEAN and WINDOW == 0:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -187,7 +191,8 @@ def _decode_split_kernel(
                     True,
                 )
         else:
-            no_causal = tl.full([GROUP], 2147483647, tl.int32)  # a decode sees its whole context
+            # a decode sees its whole context, or with a WINDOW the keys after seq_len - 1 - WINDOW
+            limit = tl.full([GROUP], 2147483647, tl.int32) if WINDOW == 0 else tl.full([GROUP], seq_len - 1, tl.int32)
             m_i, l_i, acc = _attend_range(
                 q,
                 m_i,
@@ -199,7 +204,7 @@ def _decode_split_kernel(
                 kv_head,
                 start,
                 end,
-                no_causal,
+                limit,
                 offs_d,
                 d_ok,
                 qk_scale,
@@ -207,6 +212,7 @@ def _decode_split_kernel(
                 HEAD_DIM,
                 BLOCK_SIZE,
                 TILE_N,
+                WINDOW,
             )
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -333,8 +339,10 @@ def split_kv_decode(
     min_split_tokens: int | None = None,
     config: tuple[int, int, int] | None = None,
     unsplit_tokens: int = UNSPLIT_TOKENS,
+    window: int = 0,
 ) -> None:
-    """Decode-only batch (one query per request), flash-decoding style, in one kernel that also writes the new K/V
+    """Decode-only batch (one query per request), flash-decoding style (with a `window`, over its last `window`
+    keys only: the pages before it are not read), in one kernel that also writes the new K/V
     (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits` partials a request (as
     many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key tile, whichever is more; one
     up to `unsplit_tokens`), merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by
@@ -389,6 +397,7 @@ def split_kv_decode(
         NUM_SPLITS=num_splits,
         MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
         LEAN=lean,
+        WINDOW=window,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_kwargs(query),

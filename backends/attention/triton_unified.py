@@ -100,11 +100,13 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     LEAN: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
     sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group. LEAN (head_dim a
     power of two, a layer's cache under 2**31 elements): the keys every row sees (below the block's first query
-    token) in `_attend_lean_tile`s first, their pages an iteration ahead; the rest, masked, after."""
+    token) in `_attend_lean_tile`s first, their pages an iteration ahead; the rest, masked, after. With a WINDOW
+    (a sliding layer's) every key from the block's first row's window on, masked."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -130,7 +132,9 @@ def _unified_attention_kernel(
         acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
         masked_start = 0
-        if LEAN:
+        if WINDOW > 0:  # (rows' windows start at different keys: all masked, from the lowest any row sees)
+            masked_start = tl.maximum(context_len + local_block * BLOCK_Q - WINDOW + 1, 0)
+        elif LEAN:
             # NOTE: at least 0: a padded request (one token, seq_len 0) has context_len -1
             masked_start = tl.maximum(context_len + local_block * BLOCK_Q, 0) // TILE_N * TILE_N
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
@@ -175,14 +179,18 @@ def _unified_attention_kernel(
             HEAD_DIM,
             BLOCK_SIZE,
             TILE_N,
+            WINDOW,
         )
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Any batch (prefill chunks and decodes), from the cache (its new K/V already written)."""
+def unified_attention(
+    query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0
+) -> None:
+    """Any batch (prefill chunks and decodes), from the cache (its new K/V already written); with a `window`, each
+    query sees the keys after its position - window only."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -215,4 +223,5 @@ def unified_attention(query, kv_cache, metadata: AttentionMetadata, scale: float
         BLOCK_SIZE=kv_cache.shape[2],
         TILE_N=32,
         LEAN=head_dim == triton.next_power_of_2(head_dim) and kv_cache[0].numel() < 2**31,
+        WINDOW=window,
     )

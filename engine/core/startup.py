@@ -128,8 +128,8 @@ def context_length(config: EngineConfig, model_config: ModelConfig, backend: Att
         if window is not None and max_model_len > window and limit == window:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds this model's sliding window of {window} tokens: the "
-                f"{backend.name} attention backend has no sliding windows (--attention-backend torch has), and past "
-                "the window its outputs would differ from the model's"
+                f"{backend.name} attention backend has no sliding windows, and past the window its outputs would "
+                "differ from the model's"
             )
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context} positions")
     return max_model_len

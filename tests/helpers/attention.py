@@ -59,8 +59,9 @@ def make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim
     return cat(queries), cat(keys), cat(values), kv_cache.to(device), metadata, history
 
 
-def reference_attention(query, history, query_lens, scale) -> torch.Tensor:
-    """Per request, in float64: softmax(q k^T * scale) v with a causal mask aligned to the end."""
+def reference_attention(query, history, query_lens, scale, window: int = 0) -> torch.Tensor:
+    """Per request, in float64: softmax(q k^T * scale) v with a causal mask aligned to the end (and with a
+    `window`, a query at position p sees the keys after p - window only)."""
     outs, start = [], 0
     for (k, v), q_len in zip(history, query_lens):
         q = query[start : start + q_len].double().cpu()
@@ -70,7 +71,10 @@ def reference_attention(query, history, query_lens, scale) -> torch.Tensor:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = k.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        allowed = torch.arange(s)[None, :] <= (s - q_len + torch.arange(q_len))[:, None]
+        query_positions = (s - q_len + torch.arange(q_len))[:, None]
+        allowed = torch.arange(s)[None, :] <= query_positions
+        if window:
+            allowed &= torch.arange(s)[None, :] > query_positions - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)

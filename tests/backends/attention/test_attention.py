@@ -393,3 +393,38 @@ def test_split_kv_decode_with_an_fp8_cache():
         out.double().cpu(), reference_attention(q, history, query_lens, 0.125), atol=TOL, rtol=TOL
     )
     assert torch.equal(kv_cache.reshape(2, -1, 2, 64)[0, metadata.slot_mapping].float(), _fp8(k).float())
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 1000])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 2, 80)])
+def test_a_sliding_window_against_the_reference(backend, window, num_heads, num_kv_heads, head_dim):
+    """Decodes, fresh prefills and chunks continuing a prefill, with windows from one key to past every context
+    (in the unified kernel the rows of one block start their windows at different keys)."""
+    query_lens, context_lens = [1, 9, 1, 40, 3], [30, 0, 1, 21, 47]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, DEVICE
+    )
+    out = torch.zeros_like(q)
+    get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, head_dim**-0.5, out, window)
+    ref = reference_attention(q, history, query_lens, head_dim**-0.5, window)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("window", [7, 64, 100, 5000])
+@pytest.mark.parametrize("num_splits,unsplit_tokens", [(1, 0), (4, 0), (8, 112)])
+def test_split_kv_decode_with_a_sliding_window(window, num_splits, unsplit_tokens):
+    """The splits share the window's pages only (the pages before it are never read: here they hold NaN)."""
+    query_lens, context_lens = [1, 1, 1, 1], [3, 100, 300, 17]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
+    )
+    ref = reference_attention(q, history, query_lens, 0.125, window)
+    seq_lens = [c + 1 for c in context_lens]
+    for i, seq_len in enumerate(seq_lens):  # every key before the window's first page: NaN
+        first_page = max(seq_len - window, 0) // 16
+        for page in metadata.block_table[i, :first_page].tolist():
+            kv_cache[:, page] = float("nan")
+    out = torch.zeros_like(q)
+    split_kv_decode(q, k, v, kv_cache, metadata, 0.125, out, num_splits, 16, None, unsplit_tokens, window)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)

@@ -1,6 +1,7 @@
-"""Sliding-window attention against Hugging Face (fp32, CPU, the torch backend): a tiny Mistral with a window of 8
-tokens and prompts of 50 and more, so that every decode and most of the prefill sees only the window; eager and
-compiled, with chunked prefill, and with a prefix hit that straddles the window's edge."""
+"""Sliding-window attention against Hugging Face (fp32, CPU; the torch backend, and the Triton one under the
+interpreter): a tiny Mistral with a window of 8 tokens and prompts of 50 and more, so that every decode and most of
+the prefill sees only the window; eager and compiled, with chunked prefill, and with a prefix hit that straddles
+the window's edge."""
 
 from __future__ import annotations
 
@@ -57,22 +58,24 @@ def test_the_window_matters_here(windowed_dir, tiny_mistral_dir, hf):
         assert (hf(prompt).logits[0, -1] - full(prompt).logits[0, -1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_a_sliding_window_matches_hf(windowed_dir, hf, tmp_path, budget, enforce_eager):
-    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend="torch")
+def test_a_sliding_window_matches_hf(windowed_dir, hf, tmp_path, backend, budget, enforce_eager):
+    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend)
     with LLM(str(windowed_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
-        assert llm.engine.max_model_len == 256  # past the window: the torch backend slides
+        assert llm.engine.max_model_len == 256  # past the window
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_matches_hf(hf, PROMPTS, outputs)
 
 
-def test_a_prefix_hit_across_the_window_edge(windowed_dir, hf):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_prefix_hit_across_the_window_edge(windowed_dir, hf, backend):
     """A second prompt shares the first's 48 tokens (3 blocks of 16): its prefill starts past the window's edge,
     reading cached blocks of which only the last 8 tokens are in any of its queries' windows."""
     first = list(range(3, 60))
     second = first[:48] + [400, 401, 402, 403, 404, 405]
-    with LLM(str(windowed_dir), enforce_eager=True, max_model_len=256, attention_backend="torch") as llm:
+    with LLM(str(windowed_dir), enforce_eager=True, max_model_len=256, attention_backend=backend) as llm:
         llm.generate([first], GREEDY, use_tqdm=False)
         (output,) = llm.generate([second], GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
