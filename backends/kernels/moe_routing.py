@@ -118,36 +118,62 @@ def _align(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Count each expert's pairs, pad and prefix-sum the counts, name each block's expert, then place every pair
-    after the earlier pairs of its expert (stable, as a sort by expert is)."""
+    """Count each expert's pairs, lay out their runs (`_expert_runs`), then place every pair after the earlier pairs
+    of its expert (stable, as a sort by expert is)."""
     bins = tl.arange(0, E_PAD)
     lanes = tl.arange(0, CHUNK)
-    for start in range(0, rows, CHUNK):  # every row padding until a pair takes it
-        tl.store(sorted_pairs_ptr + start + lanes, num_pairs, mask=start + lanes < rows)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         valid = start + lanes < num_pairs
         e = tl.load(experts_ptr + start + lanes, mask=valid, other=-1)
         counts += tl.sum(((e[:, None] == bins[None, :]) & valid[:, None]).to(tl.int32), axis=0)
+    taken = _expert_runs(
+        counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, rows, BLOCK_M, E_PAD, CHUNK
+    )
+    tl.debug_barrier()  # the padding is written before any pair's place
+    for start in range(0, num_pairs, CHUNK):  # `taken`: where each expert's next pair goes
+        valid = start + lanes < num_pairs
+        e = tl.load(experts_ptr + start + lanes, mask=valid, other=-1)
+        taken += _place(e, valid, lanes, start + lanes, taken, sorted_pairs_ptr, E_PAD)
+
+
+@triton.jit
+def _expert_runs(
+    counts,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    rows,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """From each expert's pair count: every row of `sorted_pairs` padding (until a pair takes it), each expert's run
+    padded to BLOCK_M rows and the runs in expert order, the expert of every block; returns each run's first row."""
+    bins = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    for start in range(0, rows, CHUNK):
+        tl.store(sorted_pairs_ptr + start + lanes, num_pairs, mask=start + lanes < rows)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_end = tl.where(bins < num_experts, padded_end, 2147483647)  # (padding bins never own a block)
     for start in range(0, rows, CHUNK * BLOCK_M):
         blocks = start // BLOCK_M + lanes
         owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks * BLOCK_M < rows)
-    tl.debug_barrier()  # the padding is written before any pair's place
-    taken = padded_end - padded  # where each expert's next pair goes
-    for start in range(0, num_pairs, CHUNK):
-        valid = start + lanes < num_pairs
-        e = tl.load(experts_ptr + start + lanes, mask=valid, other=-1)
-        one_hot = (e[:, None] == bins[None, :]) & valid[:, None]
-        base = tl.sum(tl.where(one_hot, taken[None, :], 0), axis=1)
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[None, :]
-        place = base + tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_pairs_ptr + place, start + lanes, mask=valid)
-        taken += tl.sum(one_hot.to(tl.int32), axis=0)
+        tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks * BLOCK_M < rows)
+    return padded_end - padded
+
+
+@triton.jit
+def _place(e, valid, lanes, pairs, first, sorted_pairs_ptr, E_PAD: tl.constexpr):
+    """Each valid pair (of expert e) into `sorted_pairs` at its expert's `first` row plus the lanes before it with
+    the same expert; returns how many pairs each expert got."""
+    one_hot = (e[:, None] == tl.arange(0, E_PAD)[None, :]) & valid[:, None]
+    base = tl.sum(tl.where(one_hot, first[None, :], 0), axis=1)
+    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[None, :]
+    tl.store(sorted_pairs_ptr + base + tl.sum(earlier.to(tl.int32), axis=1), pairs, mask=valid)
+    return tl.sum(one_hot.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -277,20 +303,10 @@ def _offsets_kernel(
     CHUNK: tl.constexpr,
 ):
     bins = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, CHUNK)
-    for start in range(0, rows, CHUNK):  # every row padding until a pair takes it
-        tl.store(sorted_pairs_ptr + start + lanes, num_pairs, mask=start + lanes < rows)
     total = tl.zeros((E_PAD,), dtype=tl.int32)
     for c in range(num_chunks):
         total += tl.load(counts_ptr + c * E_PAD + bins)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_end = tl.where(bins < num_experts, padded_end, 2147483647)  # (padding bins never own a block)
-    for start in range(0, rows, CHUNK * BLOCK_M):
-        blocks = start // BLOCK_M + lanes
-        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks * BLOCK_M < rows)
-    place = padded_end - padded
+    place = _expert_runs(total, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, rows, BLOCK_M, E_PAD, CHUNK)
     for c in range(num_chunks):
         count = tl.load(counts_ptr + c * E_PAD + bins)
         tl.store(counts_ptr + c * E_PAD + bins, place)
@@ -312,11 +328,8 @@ def _place_kernel(
     pairs = chunk * PAIRS + lanes
     valid = (lanes < PAIRS) & (pairs < num_pairs)
     e = tl.load(experts_ptr + pairs, mask=valid, other=-1)
-    bins = tl.arange(0, E_PAD)
-    one_hot = (e[:, None] == bins[None, :]) & valid[:, None]
-    base = tl.sum(tl.where(one_hot, tl.load(offsets_ptr + chunk * E_PAD + bins)[None, :], 0), axis=1)
-    earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[None, :]
-    tl.store(sorted_pairs_ptr + base + tl.sum(earlier.to(tl.int32), axis=1), pairs, mask=valid)
+    first = tl.load(offsets_ptr + chunk * E_PAD + tl.arange(0, E_PAD))
+    _place(e, valid, lanes, pairs, first, sorted_pairs_ptr, E_PAD)
 
 
 def _parallel(logits, weights, experts, num_experts: int, top_k: int, renormalise: bool, route: bool, block_m: int):
