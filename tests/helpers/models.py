@@ -3,6 +3,7 @@ the CPU tests (nothing is fetched from a hub)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -115,3 +116,24 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
     model.save_pretrained(path, safe_serialization=True)
     builtin_tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+def assert_greedy_matches_hf(hf, prompts, outputs, max_tokens: int, tol: float, near_tie: bool = False) -> None:
+    """Kiln's greedy outputs equal the tokens of HF's `generate()`, and each token's log-probability HF's (within
+    `tol`). With `near_tie`, they may part after half the tokens where HF's own two candidates are within `tol`
+    (compared up to there)."""
+    for prompt, output in zip(prompts, outputs):
+        got = output.outputs[0]
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+            logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        agreed = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
+        if agreed < len(want):
+            assert near_tie, f"token {agreed} differs: {got.token_ids} against HF's {want}"
+            gap = reference[agreed, want[agreed]] - reference[agreed, got.token_ids[agreed]]
+            assert agreed >= max_tokens // 2 and gap <= tol, f"token {agreed} differs, HF's gap {gap:.2e}"
+        for i, (token, entry) in enumerate(zip(got.token_ids[: agreed + 1], got.logprobs)):
+            assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=tol), i

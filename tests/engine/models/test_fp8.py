@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.quantization import FP8_DTYPE
 
-from helpers.models import make_tiny_model_dir
+from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 61)), [300, 12]]
@@ -139,22 +139,8 @@ def fp8_reference(src, layers, activations: str):
 
 
 def assert_matches(hf, prompts, outputs, tol: float) -> None:
-    """Greedy tokens of HF's `generate()` (up to a near-tie of HF's top two, within `tol`, after half of them), and
-    HF's log-probabilities of Kiln's tokens up to there."""
-    for prompt, output in zip(prompts, outputs):
-        got = output.outputs[0]
-        with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(prompt) :].tolist()
-            logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
-        reference = torch.log_softmax(logits.double(), dim=-1)
-        agreed = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
-        if agreed < len(want):
-            gap = reference[agreed, want[agreed]] - reference[agreed, got.token_ids[agreed]]
-            assert agreed >= MAX_TOKENS // 2 and gap <= tol, f"token {agreed} differs, HF's gap {gap:.2e}"
-        for i, (token, entry) in enumerate(zip(got.token_ids[: agreed + 1], got.logprobs)):
-            assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=tol), i
+    """HF's greedy tokens (up to a near-tie of HF's top two, within `tol`, after half of them) and log-probabilities."""
+    assert_greedy_matches_hf(hf, prompts, outputs, MAX_TOKENS, tol, near_tie=True)
 
 
 # A float32 difference in a layer's input (Kiln's norm and HF's sum in other orders) can move one value across an

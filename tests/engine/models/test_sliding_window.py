@@ -6,7 +6,6 @@ the window's edge."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -14,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
+
+from helpers.models import assert_greedy_matches_hf
 
 WINDOW = 8
 PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
@@ -37,17 +38,7 @@ def hf(windowed_dir):
 
 
 def assert_matches_hf(hf, prompts, outputs) -> None:
-    for prompt, output in zip(prompts, outputs):
-        got = output.outputs[0]
-        with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(prompt) :].tolist()
-            logits = hf(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1]
-        assert got.token_ids == want
-        reference = torch.log_softmax(logits.double(), dim=-1)
-        for i, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-            assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=1e-4), i
+    assert_greedy_matches_hf(hf, prompts, outputs, MAX_TOKENS, 1e-4)
 
 
 def test_the_window_matters_here(windowed_dir, tiny_mistral_dir, hf):
