@@ -26,9 +26,11 @@ LOG2E = 1.4426950408889634
 def to_cache(x, cache_ptr):
     """x as the cache at cache_ptr holds it: for an FP8 cache, rounded to e4m3 (to nearest even, saturated; float32
     arithmetic, as Triton's interpreter converts wrongly), else as it is (the store converts)."""
+    # (the else: a compile-time `if` followed by a second return compiles both, and their types differ)
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
         return _round_e4m3(x.to(tl.float32), 1.0).to(tl.float8e4nv)
-    return x
+    else:
+        return x
 
 
 @triton.jit

@@ -12,6 +12,7 @@ pointers and strides):
     python scripts/dev/kernel_resources.py            # the table
     python scripts/dev/kernel_resources.py --check    # exits 1 if any kernel spills (but FEW_SPILL_ALLOWED, below)
     python scripts/dev/kernel_resources.py --families decode,gemv --models llama-3.1-8b
+    python scripts/dev/kernel_resources.py --sample   # one variant of each kernel and code path (a compile check)
 
 (Run it without TRITON_INTERPRET: under the interpreter there are no compiled kernels to read.)
 """
@@ -34,8 +35,8 @@ from triton.compiler import ASTSource
 from kiln.backends.attention import decode_merge
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
+from kiln.backends.kernels import fp8_gemv, gemv
 from kiln.backends.kernels import fused as fused_kernels
-from kiln.backends.kernels import gemv
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.presets import PRESETS
 
@@ -54,9 +55,10 @@ POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
 FLOATS = {"qk_scale", "eps"}
 
 
-def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int = 3):
+def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int = 3, pointers: dict | None = None):
     """The kernel compiled for sm_90 with these constexprs; every other argument a bf16 pointer (`*_ptr`, but
-    those in POINTERS), a float (FLOATS) or an int32."""
+    those in POINTERS and `pointers`), a float (FLOATS) or an int32."""
+    pointers = POINTERS | (pointers or {})
     # NOTE: ASTSource applies no defaults: a defaulted argument left out would become a runtime one (and the build not
     # the launched one), so each takes its default here (a probe's off switch, a None pointer)
     constexprs = {p.name: p.default for p in kernel.params if p.has_default} | constexprs
@@ -66,7 +68,7 @@ def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int =
         if name in constexprs:
             return "constexpr"
         if name.endswith("_ptr"):
-            return POINTERS.get(name, "*bf16")
+            return pointers.get(name, "*bf16")
         return "fp32" if name in FLOATS else "i32"
 
     # As Triton's launcher specialises them: every pointer 16-byte aligned (torch's allocations are), and the strides
@@ -110,7 +112,7 @@ def shapes(model: str) -> dict:
     )
 
 
-def decode_variants(model: str):
+def decode_variants(model: str, window: int = 0):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
@@ -132,11 +134,12 @@ def decode_variants(model: str):
                 MERGE_CHUNK=decode_merge.merge_chunk(q_per_kv, head_dim_p, num_splits, warps),
                 LEAN=s["head_dim"] == head_dim_p,
                 USE_PDL=True,
+                WINDOW=window,
             )
             yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", td._decode_split_kernel, constexprs, warps, stages
 
 
-def prefill_variants(model: str):
+def prefill_variants(model: str, window: int = 0):
     """The unified (prefill and mixed) kernel at a long query (BLOCK_M 64) and a short one (16)."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
@@ -152,8 +155,49 @@ def prefill_variants(model: str):
             BLOCK_SIZE=16,
             TILE_N=32,
             LEAN=s["head_dim"] == triton.next_power_of_2(s["head_dim"]),
+            WINDOW=window,
         )
         yield f"block_m {block_m}", ta._unified_attention_kernel, constexprs, 4, 3
+
+
+def window_variants(model: str):
+    """Decode and prefill of a sliding layer (a window of 1,024 tokens, Gemma's and Mistral's order)."""
+    yield from (("decode " + v, *rest) for v, *rest in decode_variants(model, window=1024))
+    yield from (("prefill " + v, *rest) for v, *rest in prefill_variants(model, window=1024))
+
+
+FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "cache_ptr": "*fp8e4nv"}
+
+
+def fp8_kv_variants(model: str):
+    """The kernels that read and write an FP8 KV cache (`--kv-cache-dtype fp8`): decode (which writes the new token),
+    prefill, and the prefill's cache write."""
+    yield from (("decode " + v, *rest, FP8_CACHE) for v, *rest in decode_variants(model))
+    yield from (("prefill " + v, *rest, FP8_CACHE) for v, *rest in prefill_variants(model))
+    s = shapes(model)
+    row = s["kv_heads"] * s["head_dim"]
+    constexprs = dict(ROW=row, BLOCK=triton.next_power_of_2(row))
+    yield "kv write", ta._kv_write_kernel, constexprs, 4, 3, FP8_CACHE
+
+
+def fp8_gemv_variants(model: str):
+    """The FP8 one-row matmul at the model's four layers: per-channel weights with dynamic per-token and static
+    activations, and 128x128 blocks with per-group activations (DeepSeek's and Qwen3's FP8 format)."""
+    s = shapes(model)
+    inputs = {"qkv": s["hidden"], "o": s["heads"] * s["head_dim"], "gate_up": s["hidden"], "down": s["inter"]}
+    pointers = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32"}
+    for (layer, k), act in itertools.product(inputs.items(), ("token", "static", "group")):
+        blocked = act == "group"
+        block_rows, chunk = max(1, 8192 // triton.next_power_of_2(k)), 128 if blocked else min(1024, k)  # (fp8_gemv's)
+        constexprs = dict(
+            ACT=act,
+            BLOCKED=blocked,
+            SCALE_ROWS=128 if blocked else 1,
+            HAS_BIAS=False,
+            BLOCK_N=block_rows,
+            BLOCK_K=triton.next_power_of_2(chunk),
+        )
+        yield f"{layer} {act}", fp8_gemv._fp8_gemv_kernel, constexprs, 4, 3, pointers
 
 
 def gemv_variants(model: str):
@@ -195,8 +239,15 @@ def qk_norm_rope_variants(model: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope")
+    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,fp8_kv,fp8_gemv")
     p.add_argument("--check", action="store_true", help="exit 1 if any kernel spills registers")
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="compile only the first variant of each kernel, cache dtype and code path (ACT, EPILOGUE, NORM): the "
+        "interpreter runs kernels that Triton's compiler refuses (a global not a constexpr, branches returning "
+        "two types), and this finds them in a minute",
+    )
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
@@ -215,16 +266,25 @@ def main() -> None:
         "prefill": prefill_variants,
         "gemv": gemv_variants,
         "qk_norm_rope": qk_norm_rope_variants,
+        "window": window_variants,
+        "fp8_kv": fp8_kv_variants,
+        "fp8_gemv": fp8_gemv_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
             variants = families[family]
             if family == "qk_norm_rope" and not PRESETS[model]["architectures"][0].startswith("Qwen3"):
                 continue  # only Qwen3 normalises q and k
-            for variant, kernel, constexprs, warps, stages in variants(model):
-                key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, stages)
+            sampled = set()
+            for variant, kernel, constexprs, warps, stages, *pointers in variants(model):
+                pointers = pointers[0] if pointers else {}
+                path = (kernel.fn.__name__, tuple(pointers.items()), *(constexprs.get(n) for n in SAMPLED))
+                if args.sample and path in sampled:
+                    continue
+                sampled.add(path)
+                key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, stages, tuple(pointers.items()))
                 if key not in seen:  # several layers share a specialisation
-                    seen[key] = resources(compile_for_h200(kernel, constexprs, warps, stages))
+                    seen[key] = resources(compile_for_h200(kernel, constexprs, warps, stages, pointers))
                 r = seen[key]
                 spilled = r.get("STACK", 0) + r.get("LOCAL", 0)
                 if spilled > spill_allowed(family, variant):
@@ -238,6 +298,9 @@ def main() -> None:
         print("spills: " + "; ".join(spills))
     if args.check and spills:
         sys.exit(1)
+
+
+SAMPLED = ("ACT", "EPILOGUE", "NORM")  # constexprs that choose code paths (--sample compiles each)
 
 
 # NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) may spill a few bytes a thread at head_dim 128

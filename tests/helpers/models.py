@@ -137,3 +137,14 @@ def assert_greedy_matches_hf(hf, prompts, outputs, max_tokens: int, tol: float, 
             assert agreed >= max_tokens // 2 and gap <= tol, f"token {agreed} differs, HF's gap {gap:.2e}"
         for i, (token, entry) in enumerate(zip(got.token_ids[: agreed + 1], got.logprobs)):
             assert math.isclose(entry[token].logprob, reference[i, token].item(), abs_tol=tol), i
+
+
+def assert_gpu_run_matches_cpu(got, want, tokens: int = 3, tol: float = 0.05) -> None:
+    """A bf16 GPU run's greedy outputs against the float32 CPU run of the same model: the first `tokens` equal, and
+    their log-probabilities within `tol` on average (bf16's rounding)."""
+    errors = []
+    for a, b in zip(got, want, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids[:tokens] == b.token_ids[:tokens]
+        errors += [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids[:tokens])]
+    assert sum(errors) / len(errors) < tol, errors

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.quantization import FP8_DTYPE
 
-from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir
+from helpers.models import assert_gpu_run_matches_cpu, assert_greedy_matches_hf, make_tiny_model_dir
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 61)), [300, 12]]
@@ -274,12 +274,7 @@ def test_fp8_on_the_gpu_matches_the_cpu_reference(tiny_model_dir_qwen3, tmp_path
     engine = dict(enforce_eager=eager, max_model_len=128, dtype="bfloat16", compile_cache_dir=str(tmp_path / "c"))
     with LLM(str(tmp_path / fmt), **engine) as llm:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    errors = []
-    for a, b in zip(got, want):
-        a, b = a.outputs[0], b.outputs[0]
-        assert a.token_ids[:3] == b.token_ids[:3]
-        errors += [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids[:3])]
-    assert sum(errors) / len(errors) < 0.05, errors
+    assert_gpu_run_matches_cpu(got, want)
 
 
 def test_an_fp8_warm_start_compiles_nothing_and_has_its_own_cache_key(tiny_llama_dir, tmp_path):

@@ -1,7 +1,7 @@
 """Sliding-window attention against Hugging Face (fp32, CPU; the torch backend, and the Triton one under the
-interpreter): a tiny Mistral with a window of 8 tokens and prompts of 50 and more, so that every decode and most of
-the prefill sees only the window; eager and compiled, with chunked prefill, and with a prefix hit that straddles
-the window's edge."""
+interpreter; on a GPU, bf16 against the CPU run): a tiny Mistral with a window of 8 tokens and prompts of 50 and
+more, so that every decode and most of the prefill sees only the window; eager and compiled, with chunked prefill,
+and with a prefix hit that straddles the window's edge."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
 
-from helpers.models import assert_greedy_matches_hf
+from helpers.models import assert_gpu_run_matches_cpu, assert_greedy_matches_hf
 
 WINDOW = 8
 PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
@@ -53,7 +53,7 @@ def test_the_window_matters_here(windowed_dir, tiny_mistral_dir, hf):
 @pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_a_sliding_window_matches_hf(windowed_dir, hf, tmp_path, backend, budget, enforce_eager):
-    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend)
+    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend, device="cpu")
     with LLM(str(windowed_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
         assert llm.engine.max_model_len == 256  # past the window
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -66,8 +66,24 @@ def test_a_prefix_hit_across_the_window_edge(windowed_dir, hf, backend):
     reading cached blocks of which only the last 8 tokens are in any of its queries' windows."""
     first = list(range(3, 60))
     second = first[:48] + [400, 401, 402, 403, 404, 405]
-    with LLM(str(windowed_dir), enforce_eager=True, max_model_len=256, attention_backend=backend) as llm:
+    engine = dict(enforce_eager=True, max_model_len=256, attention_backend=backend, device="cpu")
+    with LLM(str(windowed_dir), **engine) as llm:
         llm.generate([first], GREEDY, use_tqdm=False)
         (output,) = llm.generate([second], GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
     assert_matches_hf(hf, [second], [output])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_a_sliding_window_on_the_gpu_matches_the_cpu_run(windowed_dir, tmp_path, backend, enforce_eager):
+    """bf16 on the GPU (the windowed Triton kernels, split-KV decode, CUDA graphs) against the float32 CPU run: the
+    first tokens equal, log-probabilities within bf16's rounding."""
+    with LLM(str(windowed_dir), enforce_eager=True, max_model_len=256, device="cpu") as llm:
+        want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    engine = dict(max_model_len=256, dtype="bfloat16", attention_backend=backend, compile_cache_dir=str(tmp_path))
+    with LLM(str(windowed_dir), enforce_eager=enforce_eager, **engine) as llm:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_gpu_run_matches_cpu(got, want)
