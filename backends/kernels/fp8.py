@@ -7,11 +7,12 @@
                       "none" (x stays in its dtype)
         -> [.., N] in x's dtype:  dequant(x) @ dequant(weight)^T + bias, in float32
 
-One opaque op (Dynamo traces past it, as it does the attention). On the GPU (`fp8_linear`): one row takes the
-FP8 one-row matmul (fp8_gemv.py); more rows with a scale per output row and activations per token or static take
-`torch._scaled_mm` (e4m3 x e4m3 on the tensor cores, a scale per row of each side); the rest (block scales past
-one row, weight-only layers) dequantize the weights and multiply in 16 bits. `fp8_linear_reference` is the plain
-form, the CPU's, and the reference the tests hold every path to.
+One opaque op (Dynamo traces past it, as it does the attention). On the GPU (`fp8_linear`): one row takes the FP8
+one-row matmul (fp8_gemv.py); more rows with a scale per output row and activations per token or static take
+`torch._scaled_mm` (e4m3 x e4m3 on the tensor cores, a scale per row of each side; N and K multiples of 16, as
+cuBLAS takes them, bf16 out); the rest (block scales past one row, weight-only layers) are the reference (float32,
+on the GPU: a prefill GEMM with block scales is not written yet). `fp8_linear_reference` is the plain form, the
+CPU's, and the reference the tests hold every path to.
 """
 
 from __future__ import annotations
@@ -88,10 +89,12 @@ def fp8_linear(
         from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415  (Triton only where there is a GPU)
 
         return fp8_gemv(*args).view(*x.shape[:-1], weight.shape[0])
-    if block_n == 0 and activations in ("token", "static"):
+    n, k = weight.shape
+    # cuBLAS's FP8 GEMM with a scale a row: N and K multiples of 16, a bf16 output
+    cublas = n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16
+    if block_n == 0 and activations in ("token", "static") and cublas:
         return _scaled_mm(x, weight, weight_scale, input_scale, bias, activations)
-    w = dequantize_weight(weight, weight_scale, block_n, block_k).to(x.dtype)
-    return F.linear(quantize_activations(x, activations, input_scale, block_k).to(x.dtype), w, bias)
+    return fp8_linear_reference(*args)
 
 
 def _scaled_mm(x, weight, weight_scale, input_scale, bias, activations: str) -> torch.Tensor:

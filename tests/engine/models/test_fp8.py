@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.quantization import FP8_DTYPE
 
-from helpers.models import assert_gpu_run_matches_cpu, assert_greedy_matches_hf, make_tiny_model_dir
+from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf, make_tiny_model_dir
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 61)), [300, 12]]
@@ -63,10 +63,10 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Ten
 
 def _round_input(x: torch.Tensor, activations: str, input_scale: float) -> torch.Tensor:
     if activations == "static":
-        return (x / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * input_scale
-    groups = x.unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.unsqueeze(-2)
+        return ((x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * input_scale).to(x.dtype)
+    groups = x.float().unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.float().unsqueeze(-2)
     scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    return ((groups / scale).to(FP8_DTYPE).float() * scale).reshape(x.shape)
+    return ((groups / scale).to(FP8_DTYPE).float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def write_fp8_checkpoint(src, dst, fmt: str) -> dict[str, tuple[torch.Tensor, float]]:
@@ -265,16 +265,20 @@ def test_a_server_with_quantization_fp8_says_so_in_its_metrics_and_serves(tiny_l
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-fp8-dynamic", "hf-fp8"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_fp8_on_the_gpu_matches_the_cpu_reference(tiny_model_dir_qwen3, tmp_path, fmt, eager):
-    """bf16 on the GPU (the one-row kernel, _scaled_mm, CUDA graphs) against the float32 CPU run of the same
-    checkpoint: the first tokens equal, log-probabilities within bf16's rounding."""
-    write_fp8_checkpoint(tiny_model_dir_qwen3, tmp_path / fmt, fmt)
-    with LLM(str(tmp_path / fmt), enforce_eager=True, max_model_len=128, device="cpu") as llm:
-        want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    engine = dict(enforce_eager=eager, max_model_len=128, dtype="bfloat16", compile_cache_dir=str(tmp_path / "c"))
-    with LLM(str(tmp_path / fmt), **engine) as llm:
-        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert_gpu_run_matches_cpu(got, want)
+def test_fp8_on_the_gpu_matches_hf(tiny_model_dir_qwen3, tmp_path, fmt, eager):
+    """On the GPU (the one-row kernel, torch._scaled_mm, the reference's float32 form for block scales, CUDA
+    graphs): float32 greedy tokens and log-probabilities those of Hugging Face's model with the dequantized weights
+    and e4m3-rounded inputs, and bf16 log-probabilities as close to them as that model's own bf16 run."""
+    layers = write_fp8_checkpoint(tiny_model_dir_qwen3, tmp_path / fmt, fmt)
+    hf = fp8_reference(tiny_model_dir_qwen3, layers, FORMATS[fmt][1])
+    engine = dict(enforce_eager=eager, max_model_len=128, compile_cache_dir=str(tmp_path / "c"), device="cuda")
+    with LLM(str(tmp_path / fmt), dtype="float32", **engine) as llm:
+        fp32 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(hf, PROMPTS, fp32, MAX_TOKENS, 5e-3, near_tie=True)
+    with LLM(str(tmp_path / fmt), dtype="bfloat16", **engine) as llm:
+        bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf16 = fp8_reference(tiny_model_dir_qwen3, layers, FORMATS[fmt][1]).to(torch.bfloat16).cuda()
+    assert_bf16_as_close_as_hf(hf, hf16, PROMPTS, bf16)
 
 
 def test_an_fp8_warm_start_compiles_nothing_and_has_its_own_cache_key(tiny_llama_dir, tmp_path):
