@@ -6,7 +6,7 @@ logits, and the (token, expert) pairs laid out by expert for the grouped matmuls
     align:  the T * k pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M (`sorted_pairs`;
             padding = T * k), and the expert of every BLOCK_M rows (`block_expert`, -1 past the end)
 
-A decode has a few pairs (up to 128 tokens x 8), and each of these steps is a handful of instructions on them: one
+A decode has a few pairs (up to 16 tokens x 8), and each of these steps is a handful of instructions on them: one
 program does both (`route_and_align`), one launch a layer where torch's softmax, top-k, division and sort take a
 dozen. More pairs take three launches (`_parallel`): programs of CHUNK_PAIRS pairs route their tokens and count
 their pairs by expert; one program turns the counts into each chunk's first place for each expert (the experts'
@@ -23,8 +23,8 @@ import triton.language as tl
 
 # Up to this many pairs the single program, past it the three launches of the parallel form: where they cross
 # (scripts/dev/time_moe_routing.py, 128 experts top-8: the single program's loops grow with the pairs, the parallel
-# form costs about the same from 64 pairs to 4,096; the figures in BENCHMARKS.md, "Mixture of experts").
-KERNEL_MAX_PAIRS = 1024
+# form's launches cost about the same at any size; the figures in BENCHMARKS.md, "Mixture of experts").
+KERNEL_MAX_PAIRS = 128
 CHUNK_PAIRS = 256  # pairs a program of the parallel form takes (at most: whole tokens)
 
 

@@ -76,7 +76,7 @@ def test_every_prefill_tile_against_float64(num_pairs):
 )
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 def test_routing_kernel_equals_softmax_and_topk(num_tokens, num_experts, top_k, renormalise, weights_dtype):
-    """The kernels' experts and weights equal torch's (the single program up to 1,024 pairs, the parallel form
+    """The kernels' experts and weights equal torch's (the single program up to 128 pairs, the parallel form
     past it: 600 x 8 pairs in 19 chunks), and their layout the alignment's of those experts; on an exact tie the lowest
     index."""
     generator = torch.Generator().manual_seed(num_tokens + num_experts)
@@ -124,7 +124,7 @@ def test_the_op_from_router_logits_against_float64(dtype):
     ],
 )
 def test_align_sorts_every_pair_once_into_blocks_of_one_expert(num_tokens, num_experts, top_k, block_m):
-    """The kernels' layout (the single program's, the parallel form's past 1,024 pairs, in chunks of 256 or,
+    """The kernels' layout (the single program's, the parallel form's past 128 pairs, in chunks of 256 or,
     with k = 3, 255) equals the torch ops' (a stable sort by expert), and that layout is right."""
     generator = torch.Generator().manual_seed(block_m + num_tokens)
     _, experts = _routing(num_tokens, num_experts, top_k, "skewed", generator)
