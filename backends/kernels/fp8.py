@@ -23,6 +23,10 @@ import torch.nn.functional as F
 from kiln.backends.kernels.ops import define
 
 FP8_MAX = 448.0
+# an activation's scale is its largest |x| times this: a product, as torch's CUDA division by a scalar is, so that
+# the CPU, torch on the GPU and the kernels all give the same scale (a quotient can be an ulp away, and move a
+# value's e4m3 rounding)
+INV_FP8_MAX = 1.0 / FP8_MAX
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -34,10 +38,10 @@ def quantize_activations(x: torch.Tensor, activations: str, input_scale: torch.T
     if activations == "static":
         scale = input_scale.float().reshape(())
     elif activations == "token":
-        scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+        scale = (x32.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=_TINY)
     else:  # "group": a scale a row and `group` columns
         grouped = x32.unflatten(-1, (-1, group))
-        scale = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+        scale = (grouped.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=_TINY)
         return (_round(grouped / scale) * scale).flatten(-2)
     return _round(x32 / scale) * scale
 
@@ -102,7 +106,7 @@ def _scaled_mm(x, weight, weight_scale, input_scale, bias, activations: str) -> 
     if activations == "static":
         scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
     else:
-        scale = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+        scale = (x2.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=_TINY)
     xq = (x2 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale, scale_b=weight_scale.float().view(1, -1), out_dtype=x.dtype)
     if bias is not None:

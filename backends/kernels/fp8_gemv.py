@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)  # (a global a kernel reads must be a constexpr)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # (fp8.py's INV_FP8_MAX: scales are products)
 
 
 @triton.jit
@@ -60,13 +61,13 @@ def _fp8_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             chunk = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(chunk))
-        x_scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, 1.1754943508222875e-38)
+        x_scale = tl.maximum(tl.max(amax, axis=0) * INV_FP8_MAX, 1.1754943508222875e-38)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
         x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if ACT == "group":
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, 1.1754943508222875e-38)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, 1.1754943508222875e-38)
         if ACT != "none":
             x = _round_e4m3(x, x_scale)
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
@@ -96,7 +97,9 @@ def fp8_gemv(
     block-scaled layer's BLOCK_K is its block's columns (so a chunk has one scale a row)."""
     n, k = weight.shape
     x = x.reshape(k).contiguous()
-    block_rows, chunk, warps = config or (max(1, 8192 // triton.next_power_of_2(k)), min(1024, k), 4)
+    # (scripts/dev/sweep_fp8_gemv.py at Llama-3.1-8B's layers: with activations rounded, 16 rows a program share
+    # each chunk's rounding, 8 warps; without, 4 rows and 4 warps)
+    block_rows, chunk, warps = config or ((16, min(1024, k), 8) if activations != "none" else (4, min(1024, k), 4))
     if block_n or activations == "group":
         chunk = block_k
     chunk = triton.next_power_of_2(chunk)

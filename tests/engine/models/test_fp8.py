@@ -65,7 +65,7 @@ def _round_input(x: torch.Tensor, activations: str, input_scale: float) -> torch
     if activations == "static":
         return ((x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * input_scale).to(x.dtype)
     groups = x.float().unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.float().unsqueeze(-2)
-    scale = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = groups.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)  # (a product, as the engine's scales are)
     return ((groups / scale).to(FP8_DTYPE).float() * scale).reshape(x.shape).to(x.dtype)
 
 
