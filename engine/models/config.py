@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # the attention of each mixture of experts is its dense sibling's
 _ATTENTION_OF = {
@@ -54,6 +55,16 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights divided by their sum
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, scaled by a sigmoid gate
     quantization: QuantConfig | None = None  # FP8 linear layers (the checkpoint's, or --quantization fp8)
+    # Gemma: GeGLU, embeddings times sqrt(hidden), a norm after attention and the MLP as well as before (the
+    # `sandwich_norms`), every norm's weight 1 + the checkpoint's (`norm_weight_offset`, added at load), q scaled by
+    # query_pre_attn_scalar ** -0.5 (`attn_scale`), and the sliding layers' RoPE of another base (`local_rope_*`)
+    hidden_act: str = "silu"  # "silu" or "gelu_pytorch_tanh", of gate, times up
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    local_rope_theta: float = 0.0  # 0: the sliding layers' RoPE is the others'
+    local_rope_scaling: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -66,16 +77,20 @@ class ModelConfig:
             )
         quantization = parse_checkpoint_quantization(getattr(hf_config, "quantization_config", None))
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-        rope_theta = float(rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        local_rope = rope.pop("sliding_attention", None)  # Gemma 3: RoPE parameters per layer type
+        rope = dict(rope.pop("full_attention", rope))
+        rope_theta, rope_scaling = _rope(rope, getattr(hf_config, "rope_theta", 10000.0))
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         attention = _ATTENTION_OF.get(arch, arch)
-        activation = getattr(hf_config, "hidden_act", "silu")
-        if activation not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {activation!r} is not supported: Kiln's MLP is SiLU-and-mul")
+        activation = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+        activation = "silu" if activation == "swish" else activation
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {activation!r} is not supported: Kiln's MLP is SiLU- or GeLU(tanh)-and-mul")
+        gemma = arch.startswith("Gemma")
+        if gemma:
+            _refuse_gemma_variants(hf_config)
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported: Kiln's MLP projections have no bias")
         # Mistral: every layer slides when sliding_window is set; Qwen2/3: the layers transformers marks so
@@ -103,11 +118,13 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
             o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
-            qk_norm=attention == "Qwen3ForCausalLM",
+            qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
             sliding_layers=sliding,
             quantization=quantization,
+            hidden_act=activation,
+            **(_gemma(hf_config, local_rope) if gemma else {}),
             **_experts(arch, hf_config),
         )
 
@@ -125,13 +142,52 @@ class ModelConfig:
         vLLM counts). An attention backend without sliding windows caps a windowed model at its window
         (engine/core/startup.py `context_length`)."""
         positions = self.max_position_embeddings
-        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
+        # (Gemma 3's max_position_embeddings already counts its linear RoPE's stretch: 128k, 8 x 16k)
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear" and not self.sandwich_norms:
             positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
         return positions
+
+    def local_rope_of(self, layer: int) -> bool:
+        """Whether the layer's RoPE is the local one (Gemma 3's sliding layers)."""
+        return bool(self.local_rope_theta) and layer in self.sliding_layers
 
     def window_of(self, layer: int) -> int:
         """How many tokens back the layer attends (0: all of them)."""
         return (self.sliding_window or 0) if layer in self.sliding_layers else 0
+
+
+def _rope(rope: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling or None) from a config's RoPE parameters."""
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return theta, None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+
+def _gemma(hf_config: Any, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's fields (see ModelConfig): its sliding layers' RoPE is `local_rope` (transformers 5) or
+    rope_local_base_freq (4.x)."""
+    if local_rope is not None:
+        local_theta, local_scaling = _rope(local_rope, 10000.0)
+    else:
+        local_theta, local_scaling = float(getattr(hf_config, "rope_local_base_freq", 10000.0)), None
+    return dict(
+        embed_scale=hf_config.hidden_size**0.5,
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        attn_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+    )
+
+
+def _refuse_gemma_variants(hf_config: Any) -> None:
+    """What Kiln's Gemma does not compute yet, refused in one line rather than served wrong."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf_config, name, None):
+            raise ValueError(f"{name} is not supported yet: Kiln's attention and logits are not soft-capped")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported: Kiln's attention is causal")
 
 
 def _experts(arch: str, hf_config: Any) -> dict[str, Any]:

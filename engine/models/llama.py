@@ -1,5 +1,6 @@
-"""The Llama family over a flat token layout: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), and their
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: a sparse MLP in the layers the config names, moe.py).
+"""The Llama family over a flat token layout: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), their
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: a sparse MLP in the layers the config names, moe.py), and Gemma
+3 (GeGLU, scaled embeddings, four norms a layer, two RoPE bases).
 
 `forward(input_ids[T], positions[T]) -> hidden[T, H]`: no batch dimension and no padding inside the
 model; how tokens group into requests is known only to the attention op, through the forward context.
@@ -13,7 +14,7 @@ from torch import nn
 
 from kiln.backends.attention.op import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, norm_linear, rms_norm
+from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, norm_linear, rms_norm
 from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import (
     MergedColumnParallelLinear,
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attn_scale or self.head_dim**-0.5
         self.window = config.window_of(layer_index)  # (the forward context hands it to the attention backend)
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_bias, shard)
         if config.qk_norm:
@@ -117,9 +118,13 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], shard)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, shard)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SiLU
 
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of norm(hidden + residual): (its output, the new residual)."""
+        if self.gelu:  # (no one-row kernel has its epilogue: the projection, then the activation, Inductor's)
+            gate_up, residual = norm_linear(norm, hidden, residual, self.gate_up_proj)
+            return self.down_proj(gelu_tanh_and_mul(gate_up)), residual
         # at batch 1 on the GPU one kernel for the norm, the gate/up matmul and the activation
         act, residual = norm_linear(norm, hidden, residual, self.gate_up_proj, epilogue="silu_mul")
         return self.down_proj(act), residual
@@ -134,12 +139,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(config, shard) if layer_index in config.moe_layers else MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed before the residual add
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # which of the model's rotary lookups this layer's attention takes (Gemma 3's sliding layers: the local one)
+        self.local_rope = config.local_rope_of(layer_index)
 
     def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous sub-block is fused into the next norm (and on the GPU the norm into the
         # projection after it).
         hidden, residual = self.self_attn(rope, self.input_layernorm, hidden, residual)
-        return self.mlp(self.post_attention_layernorm, hidden, residual)
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            return self.mlp(self.post_attention_layernorm, hidden, residual)
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.mlp(self.pre_feedforward_layernorm, hidden, residual)
+        return self.post_feedforward_layernorm(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -149,14 +163,27 @@ class DecoderModel(nn.Module):
         # NOTE: one cos/sin table for all layers (a float32 [max_positions, head_dim] each would be 2 GB for the
         # 8B model at 128k positions), looked up once per forward
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb, shard) for i in range(config.num_layers))
+        if config.local_rope_theta:  # Gemma 3's sliding layers: another base (and no scaling)
+            self.local_rotary_emb = RotaryEmbedding(
+                config.head_dim, max_positions, config.local_rope_theta, config.local_rope_scaling
+            )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self._rotary_of(config, i), shard) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.embed_scale
+
+    def _rotary_of(self, config: ModelConfig, layer: int) -> RotaryEmbedding:
+        return self.local_rotary_emb if config.local_rope_of(layer) else self.rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale != 1.0:  # (Gemma: the scale in the model's dtype, as HF rounds it)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
+        local = self.local_rotary_emb.lookup(positions, hidden.dtype) if hasattr(self, "local_rotary_emb") else rope
         for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+            hidden, residual = layer(local if layer.local_rope else rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -24,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
 }
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
@@ -117,6 +118,10 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightLoadError(f"{model_dir}: checkpoint is missing {len(missing)} tensors: {shown}")
+    if model.config.norm_weight_offset:  # Gemma's norms scale by 1 + weight: the sum kept, so every norm is one
+        for name, param in params.items():
+            if name.endswith("norm.weight"):
+                param.add_(model.config.norm_weight_offset)
 
 
 # One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py)

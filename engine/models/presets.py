@@ -231,3 +231,58 @@ PRESETS: dict[str, dict[str, Any]] = {
         torch_dtype="bfloat16",
     ),
 }
+
+# Gemma 3: 5 sliding layers to 1 global (the config's default pattern), GeGLU, head_dim 256 (128 in the 27B); the
+# 12B and 27B are the language models of their Gemma3ForConditionalGeneration checkpoints
+_GEMMA3 = dict(
+    architectures=["Gemma3ForCausalLM"],
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    sliding_window=1024,
+    max_position_embeddings=131072,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    vocab_size=262208,
+    bos_token_id=2,
+    eos_token_id=[1, 106],
+    pad_token_id=0,
+    torch_dtype="bfloat16",
+)
+PRESETS.update(
+    {
+        "gemma-3-1b": dict(
+            _GEMMA3,
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=512,
+            max_position_embeddings=32768,
+            rope_scaling=None,
+        ),
+        "gemma-3-12b": dict(
+            _GEMMA3,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+        ),
+        "gemma-3-27b": dict(
+            _GEMMA3,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+        ),
+    }
+)

@@ -30,6 +30,7 @@ TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 def tiny_hf_config(kind: str):
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -58,6 +59,20 @@ def tiny_hf_config(kind: str):
         rope = {"rope_type": "default", "rope_theta": 1e6}
         shape = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}  # GQA 4:1, head_dim 32 != 64 / 4
         return Qwen3Config(**shape, head_dim=32, rope_parameters=rope, tie_word_embeddings=False)
+    if kind == "gemma3":  # two sliding layers (window 8, RoPE base 10k) and a global one (1M, linear x2)
+        return Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            tie_word_embeddings=True,
+            architectures=["Gemma3ForCausalLM"],
+        )
     rope = {"rope_type": "default", "rope_theta": 1e6}
     if kind == "mixtral":  # every layer sparse, top-2 of 8 renormalised; its experts are intermediate_size wide
         return MixtralConfig(
@@ -113,6 +128,11 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
+    if kind == "gemma3":  # HF initialises Gemma's norm weights to zero (a scale of 1 + 0); make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     builtin_tokenizer(config.vocab_size).save_pretrained(path)
     return path

@@ -1,0 +1,86 @@
+"""Gemma 3 (text) against Hugging Face (fp32, CPU): a tiny model of two sliding layers (window 8, RoPE base 10k)
+and a global one (base 1M, linear scaling x2), GeGLU, embeddings scaled by sqrt(hidden), the four norms a layer
+with weights 1 + the checkpoint's, q/k norms, query_pre_attn_scalar, tied embeddings; prompts of 50 and more, so
+that the windows matter. Eager and compiled, chunked prefill, a prefix hit across the window's edge, both
+attention backends (Triton's under the interpreter)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+
+from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir
+
+PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def hf(gemma_dir):
+    return AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _interpreted(backend: str) -> None:
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("Triton on the CPU runs under its interpreter, which a GPU machine's run leaves off")
+
+
+def test_the_model_is_the_one_described(gemma_dir, hf):
+    """(the checks have teeth: the norms' weights are not HF's zeros, the layers slide and the global layer's RoPE
+    is scaled)"""
+    config = hf.config
+    assert type(hf).__name__ == "Gemma3ForCausalLM" and config.layer_types[:2] == ["sliding_attention"] * 2
+    norms = [p for name, p in hf.named_parameters() if name.endswith("norm.weight")]
+    assert len(norms) == 3 * 6 + 1 and all(p.abs().max() > 0.1 for p in norms)  # 4 + q/k norms a layer, the final
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_gemma3_matches_hf(gemma_dir, hf, tmp_path, backend, budget, enforce_eager):
+    _interpreted(backend)
+    engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend, device="cpu")
+    with LLM(str(gemma_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_gemma3_prefix_hit_across_the_window_edge(gemma_dir, hf, backend):
+    _interpreted(backend)
+    first = list(range(3, 60))
+    second = first[:48] + [400, 401, 402, 403, 404, 405]
+    with LLM(str(gemma_dir), enforce_eager=True, max_model_len=256, attention_backend=backend, device="cpu") as llm:
+        llm.generate([first], GREEDY, use_tqdm=False)
+        (output,) = llm.generate([second], GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
+    assert_greedy_matches_hf(hf, [second], [output], MAX_TOKENS, 1e-4)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported yet"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported yet"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+    ],
+)
+def test_gemma_variants_kiln_does_not_compute_are_refused_in_one_line(gemma_dir, tmp_path, change, message):
+    d = tmp_path / "m"
+    shutil.copytree(gemma_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(d), enforce_eager=True, max_model_len=64, device="cpu")
