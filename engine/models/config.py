@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.engine.models.quant_config import QuantConfig, parse_checkpoint_quantization
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -70,12 +73,15 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
         """Build from a `transformers` config (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         archs = getattr(hf_config, "architectures", None) or []
+        quantization = parse_checkpoint_quantization(getattr(hf_config, "quantization_config", None))
+        if "Gemma3ForConditionalGeneration" in archs:  # its language model (the loader skips the vision tower)
+            logger.warning("Gemma3ForConditionalGeneration: serving its language model; the vision tower is ignored")
+            hf_config, archs = hf_config.get_text_config(), ["Gemma3ForCausalLM"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
-        quantization = parse_checkpoint_quantization(getattr(hf_config, "quantization_config", None))
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         local_rope = rope.pop("sliding_attention", None)  # Gemma 3: RoPE parameters per layer type
         rope = dict(rope.pop("full_attention", rope))

@@ -29,6 +29,24 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration: as transformers saves it, and as its
+# module tree names it), and the parts Kiln does not serve (config.py warns of them)
+_LANGUAGE_MODEL = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_NOT_SERVED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model_name(stored: str) -> str | None:
+    """The tensor's name in Kiln's model (a multimodal checkpoint's language model unprefixed); None: skipped."""
+    if stored.startswith(_NOT_SERVED):
+        return None
+    for prefix, kiln in _LANGUAGE_MODEL.items():
+        if stored.startswith(prefix):
+            return kiln + stored.removeprefix(prefix)
+    return stored
 
 
 class WeightLoadError(ValueError):
@@ -94,8 +112,9 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
     filled: set[tuple[str, ShardId]] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
-                if name.endswith(_IGNORED_SUFFIXES):
+            for stored in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                name = _language_model_name(stored)
+                if name is None or name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # tied to the embedding, which is loaded under its own name
@@ -104,7 +123,7 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
                     raise WeightLoadError(f"{path.name}: tensor {name!r} has no place in {model.config.architecture}")
                 module, param_name = _owner(model, target)
                 expected = dict(checkpoint_parts(module, param_name))[shard]
-                source = f.get_slice(name)
+                source = f.get_slice(stored)
                 if not _shape_fits(tuple(source.get_shape()), expected):
                     raise WeightLoadError(
                         f"{path.name}: tensor {name!r} has shape {tuple(source.get_shape())}, expected {expected}"

@@ -84,3 +84,33 @@ def test_gemma_variants_kiln_does_not_compute_are_refused_in_one_line(gemma_dir,
     (d / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         LLM(str(d), enforce_eager=True, max_model_len=64, device="cpu")
+
+
+def test_the_language_model_of_a_gemma3_for_conditional_generation_checkpoint(tmp_path, caplog):
+    """A Gemma3ForConditionalGeneration checkpoint (a SigLIP vision tower and its projector beside the language
+    model, under the `language_model.` prefix transformers saves): Kiln serves the language model, with one warning
+    for the vision tower, and its text-only greedy output is Hugging Face's multimodal model's on the same ids."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig  # noqa: PLC0415
+
+    from helpers.models import tiny_hf_config  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    text = tiny_hf_config("gemma3").to_dict()
+    config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=16)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    make_tiny_model_dir(tmp_path / "tok", "gemma3")  # (its tokenizer, beside the checkpoint)
+    for f in (tmp_path / "tok").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    with caplog.at_level("WARNING"), LLM(str(tmp_path), enforce_eager=True, max_model_len=256, device="cpu") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert any("vision tower is ignored" in r.getMessage() for r in caplog.records)
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 1e-4)
