@@ -54,6 +54,7 @@ class ForwardContext:
     backend: AttentionBackend
     cudagraph_size: int | None = None  # set: compiled pieces replay (or capture) their graph for this size
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer slides
+    softcaps: tuple[float, ...] = ()  # each layer's attention score cap (0: none); empty: no layer caps
 
 
 _forward_context: ForwardContext | None = None

@@ -27,7 +27,9 @@ class AttentionBackend(ABC):
       3. write the result into `output` `[T, num_heads, head_dim]`; rows past `num_actual_tokens` are
          padding and may hold anything;
       4. with a `window` (a backend whose `sliding_window` is True), a query at position p sees only the keys at
-         positions > p - window.
+         positions > p - window;
+      5. with a `softcap` (a backend whose `logit_softcap` is True), each score s (q.k * scale) is
+         softcap * tanh(s / softcap) before the softmax (Gemma 2).
     Writing before reading is what makes a request's own chunk, and blocks another request of the same
     batch just cached, visible to attention.
     """
@@ -35,6 +37,7 @@ class AttentionBackend(ABC):
     name: str
     cudagraph_safe: bool = True  # no host sync and no data-dependent launch shapes: may run inside a CUDA graph
     sliding_window: bool = False  # reads `window`: with False a windowed model is capped at its window
+    logit_softcap: bool = False  # reads `softcap`: with False a soft-capped model is refused at start
 
     @abstractmethod
     def forward(
@@ -47,6 +50,7 @@ class AttentionBackend(ABC):
         scale: float,
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
         window: int = 0,  # a query at position p sees keys after p - window only (0: all of them)
+        softcap: float = 0.0,  # scores softcap * tanh(s / softcap) (0: as they are)
     ) -> None: ...
 
     def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Hashable:
@@ -97,9 +101,10 @@ def attend(
     dispatcher costs tens of microseconds of Python more, once a layer every step."""
     context = get_forward_context()
     kv_cache = context.kv_caches[layer_index]
-    if context.windows and context.windows[layer_index]:
-        window = context.windows[layer_index]
-        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output, window)
+    window = context.windows[layer_index] if context.windows else 0
+    softcap = context.softcaps[layer_index] if context.softcaps else 0.0
+    if window or softcap:
+        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output, window, softcap)
     else:
         context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output)
 

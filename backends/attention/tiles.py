@@ -47,6 +47,12 @@ def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (the same in Triton's interpreter): 1 - 2 / (e^2x + 1), which saturates to +-1 at the ends."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # (2 log2 e)
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -67,16 +73,20 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """One online-softmax step over keys [start_n, start_n + TILE_N), on their pages (`_tile_pages`): row r may see
     key n when n < visible_end and n <= causal_limit[r] (and, with a WINDOW, n > causal_limit[r] - WINDOW). Scores
-    are in log2 units (qk_scale includes log2 e)."""
+    are in log2 units (qk_scale includes log2 e); with a SOFTCAP (Gemma 2's, in log2 units too) each is
+    SOFTCAP * tanh(score / SOFTCAP) first."""
     offs_n = start_n + tl.arange(0, TILE_N)
     n_ok = offs_n < visible_end
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
     base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(q.dtype)) * qk_scale
+    if SOFTCAP > 0:
+        s = SOFTCAP * _tanh(s / SOFTCAP)
     allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
     if WINDOW > 0:
         allowed &= offs_n[None, :] > causal_limit[:, None] - WINDOW
@@ -111,6 +121,7 @@ def _attend_range(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """`_attend_tile` over keys [start, end) (within a WINDOW of each row's causal limit), tile by tile, each tile's
     pages loaded one iteration ahead (a value the loop carries). NOTE: loaded in the iteration that uses them, they
@@ -140,6 +151,7 @@ def _attend_range(
             BLOCK_SIZE,
             TILE_N,
             WINDOW,
+            SOFTCAP,
         )
     return m_i, l_i, acc
 

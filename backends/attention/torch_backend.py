@@ -44,9 +44,19 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cudagraph_safe = False
     sliding_window = True
+    logit_softcap = True
 
     def forward(
-        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output, window: int = 0
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata: AttentionMetadata,
+        scale: float,
+        output,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
@@ -55,14 +65,15 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = metadata.seq_lens_cpu.tolist()
         decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
         if decode_rows:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output, window)
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output, window, softcap)
         for i, q_len in enumerate(query_lens):
             if q_len > 1:
                 start = int(starts[i])
                 k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i], query.dtype)
-                output[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_lens[i], scale, window)
+                q = query[start : start + q_len]
+                output[start : start + q_len] = _attend(q, k, v, seq_lens[i], scale, window, softcap)
 
-    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output: torch.Tensor, window: int):
+    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output, window: int, softcap: float):
         """All single-query requests at once: gather their blocks padded to the longest context."""
         device = query.device
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -80,16 +91,14 @@ class TorchAttentionBackend(AttentionBackend):
         mask = positions < seq_lens[:, None]  # [B, L]
         if window:  # the query sits at seq_len - 1
             mask &= positions > seq_lens[:, None] - 1 - window
-        out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
+        out = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
         output[token_index] = out.squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float, window: int) -> torch.Tensor:
+def _attend(q, k, v, seq_len: int, scale: float, window: int, softcap: float) -> torch.Tensor:
     """Causal attention of q_len queries that are the last q_len of seq_len positions (within `window`)."""
     q_len = q.shape[0]
-    if q_len == seq_len and (not window or window >= seq_len):  # plain causal: SDPA may pick a flash kernel
+    if q_len == seq_len and (not window or window >= seq_len) and not softcap:  # SDPA may pick a flash kernel
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
         )
@@ -99,7 +108,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, sca
     mask = positions[None, :] <= query_positions
     if window:
         mask &= positions[None, :] > query_positions - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    return _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap).transpose(0, 1)
+
+
+def _sdpa(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """SDPA ([.., H, L, D], grouped kv heads) under a boolean mask; with a `softcap`, written out: the scores capped
+    by softcap * tanh(s / softcap) before the mask and the softmax, in float32 (as Hugging Face's Gemma 2 does)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, v)

@@ -17,6 +17,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     sliding_window = True
+    logit_softcap = True
 
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
@@ -29,12 +30,23 @@ class TritonAttentionBackend(AttentionBackend):
         return splits, decode_config(num_reqs * num_kv_heads * splits, num_reqs)
 
     def forward(
-        self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float, output, window: int = 0
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata: AttentionMetadata,
+        scale: float,
+        output,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         if metadata.max_query_len == 1:
             num_reqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
             num_splits = decode_splits(num_reqs, num_heads, kv_cache.shape[-2], head_dim, self.num_sms)
-            split_kv_decode(query, key, value, kv_cache, metadata, scale, output, num_splits, window=window)
+            split_kv_decode(
+                query, key, value, kv_cache, metadata, scale, output, num_splits, window=window, softcap=softcap
+            )
         else:
             write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])
-            unified_attention(query, kv_cache, metadata, scale, output, window)
+            unified_attention(query, kv_cache, metadata, scale, output, window, softcap)

@@ -95,6 +95,7 @@ def _decode_split_kernel(
     LEAN: tl.constexpr,
     USE_PDL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # Gemma 2's score cap in log2 units (0: none); it takes the general loop, as a WINDOW does
 ):
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -150,7 +151,7 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP], tl.float32)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
-        if LEAN and WINDOW == 0:  # full tiles without masks, then the partial one
+        if LEAN and WINDOW == 0 and SOFTCAP == 0:  # full tiles without masks, then the partial one
             k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
             v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
             full_end = start + (end - start) // TILE_N * TILE_N
@@ -213,6 +214,7 @@ def _decode_split_kernel(
                 BLOCK_SIZE,
                 TILE_N,
                 WINDOW,
+                SOFTCAP,
             )
         if splits == 1:
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -340,13 +342,14 @@ def split_kv_decode(
     config: tuple[int, int, int] | None = None,
     unsplit_tokens: int = UNSPLIT_TOKENS,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Decode-only batch (one query per request), flash-decoding style (with a `window`, over its last `window`
-    keys only: the pages before it are not read), in one kernel that also writes the new K/V
-    (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits` partials a request (as
-    many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key tile, whichever is more; one
-    up to `unsplit_tokens`), merged by the last split to finish. `config`: (keys per tile, warps, pipeline stages), by
-    default `decode_config`'s (the benchmarks sweep it)."""
+    """Decode-only batch (one query per request), flash-decoding style (with a `window`, over its last `window` keys
+    only: the pages before it are not read; with a `softcap`, scores capped by softcap * tanh), in one kernel that also
+    writes the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits`
+    partials a request (as many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key
+    tile, whichever is more; one up to `unsplit_tokens`), merged by the last split to finish. `config`: (keys per
+    tile, warps, pipeline stages), by default `decode_config`'s (the benchmarks sweep it)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     q_per_kv = num_heads // num_kv_heads
@@ -398,6 +401,7 @@ def split_kv_decode(
         MERGE_CHUNK=merge_chunk(q_per_kv, head_dim_p, num_splits, num_warps),
         LEAN=lean,
         WINDOW=window,
+        SOFTCAP=softcap * LOG2E,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_kwargs(query),

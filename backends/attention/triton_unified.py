@@ -101,6 +101,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     LEAN: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # Gemma 2's score cap in log2 units (0: none; LEAN is off with one)
 ):
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
     sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group. LEAN (head_dim a
@@ -180,6 +181,7 @@ def _unified_attention_kernel(
             BLOCK_SIZE,
             TILE_N,
             WINDOW,
+            SOFTCAP,
         )
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + q_pos).to(tl.int64)[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
@@ -187,10 +189,10 @@ def _unified_attention_kernel(
 
 
 def unified_attention(
-    query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0
+    query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0
 ) -> None:
     """Any batch (prefill chunks and decodes), from the cache (its new K/V already written); with a `window`, each
-    query sees the keys after its position - window only."""
+    query sees the keys after its position - window only; with a `softcap`, scores are softcap * tanh(s / softcap)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -222,6 +224,7 @@ def unified_attention(
         HEAD_DIM_P=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
         TILE_N=32,
-        LEAN=head_dim == triton.next_power_of_2(head_dim) and kv_cache[0].numel() < 2**31,
+        LEAN=head_dim == triton.next_power_of_2(head_dim) and kv_cache[0].numel() < 2**31 and not softcap,
         WINDOW=window,
+        SOFTCAP=softcap * LOG2E,
     )

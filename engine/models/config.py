@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
 # the attention of each mixture of experts is its dense sibling's
@@ -60,7 +61,7 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # FP8 linear layers (the checkpoint's, or --quantization fp8)
     # Gemma: GeGLU, embeddings times sqrt(hidden), a norm after attention and the MLP as well as before (the
     # `sandwich_norms`), every norm's weight 1 + the checkpoint's (`norm_weight_offset`, added at load), q scaled by
-    # query_pre_attn_scalar ** -0.5 (`attn_scale`), and the sliding layers' RoPE of another base (`local_rope_*`)
+    # query_pre_attn_scalar ** -0.5 (`attn_scale`); Gemma 3's sliding layers' RoPE of another base (`local_rope_*`)
     hidden_act: str = "silu"  # "silu" or "gelu_pytorch_tanh", of gate, times up
     embed_scale: float = 1.0
     sandwich_norms: bool = False
@@ -68,6 +69,8 @@ class ModelConfig:
     attn_scale: float = 0.0  # 0: head_dim ** -0.5
     local_rope_theta: float = 0.0  # 0: the sliding layers' RoPE is the others'
     local_rope_scaling: dict[str, Any] | None = None
+    attn_softcap: float = 0.0  # Gemma 2: attention scores softcap * tanh(s / softcap) (0: none)
+    final_softcap: float = 0.0  # Gemma 2: the same on the logits
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -171,13 +174,16 @@ def _rope(rope: dict[str, Any], default_theta: float) -> tuple[float, dict[str, 
 
 
 def _gemma(hf_config: Any, local_rope: dict[str, Any] | None) -> dict[str, Any]:
-    """Gemma 3's fields (see ModelConfig): its sliding layers' RoPE is `local_rope` (transformers 5) or
-    rope_local_base_freq (4.x)."""
+    """Gemma 2's and 3's fields (see ModelConfig): Gemma 3's sliding layers' RoPE is `local_rope` (transformers 5)
+    or rope_local_base_freq (4.x); Gemma 2 has one RoPE, and soft-caps."""
+    local_theta, local_scaling = 0.0, None
     if local_rope is not None:
         local_theta, local_scaling = _rope(local_rope, 10000.0)
-    else:
-        local_theta, local_scaling = float(getattr(hf_config, "rope_local_base_freq", 10000.0)), None
+    elif getattr(hf_config, "rope_local_base_freq", None):
+        local_theta = float(hf_config.rope_local_base_freq)
     return dict(
+        attn_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
         embed_scale=hf_config.hidden_size**0.5,
         sandwich_norms=True,
         norm_weight_offset=1.0,
@@ -188,10 +194,7 @@ def _gemma(hf_config: Any, local_rope: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _refuse_gemma_variants(hf_config: Any) -> None:
-    """What Kiln's Gemma does not compute yet, refused in one line rather than served wrong."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(hf_config, name, None):
-            raise ValueError(f"{name} is not supported yet: Kiln's attention and logits are not soft-capped")
+    """What Kiln's Gemma does not compute, refused in one line rather than served wrong."""
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True is not supported: Kiln's attention is causal")
 

@@ -1,6 +1,7 @@
 """The Llama family over a flat token layout: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), their
 mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: a sparse MLP in the layers the config names, moe.py), and Gemma
-3 (GeGLU, scaled embeddings, four norms a layer, two RoPE bases).
+2 and 3 (GeGLU, scaled embeddings, four norms a layer; Gemma 2's soft-capped scores and logits, Gemma 3's two RoPE
+bases).
 
 `forward(input_ids[T], positions[T]) -> hidden[T, H]`: no batch dimension and no padding inside the
 model; how tokens group into requests is known only to the attention op, through the forward context.
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attn_scale or self.head_dim**-0.5
         self.window = config.window_of(layer_index)  # (the forward context hands it to the attention backend)
+        self.softcap = config.attn_softcap  # (Gemma 2's, handed over the same way)
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_bias, shard)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -213,5 +215,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary, on every rank (the LM head gathers the ranks' slices)."""
-        return self.lm_head(hidden)
+        """Logits over the whole vocabulary, on every rank (the LM head gathers the ranks' slices); Gemma 2's
+        final soft-cap after it."""
+        logits = self.lm_head(hidden)
+        if self.config.final_softcap:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        return logits

@@ -286,3 +286,27 @@ PRESETS.update(
         ),
     }
 )
+# Gemma 2: every other layer slides (window 4,096), scores soft-capped at 50 and logits at 30, one RoPE
+PRESETS["gemma-2-9b"] = dict(
+    architectures=["Gemma2ForCausalLM"],
+    vocab_size=256000,
+    hidden_size=3584,
+    intermediate_size=14336,
+    num_hidden_layers=42,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=8192,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=[1, 107],
+    pad_token_id=0,
+    torch_dtype="bfloat16",
+)

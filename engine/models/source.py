@@ -162,6 +162,7 @@ def _model_type(architecture: str) -> str:
         "MixtralForCausalLM": "mixtral",
         "Qwen2MoeForCausalLM": "qwen2_moe",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Gemma2ForCausalLM": "gemma2",
         "Gemma3ForCausalLM": "gemma3_text",
     }[architecture]
 

@@ -70,6 +70,10 @@ class ModelRunner:
         # each layer's sliding window, for a backend that reads them (for the others start-up capped the context)
         windows = tuple(getattr(layer.self_attn, "window", 0) for layer in model.model.layers)
         self.windows = windows if backend.sliding_window and any(windows) else ()
+        softcaps = tuple(getattr(layer.self_attn, "softcap", 0.0) for layer in model.model.layers)
+        if any(softcaps) and not backend.logit_softcap:
+            raise ValueError(f"the {backend.name} attention backend does not soft-cap scores, as this model needs")
+        self.softcaps = softcaps if any(softcaps) else ()
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -220,11 +224,14 @@ class ModelRunner:
             hidden, *head = self.compiled.replay_full_graph(plan.num_tokens)
             return hidden, tuple(head)
         piecewise_size = plan.num_tokens if plan.mode == "piecewise" else None
-        context = ForwardContext(metadata, self.kv_caches, self.backend, piecewise_size, self.windows)
+        context = self._context(metadata, piecewise_size)
         model = self.compiled if self.compiled is not None else self.model
         with set_forward_context(context):
             inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
             return model(inputs.input_ids, inputs.positions), None
+
+    def _context(self, metadata: AttentionMetadata, cudagraph_size: int | None = None) -> ForwardContext:
+        return ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size, self.windows, self.softcaps)
 
     def head(self, hidden: torch.Tensor) -> Head:
         """What a full graph records after the forward: every row's logits and their argmax (a greedy batch's
@@ -273,7 +280,7 @@ class ModelRunner:
                 counters.cudagraphs_captured += 1
                 if self.cudagraph_mode == "full_and_piecewise" and size <= self.largest_full:
                     metadata, _ = self._dummy_metadata(size, True, "full")
-                    context = ForwardContext(metadata, self.kv_caches, self.backend, windows=self.windows)
+                    context = self._context(metadata)
                     inputs = self.inputs.views(size, size)
                     with set_forward_context(context):
                         self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions, self.head)

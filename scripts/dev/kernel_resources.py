@@ -112,7 +112,7 @@ def shapes(model: str) -> dict:
     )
 
 
-def decode_variants(model: str, window: int = 0):
+def decode_variants(model: str, window: int = 0, softcap: float = 0.0):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
@@ -132,14 +132,15 @@ def decode_variants(model: str, window: int = 0):
                 TILE_N=tile_n,
                 NUM_SPLITS=num_splits,
                 MERGE_CHUNK=decode_merge.merge_chunk(q_per_kv, head_dim_p, num_splits, warps),
-                LEAN=s["head_dim"] == head_dim_p,
+                LEAN=s["head_dim"] == head_dim_p and not softcap,
                 USE_PDL=True,
                 WINDOW=window,
+                SOFTCAP=softcap,
             )
             yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", td._decode_split_kernel, constexprs, warps, stages
 
 
-def prefill_variants(model: str, window: int = 0):
+def prefill_variants(model: str, window: int = 0, softcap: float = 0.0):
     """The unified (prefill and mixed) kernel at a long query (BLOCK_M 64) and a short one (16)."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
@@ -154,8 +155,9 @@ def prefill_variants(model: str, window: int = 0):
             HEAD_DIM_P=triton.next_power_of_2(s["head_dim"]),
             BLOCK_SIZE=16,
             TILE_N=32,
-            LEAN=s["head_dim"] == triton.next_power_of_2(s["head_dim"]),
+            LEAN=s["head_dim"] == triton.next_power_of_2(s["head_dim"]) and not softcap,
             WINDOW=window,
+            SOFTCAP=softcap,
         )
         yield f"block_m {block_m}", ta._unified_attention_kernel, constexprs, 4, 3
 
@@ -164,6 +166,13 @@ def window_variants(model: str):
     """Decode and prefill of a sliding layer (a window of 1,024 tokens, Gemma's and Mistral's order)."""
     yield from (("decode " + v, *rest) for v, *rest in decode_variants(model, window=1024))
     yield from (("prefill " + v, *rest) for v, *rest in prefill_variants(model, window=1024))
+
+
+def softcap_variants(model: str):
+    """Decode and prefill with Gemma 2's score cap (50, in the kernels' log2 units), which takes the general loops."""
+    cap = 50.0 * 1.4426950408889634
+    yield from (("decode " + v, *rest) for v, *rest in decode_variants(model, softcap=cap))
+    yield from (("prefill " + v, *rest) for v, *rest in prefill_variants(model, softcap=cap))
 
 
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "cache_ptr": "*fp8e4nv"}
@@ -239,7 +248,7 @@ def qk_norm_rope_variants(model: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,fp8_kv,fp8_gemv")
+    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,softcap,fp8_kv,fp8_gemv")
     p.add_argument("--check", action="store_true", help="exit 1 if any kernel spills registers")
     p.add_argument(
         "--sample",
@@ -267,6 +276,7 @@ def main() -> None:
         "gemv": gemv_variants,
         "qk_norm_rope": qk_norm_rope_variants,
         "window": window_variants,
+        "softcap": softcap_variants,
         "fp8_kv": fp8_kv_variants,
         "fp8_gemv": fp8_gemv_variants,
     }

@@ -59,9 +59,10 @@ def make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim
     return cat(queries), cat(keys), cat(values), kv_cache.to(device), metadata, history
 
 
-def reference_attention(query, history, query_lens, scale, window: int = 0) -> torch.Tensor:
+def reference_attention(query, history, query_lens, scale, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Per request, in float64: softmax(q k^T * scale) v with a causal mask aligned to the end (and with a
-    `window`, a query at position p sees the keys after p - window only)."""
+    `window`, a query at position p sees the keys after p - window only; with a `softcap`, each score s is
+    softcap * tanh(s / softcap))."""
     outs, start = [], 0
     for (k, v), q_len in zip(history, query_lens):
         q = query[start : start + q_len].double().cpu()
@@ -71,6 +72,8 @@ def reference_attention(query, history, query_lens, scale, window: int = 0) -> t
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = k.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         query_positions = (s - q_len + torch.arange(q_len))[:, None]
         allowed = torch.arange(s)[None, :] <= query_positions
         if window:

@@ -30,6 +30,7 @@ TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 def tiny_hf_config(kind: str):
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -72,6 +73,18 @@ def tiny_hf_config(kind: str):
             },
             tie_word_embeddings=True,
             architectures=["Gemma3ForCausalLM"],
+        )
+    if kind == "gemma2":  # layers 0 and 2 slide (window 8); scores capped at 2.5 and logits at 3: both bite here
+        return Gemma2Config(
+            **{**TINY, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=2.5,
+            final_logit_softcapping=3.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+            architectures=["Gemma2ForCausalLM"],
         )
     rope = {"rope_type": "default", "rope_theta": 1e6}
     if kind == "mixtral":  # every layer sparse, top-2 of 8 renormalised; its experts are intermediate_size wide
@@ -128,7 +141,7 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
-    if kind == "gemma3":  # HF initialises Gemma's norm weights to zero (a scale of 1 + 0); make them matter
+    if kind in ("gemma2", "gemma3"):  # HF initialises Gemma's norm weights to zero (a scale of 1 + 0); make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

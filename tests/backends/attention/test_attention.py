@@ -428,3 +428,36 @@ def test_split_kv_decode_with_a_sliding_window(window, num_splits, unsplit_token
     out = torch.zeros_like(q)
     split_kv_decode(q, k, v, kv_cache, metadata, 0.125, out, num_splits, 16, None, unsplit_tokens, window)
     torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("softcap,window", [(0.5, 0), (2.0, 0), (2.0, 16), (50.0, 0)])
+def test_soft_capped_scores_against_the_reference(backend, softcap, window):
+    """Gemma 2's cap (softcap * tanh(s / softcap) on every score), in decodes, prefills and continued chunks, with
+    and without a window; 0.5 and 2.0 cap these random scores hard (the output moves far from the uncapped one)."""
+    query_lens, context_lens = [1, 9, 1, 40, 3], [30, 0, 1, 21, 47]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
+    )
+    q = q * 4  # (scores of a few units, so that a cap of 2 bites)
+    out = torch.zeros_like(q)
+    get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 0.125, out, window, softcap)
+    ref = reference_attention(q, history, query_lens, 0.125, window, softcap)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    if softcap < 50:
+        uncapped = reference_attention(q, history, query_lens, 0.125, window)
+        assert (uncapped - ref).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("num_splits,unsplit_tokens", [(1, 0), (4, 0)])
+def test_split_kv_decode_with_soft_capped_scores(num_splits, unsplit_tokens):
+    query_lens, context_lens = [1, 1, 1], [3, 100, 300]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 8, 2, 64, 16, torch.float32, DEVICE
+    )
+    q = q * 4
+    out = torch.zeros_like(q)
+    split_kv_decode(q, k, v, kv_cache, metadata, 0.125, out, num_splits, 16, None, unsplit_tokens, 0, 2.0)
+    torch.testing.assert_close(
+        out.double().cpu(), reference_attention(q, history, query_lens, 0.125, 0, 2.0), atol=TOL, rtol=TOL
+    )
