@@ -9,10 +9,10 @@
 
 One opaque op (Dynamo traces past it, as it does the attention). On the GPU (`fp8_linear`): one row takes the FP8
 one-row matmul (fp8_gemv.py); more rows with a scale per output row and activations per token or static take
-`torch._scaled_mm` (e4m3 x e4m3 on the tensor cores, a scale per row of each side; N and K multiples of 16, as
-cuBLAS takes them, bf16 out); the rest (block scales past one row, weight-only layers) are the reference (float32,
-on the GPU: a prefill GEMM with block scales is not written yet). `fp8_linear_reference` is the plain form, the
-CPU's, and the reference the tests hold every path to.
+`torch._scaled_mm` (x rounded to e4m3 in one launch, fp8_quant.py; e4m3 x e4m3 on the tensor cores, a scale per row
+of each side; N and K multiples of 16, as cuBLAS takes them, bf16 out); the rest (block scales past one row, weight-
+only layers) are the reference (float32, on the GPU: a prefill GEMM with block scales is not written yet).
+`fp8_linear_reference` is the plain form, the CPU's, and the reference the tests hold every path to.
 """
 
 from __future__ import annotations
@@ -102,12 +102,10 @@ def fp8_linear(
 
 
 def _scaled_mm(x, weight, weight_scale, input_scale, bias, activations: str) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    if activations == "static":
-        scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
-    else:
-        scale = (x2.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=_TINY)
-    xq = (x2 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    from kiln.backends.kernels.fp8_quant import quantize_rows  # noqa: PLC0415  (Triton only where there is a GPU)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, scale = quantize_rows(x2.contiguous(), input_scale if activations == "static" else None)
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale, scale_b=weight_scale.float().view(1, -1), out_dtype=x.dtype)
     if bias is not None:
         out = out + bias

@@ -19,16 +19,27 @@ INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # (fp8.py's INV_FP8_MAX: scales are pro
 
 
 @triton.jit
-def _round_e4m3(x, scale):
-    """x / scale rounded to the nearest e4m3 value (ties to even, saturated at 448), times scale; in float32
-    arithmetic: three mantissa bits kept of a normal value (a carry moves the exponent, as it must), multiples of
-    2^-9 below 2^-6 (e4m3's subnormals). The same in Triton's interpreter, whose e4m3 conversion drops such a carry."""
+def _e4m3_units(x, scale, HARDWARE: tl.constexpr = False):
+    """x / scale rounded to the nearest e4m3 value (ties to even, saturated at 448), as float32. HARDWARE (a GPU's
+    kernel): the conversion instruction and back. Else in float32 arithmetic: three mantissa bits kept of a normal
+    value (a carry moves the exponent, as it must), multiples of 2^-9 below 2^-6 (e4m3's subnormals); the same in
+    Triton's interpreter, whose e4m3 conversion drops such a carry, at ten instructions a value."""
     v = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # (-1048576: 0xFFF00000, the low 20 bits cleared)
-    normal = bits.to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0  # (1.5 * 2^14: float32's rounding to multiples of 2^-9)
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal) * scale
+    if HARDWARE:
+        rounded = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # (-1048576: 0xFFF00000, the low 20 bits cleared)
+        normal = bits.to(tl.float32, bitcast=True)
+        subnormal = (v + 24576.0) - 24576.0  # (1.5 * 2^14: float32's rounding to multiples of 2^-9)
+        rounded = tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+    return rounded
+
+
+@triton.jit
+def _round_e4m3(x, scale, HARDWARE: tl.constexpr = False):
+    """x rounded through e4m3 at `scale` (`_e4m3_units` times scale)."""
+    return _e4m3_units(x, scale, HARDWARE) * scale
 
 
 @triton.jit
@@ -49,6 +60,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HW_ROUND: tl.constexpr,  # the GPU's e4m3 conversion (`_round_e4m3`); not under the interpreter
 ):
     idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(idx, N - 1)  # (rows past N re-read row N-1: full-width loads)
@@ -69,7 +81,7 @@ def _fp8_gemv_kernel(
         if ACT == "group":
             x_scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, 1.1754943508222875e-38)
         if ACT != "none":
-            x = _round_e4m3(x, x_scale)
+            x = _round_e4m3(x, x_scale, HW_ROUND)
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
         part = tl.sum(w * x[None, :], axis=1)
         if BLOCKED:
@@ -123,6 +135,7 @@ def fp8_gemv(
         HAS_BIAS=bias is not None,
         BLOCK_N=block_rows,
         BLOCK_K=chunk,
+        HW_ROUND=x.is_cuda,
         num_warps=warps,
     )
     return y

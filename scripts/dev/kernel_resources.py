@@ -35,7 +35,7 @@ from triton.compiler import ASTSource
 from kiln.backends.attention import decode_merge
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
-from kiln.backends.kernels import fp8_gemv, gemv
+from kiln.backends.kernels import fp8_gemv, fp8_quant, gemv
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.presets import PRESETS
@@ -189,6 +189,15 @@ def fp8_kv_variants(model: str):
     yield "kv write", ta._kv_write_kernel, constexprs, 4, 3, FP8_CACHE
 
 
+def fp8_quant_variants(model: str):
+    """The activations' e4m3 rounding before `torch._scaled_mm` (past one row), per token and static."""
+    k = shapes(model)["hidden"]
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "in_scale_ptr": "*fp32"}
+    for static in (False, True):
+        constexprs = dict(STATIC=static, BLOCK_K=min(2048, triton.next_power_of_2(k)), HW_ROUND=True)
+        yield "static" if static else "token", fp8_quant._quantize_rows_kernel, constexprs, 4, 3, pointers
+
+
 def fp8_gemv_variants(model: str):
     """The FP8 one-row matmul at the model's four layers: per-channel weights with dynamic per-token and static
     activations, and 128x128 blocks with per-group activations (DeepSeek's and Qwen3's FP8 format)."""
@@ -197,7 +206,7 @@ def fp8_gemv_variants(model: str):
     pointers = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32"}
     for (layer, k), act in itertools.product(inputs.items(), ("token", "static", "group")):
         blocked = act == "group"
-        block_rows, chunk = max(1, 8192 // triton.next_power_of_2(k)), 128 if blocked else min(1024, k)  # (fp8_gemv's)
+        block_rows, chunk = 16, 128 if blocked else min(1024, k)  # (fp8_gemv's default, 8 warps)
         constexprs = dict(
             ACT=act,
             BLOCKED=blocked,
@@ -205,8 +214,9 @@ def fp8_gemv_variants(model: str):
             HAS_BIAS=False,
             BLOCK_N=block_rows,
             BLOCK_K=triton.next_power_of_2(chunk),
+            HW_ROUND=True,
         )
-        yield f"{layer} {act}", fp8_gemv._fp8_gemv_kernel, constexprs, 4, 3, pointers
+        yield f"{layer} {act}", fp8_gemv._fp8_gemv_kernel, constexprs, 8, 3, pointers
 
 
 def gemv_variants(model: str):
@@ -248,7 +258,7 @@ def qk_norm_rope_variants(model: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,softcap,fp8_kv,fp8_gemv")
+    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,softcap,fp8_kv,fp8_gemv,fp8_quant")
     p.add_argument("--check", action="store_true", help="exit 1 if any kernel spills registers")
     p.add_argument(
         "--sample",
@@ -279,6 +289,7 @@ def main() -> None:
         "softcap": softcap_variants,
         "fp8_kv": fp8_kv_variants,
         "fp8_gemv": fp8_gemv_variants,
+        "fp8_quant": fp8_quant_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
@@ -310,7 +321,7 @@ def main() -> None:
         sys.exit(1)
 
 
-SAMPLED = ("ACT", "EPILOGUE", "NORM")  # constexprs that choose code paths (--sample compiles each)
+SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC")  # constexprs that choose code paths (--sample compiles each)
 
 
 # NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) may spill a few bytes a thread at head_dim 128

@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends.kernels.fp8 import fp8_linear, fp8_linear_reference
+from kiln.backends.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_activations
 from kiln.backends.kernels.fp8_gemv import _round_e4m3, fp8_gemv
+from kiln.backends.kernels.fp8_quant import quantize_rows
 
 from helpers.kernels import DEVICE
 
@@ -76,17 +77,36 @@ def test_the_op_on_the_gpu_against_the_reference(n, k, block, activations, bias,
 
 
 @triton.jit
-def _rounding_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+def _rounding_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr, HARDWARE: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + i, _round_e4m3(tl.load(x_ptr + i), 1.0))
+    tl.store(y_ptr + i, _round_e4m3(tl.load(x_ptr + i), 1.0, HARDWARE))
 
 
-def test_the_kernels_e4m3_rounding_is_torchs():
+@pytest.mark.parametrize("hardware", [False] + ([True] if DEVICE == "cuda" else []), ids=lambda h: f"hardware={h}")
+def test_the_kernels_e4m3_rounding_is_torchs(hardware):
     """Every value of a dense sweep over e4m3's range (normals, subnormals, ties, carries into the exponent, past
-    448) rounds as torch's cast of the clamped value does."""
+    448) rounds as torch's cast of the clamped value does: the arithmetic form anywhere, the GPU's conversion
+    instruction there."""
     x = torch.cat([torch.linspace(-470, 470, 150001), torch.linspace(-0.03, 0.03, 100001)])
     padded = torch.zeros(triton.next_power_of_2(x.numel()))
     padded[: x.numel()] = x
     y = torch.empty_like(padded, device=DEVICE)
-    _rounding_kernel[(padded.numel() // 1024,)](padded.to(DEVICE), y, BLOCK=1024)
+    _rounding_kernel[(padded.numel() // 1024,)](padded.to(DEVICE), y, BLOCK=1024, HARDWARE=hardware)
     assert torch.equal(y.cpu(), padded.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("rows,k", [(1, 64), (5, 200), (33, 4096)])
+@pytest.mark.parametrize("static", [False, True], ids=["token", "static"])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_quantize_rows_is_the_references_rounding(rows, k, static, dtype):
+    """The one-launch activation quantization (`_scaled_mm`'s input): every e4m3 value and scale the reference's
+    (`quantize_activations`: the same products for the scales, the same rounding), rows of very different size."""
+    generator = torch.Generator().manual_seed(rows + k)
+    x = (torch.randn(rows, k, generator=generator) * torch.logspace(-3, 2, rows)[:, None]).to(dtype)
+    input_scale = torch.tensor([0.05]) if static else None
+    q, scale = quantize_rows(x.to(DEVICE), input_scale.to(DEVICE) if static else None)
+    want = quantize_activations(x, "static" if static else "token", input_scale, 0)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
+    torch.testing.assert_close((q.float() * scale).cpu(), want, atol=0, rtol=0)
+    if not static:
+        torch.testing.assert_close(scale.cpu(), x.float().abs().amax(-1, keepdim=True) * (1 / FP8_MAX), atol=0, rtol=0)
