@@ -22,7 +22,7 @@ DTYPES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)  # --quantization: a 16-bit checkpoint's linear layers quantized at load
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (scale 1.0)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (scaled as the checkpoint says)
 ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
 CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
 

@@ -161,7 +161,10 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     source = resolve_model(config.model, model_memo(config))
     model_config = source.model_config
     quantization = quant_config.resolve(config.quantization, model_config.quantization)
-    if quantization != model_config.quantization:  # (--quantization fp8 of a 16-bit checkpoint)
+    if quantization is not None and quantization.kv_scales and not config.kv_cache_dtype.startswith("fp8"):
+        logger.info("the checkpoint's KV cache scales are unused with a 16-bit KV cache (--kv-cache-dtype fp8)")
+        quantization = dataclasses.replace(quantization, kv_scales=False)
+    if quantization != model_config.quantization:  # (--quantization fp8 of a 16-bit checkpoint; scales dropped)
         model_config = dataclasses.replace(model_config, quantization=quantization)
     device = resolve_device(config, rank)
     dtype = resolve_dtype(config, device, source.checkpoint_dtype_name)

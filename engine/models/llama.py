@@ -51,6 +51,10 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if config.quantization is not None and config.quantization.kv_scales:
+            # the checkpoint's FP8 KV cache scales: the cache holds k / k_scale and v / v_scale (see `_attend`)
+            self.k_scale = nn.Parameter(torch.ones(1), requires_grad=False)  # ([1]: a checkpoint's [] or [1] fits)
+            self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
 
     def forward(
@@ -96,11 +100,17 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "k_scale"):
+            # The cache holds k / k_scale and v / v_scale, and attention over them is the same with q times k_scale
+            # and the output times v_scale: no kernel needs the scales.
+            q, k, v = q * self.k_scale.to(q.dtype), k / self.k_scale.to(k.dtype), v / self.v_scale.to(v.dtype)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         if torch.compiler.is_compiling():  # the op: opaque to Dynamo, where the graph is split
             torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index, self.scale)
         else:
             attend(q, k, v, out, self.layer_index, self.scale)
+        if hasattr(self, "v_scale"):
+            out = out * self.v_scale.to(out.dtype)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:

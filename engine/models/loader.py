@@ -120,6 +120,8 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # tied to the embedding, which is loaded under its own name
                 target, shard = _target_of(model, name)
+                if target.endswith((".k_scale", ".v_scale")) and target not in params:
+                    continue  # KV cache scales with a 16-bit KV cache (startup says so)
                 if target not in params:
                     raise WeightLoadError(f"{path.name}: tensor {name!r} has no place in {model.config.architecture}")
                 module, param_name = _owner(model, target)
@@ -157,6 +159,7 @@ def _shape_fits(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
 
 def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router and experts
+    name = name.replace(".k_proj.output_scale", ".k_scale").replace(".v_proj.output_scale", ".v_scale")  # (older)
     if name.endswith(".weight_scale_inv"):  # Hugging Face's fine-grained FP8: multiplied, as compressed-tensors' is
         name = name.removesuffix("_inv")
     if (expert := _EXPERT.match(name)) and expert["proj"] in _EXPERT_PARTS:

@@ -191,4 +191,4 @@ def load_part(module: nn.Module, param_name: str, source: Any, shard: ShardId) -
     if hasattr(module, "load_weight"):
         module.load_weight(param_name, source, shard)
     else:
-        getattr(module, param_name).copy_(source[:])
+        getattr(module, param_name).copy_(source[...])  # ([...]: a 0-dim tensor's whole, as [:] is not)

@@ -22,10 +22,14 @@ class QuantConfig:
     activations: str  # "static" (the checkpoint's input_scale), "token", "group" (per token and block_k columns)
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block
     ignore: tuple[str, ...] = field(default=())  # Hugging Face module names (or "re:" patterns) left unquantized
+    # the checkpoint ships each attention's k_scale and v_scale (compressed-tensors' kv_cache_scheme): an FP8 KV
+    # cache (`--kv-cache-dtype fp8`) holds k / k_scale and v / v_scale; startup clears it for a 16-bit cache
+    kv_scales: bool = False
 
     def describe(self) -> str:
         block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
-        return f"fp8 ({self.origin}: weights per {self.weights}{block}, activations {self.activations})"
+        kv = ", KV cache scales" if self.kv_scales else ""
+        return f"fp8 ({self.origin}: weights per {self.weights}{block}, activations {self.activations}{kv})"
 
     def ignores(self, hf_name: str) -> bool:
         for pattern in self.ignore:
@@ -47,7 +51,8 @@ def from_dict(raw: dict[str, Any] | None) -> QuantConfig | None:
     if raw is None:
         return None
     block = tuple(raw["block"]) if raw.get("block") else None
-    return QuantConfig(raw["origin"], raw["weights"], raw["activations"], block, tuple(raw.get("ignore") or ()))
+    ignore = tuple(raw.get("ignore") or ())
+    return QuantConfig(raw["origin"], raw["weights"], raw["activations"], block, ignore, bool(raw.get("kv_scales")))
 
 
 class UnsupportedQuantization(ValueError):
@@ -80,8 +85,7 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     fmt = raw.get("format")
     if fmt != "float-quantized":
         raise refuse(f"compressed-tensors format {fmt!r} (only 'float-quantized')")
-    if raw.get("kv_cache_scheme"):
-        raise refuse("compressed-tensors kv_cache_scheme (a quantized KV cache from the checkpoint)")
+    kv_scales = _kv_cache_scheme(raw.get("kv_cache_scheme"))
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise refuse(f"{len(groups)} compressed-tensors config groups (one, targeting Linear)")
@@ -102,9 +106,19 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
             raise refuse(f"compressed-tensors block_structure {weights.get('block_structure')!r}")
     elif strategy not in ("tensor", "channel"):
         raise refuse(f"compressed-tensors weight strategy {strategy!r} (tensor, channel or block)")
-    return QuantConfig(
-        "compressed-tensors", strategy, _activations(group.get("input_activations"), block), block, _ignore(raw)
-    )
+    activations = _activations(group.get("input_activations"), block)
+    return QuantConfig("compressed-tensors", strategy, activations, block, _ignore(raw), kv_scales)
+
+
+def _kv_cache_scheme(spec: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint ships KV cache scales: a static e4m3 scale per tensor for each layer's K and V."""
+    if not spec:
+        return False
+    if spec.get("type") != "float" or spec.get("num_bits") != 8 or spec.get("dynamic"):
+        raise refuse(f"compressed-tensors kv_cache_scheme of type {spec.get('type')!r}, {spec.get('num_bits')} bits")
+    if spec.get("strategy") != "tensor":
+        raise refuse(f"compressed-tensors kv_cache_scheme strategy {spec.get('strategy')!r} (only 'tensor')")
+    return True
 
 
 def _activations(spec: dict[str, Any] | None, block: tuple[int, int] | None) -> str:

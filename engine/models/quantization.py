@@ -101,12 +101,12 @@ def load_scale(module: nn.Module, param_name: str, source: Any, offset: int, sta
     the layer's rows from `offset` (column-parallel; a row-parallel layer: its columns from `module.start`)."""
     quant = module.quant
     if param_name == "input_scale":
-        value = source[:].reshape(-1)[0].to(torch.float32)
+        value = source[...].reshape(-1)[0].to(torch.float32)  # ([...]: a scalar shipped as [] too)
         module.input_scale.copy_(torch.maximum(module.input_scale, value.to(module.input_scale.device)))
         return
     scale = module.weight_scale
     if quant.weights == "tensor":
-        scale[offset : offset + size].fill_(float(source[:].reshape(-1)[0]))
+        scale[offset : offset + size].fill_(float(source[...].reshape(-1)[0]))
     elif quant.weights == "channel":
         scale[offset : offset + size].copy_(source[start : start + size].reshape(-1))
     else:

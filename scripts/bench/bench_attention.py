@@ -249,6 +249,29 @@ def bench_decode(batch: int, context: int, backend) -> dict:
     }
 
 
+def bench_window(batch: int, context: int, window: int, backend) -> dict:
+    """A sliding layer's decode (it reads the last `window` keys of each context) against a full layer's, both
+    back to back over copies of the K/V."""
+    kv_cache, metadata, q, k_new, v_new, out = decode_inputs(batch, context)
+    caches = [kv_cache] + [
+        kv_cache.clone() for _ in range(kv_copies(2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2) - 1)
+    ]
+
+    def run(w):
+        return lambda c: backend.forward(q, k_new, v_new, c, metadata, HEAD_DIM**-0.5, out, w)
+
+    full_ms, window_ms = back_to_back_ms(run(0), caches), back_to_back_ms(run(window), caches)
+    window_bytes = 2 * batch * min(window, context) * NUM_KV_HEADS * HEAD_DIM * 2
+    return {
+        "batch": batch,
+        "context": context,
+        "window": window,
+        "full_us": full_ms * 1e3,
+        "window_us": window_ms * 1e3,
+        "window_util": window_bytes / (window_ms * 1e-3) / PEAK_BYTES_PER_S,
+    }
+
+
 # (requests, new tokens a request, cached tokens a request) of the prefill points
 PREFILL_SHAPES = [(1, 2048, 0), (8, 512, 0), (4, 512, 2048), (1, 512, 16384), (16, 128, 1024)]
 
@@ -306,6 +329,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--shapes", default="", help="only these BATCHxCONTEXT points, e.g. 64x256,1x32768")
     p.add_argument("--prefill", action="store_true", help="also time the unified kernel on prefill chunks")
+    p.add_argument("--window", type=int, default=0, help="also time a sliding layer of this window at each point")
     p.add_argument(
         "--model",
         default="llama-3.1-8b",
@@ -367,6 +391,15 @@ def main() -> None:
             f"{r['batch']:>5} {r['context']:>7} "
             + " ".join(f"{r['paged_config_us'].get(c, float('nan')):>11.1f}" for c in paged_names)
         )
+    windowed = [bench_window(r["batch"], r["context"], args.window, backend) for r in rows] if args.window else []
+    if windowed:
+        print(f"\nsliding-window decode (window {args.window}) against a full layer, back to back, us")
+        print(f"{'batch':>5} {'context':>7} {'full':>9} {'window':>9} {'util of the window':>18}")
+        for r in windowed:
+            print(
+                f"{r['batch']:>5} {r['context']:>7} {r['full_us']:>9.1f} {r['window_us']:>9.1f} "
+                f"{r['window_util']:>18.0%}"
+            )
     prefill = [bench_prefill(*shape) for shape in PREFILL_SHAPES] if args.prefill else []
     if prefill:
         print(f"\nprefill attention (unified kernel), {args.model} shapes, bf16, CUDA graph")
@@ -379,7 +412,7 @@ def main() -> None:
         print(f"{r['kernel']:<20} {r['tokens']:>6} {r['torch_us']:>9.1f} {r['triton_us']:>9.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"decode": rows, "prefill": prefill, "fused": fused}, f, indent=1)
+            json.dump({"decode": rows, "prefill": prefill, "fused": fused, "window": windowed}, f, indent=1)
 
 
 if __name__ == "__main__":

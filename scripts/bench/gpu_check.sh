@@ -17,7 +17,8 @@
 # (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step; ATTENTION_SHAPES=64x256,1x32768 only those points of
 # `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
-# ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes.
+# ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes, ATTENTION_WINDOW=1024 a sliding layer's decode beside
+# each point's full one.
 # Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
@@ -89,7 +90,8 @@ for step in $steps; do
     attention)
       base=$(fresh "$OUT/attention$tag")
       timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/bench/bench_attention.py \
-        ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
+        ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} ${ATTENTION_PREFILL:+--prefill} ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} \
+        ${ATTENTION_WINDOW:+--window $ATTENTION_WINDOW} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 30
       echo "-- attention${tag}" >> "$summary"
       grep -A90 "^decode attention" "$base.log" >> "$summary" ;;
     ncu)

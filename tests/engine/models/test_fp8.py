@@ -337,3 +337,50 @@ def test_an_fp8_kv_cache_holds_more_blocks_and_matches_hf_with_e4m3_keys_and_val
     # (every key and value is rounded here, so a float32 difference crossing an e4m3 boundary is likelier than in
     # the layers' inputs: 5x TOL)
     assert_matches(hf, PROMPTS, outputs, 5 * TOL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_checkpoints_kv_cache_scales_with_an_fp8_kv_cache(tiny_llama_dir, tmp_path, backend, monkeypatch):
+    """compressed-tensors' kv_cache_scheme: each attention's k_scale and v_scale; with `kv_cache_dtype="fp8"` the
+    cache holds k / k_scale and v / v_scale in e4m3 (the scales here small enough that the largest keys saturate at
+    448 * k_scale: read with a scale of 1, they would not), equal to Hugging Face's with keys and values so rounded;
+    with a 16-bit cache the scales are loaded past and unused."""
+    from transformers.models.llama import modeling_llama  # noqa: PLC0415
+
+    layers = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "m", "ct-fp8")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    k_scale, v_scale = 0.004, 0.02
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([k_scale])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale)  # (as [] or [1]: both ship)
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    engine = dict(enforce_eager=True, max_model_len=128, attention_backend=backend)
+    with LLM(str(tmp_path / "m"), kv_cache_dtype="fp8", **engine) as llm:
+        attn = llm.engine.executor.model.model.layers[1].self_attn
+        assert attn.k_scale.item() == pytest.approx(k_scale) and attn.v_scale.item() == pytest.approx(v_scale)
+        assert "KV cache scales" in llm.engine.startup_stats["quantization"]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(tmp_path / "m"), **engine) as llm:
+        assert not hasattr(llm.engine.executor.model.model.layers[1].self_attn, "k_scale")
+        plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches(fp8_reference(tiny_llama_dir, layers, "static"), PROMPTS, plain, TOL)
+
+    def e4m3(x, scale):
+        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype) * scale
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rotate_and_round(q, k, *args, **kwargs):
+        q, k = rotary(q, k, *args, **kwargs)
+        return q, e4m3(k, k_scale)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotate_and_round)
+    hf = fp8_reference(tiny_llama_dir, layers, "static")
+    assert max(float(p.abs().max()) for n, p in hf.named_parameters() if "k_proj" in n) > 0  # (a reference)
+    for layer in hf.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda m, args, out: e4m3(out, v_scale))
+    assert_matches(hf, PROMPTS, outputs, 5 * TOL)

@@ -115,3 +115,24 @@ def test_the_language_model_of_a_gemma3_for_conditional_generation_checkpoint(tm
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert any("vision tower is ignored" in r.getMessage() for r in caplog.records)
     assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 1e-4)
+
+
+@pytest.mark.parametrize("preset", ["gemma-2-9b", "gemma-3-1b", "gemma-3-12b", "gemma-3-27b"])
+def test_each_gemma_preset_has_hugging_faces_parameters(preset):
+    """Kiln's model of each preset (on the meta device) has the parameter count of Hugging Face's model of the same
+    config (its 4 norms a layer, q/k norms, tied embeddings), and the layers slide as the config's pattern says."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from kiln.engine.models.loader import build_model  # noqa: PLC0415
+    from kiln.engine.models.presets import PRESETS  # noqa: PLC0415
+    from kiln.engine.models.source import _model_type, resolve_model  # noqa: PLC0415
+
+    raw = dict(PRESETS[preset])
+    hf_config = AutoConfig.for_model(_model_type(raw["architectures"][0]), **raw)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    model_config = resolve_model(preset).model_config
+    ours = build_model(model_config, torch.bfloat16, torch.device("meta"), 4096)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
+    sliding = [i for i, kind in enumerate(hf_config.layer_types) if kind == "sliding_attention"]
+    assert list(model_config.sliding_layers) == sliding and model_config.sliding_window == hf_config.sliding_window
