@@ -10,8 +10,8 @@
 One opaque op (Dynamo traces past it, as it does the attention). On the GPU (`fp8_linear`): one row takes the FP8
 one-row matmul (fp8_gemv.py); more rows with a scale per output row and activations per token or static take
 `torch._scaled_mm` (x rounded to e4m3 in one launch, fp8_quant.py; e4m3 x e4m3 on the tensor cores, a scale per row
-of each side; N and K multiples of 16, as cuBLAS takes them, bf16 out); the rest (block scales past one row, weight-
-only layers) are the reference (float32, on the GPU: a prefill GEMM with block scales is not written yet).
+of each side; N and K multiples of 16, as cuBLAS takes them, bf16 out); block-scaled layers take the block-scaled
+matmul (fp8_block.py); the rest (weight-only layers, blocks of other shapes) the reference, in float32.
 `fp8_linear_reference` is the plain form, the CPU's, and the reference the tests hold every path to.
 """
 
@@ -98,6 +98,10 @@ def fp8_linear(
     cublas = n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16
     if block_n == 0 and activations in ("token", "static") and cublas:
         return _scaled_mm(x, weight, weight_scale, input_scale, bias, activations)
+    if block_n and activations == "group" and block_k >= 16 and block_k & (block_k - 1) == 0:
+        from kiln.backends.kernels.fp8_block import block_fp8_linear  # noqa: PLC0415
+
+        return block_fp8_linear(x, weight, weight_scale, bias, block_n, block_k)
     return fp8_linear_reference(*args)
 
 

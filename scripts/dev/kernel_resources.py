@@ -35,13 +35,15 @@ from triton.compiler import ASTSource
 from kiln.backends.attention import decode_merge
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
-from kiln.backends.kernels import fp8_gemv, fp8_quant, gemv
+from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.presets import PRESETS
 
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
+FAMILIES = ("decode", "prefill", "gemv", "qk_norm_rope", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant")
+FAMILIES += ("fp8_block",)
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32",
@@ -198,6 +200,19 @@ def fp8_quant_variants(model: str):
         yield "static" if static else "token", fp8_quant._quantize_rows_kernel, constexprs, 4, 3, pointers
 
 
+def fp8_block_variants(model: str):
+    """A block-scaled layer (128 x 128 blocks) past one row: the matmul at a prefill's tile and a few rows' tile,
+    and the activations' rounding per 128 columns."""
+    pointers = {"y_ptr": "*bf16", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv"}
+    pointers |= {"w_scale_ptr": "*fp32", "b_ptr": "*bf16"}
+    for block_m, block_n, warps, stages in ((64, 128, 8, 3), (16, 128, 4, 4)):
+        constexprs = dict(SCALE_ROWS=128, HAS_BIAS=False, FP8_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128)
+        yield f"matmul {block_m}x{block_n}", fp8_block._block_fp8_matmul_kernel, constexprs, warps, stages, pointers
+    quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "in_scale_ptr": "*fp32"}
+    constexprs = dict(STATIC=False, BLOCK_K=128, HW_ROUND=True, GROUPED=True)
+    yield "groups of 128", fp8_quant._quantize_rows_kernel, constexprs, 4, 3, quant
+
+
 def fp8_gemv_variants(model: str):
     """The FP8 one-row matmul at the model's four layers: per-channel weights with dynamic per-token and static
     activations, and 128x128 blocks with per-group activations (DeepSeek's and Qwen3's FP8 format)."""
@@ -258,7 +273,7 @@ def qk_norm_rope_variants(model: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--families", default="decode,prefill,gemv,qk_norm_rope,window,softcap,fp8_kv,fp8_gemv,fp8_quant")
+    p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--check", action="store_true", help="exit 1 if any kernel spills registers")
     p.add_argument(
         "--sample",
@@ -290,6 +305,7 @@ def main() -> None:
         "fp8_kv": fp8_kv_variants,
         "fp8_gemv": fp8_gemv_variants,
         "fp8_quant": fp8_quant_variants,
+        "fp8_block": fp8_block_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
@@ -321,7 +337,8 @@ def main() -> None:
         sys.exit(1)
 
 
-SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC")  # constexprs that choose code paths (--sample compiles each)
+# constexprs that choose code paths (--sample compiles each)
+SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC", "BLOCK_M", "GROUPED")
 
 
 # NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) may spill a few bytes a thread at head_dim 128

@@ -26,5 +26,5 @@ def test_each_kernel_and_code_path_compiles_for_sm90(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("qwen3-0.6b")]
-    families = {"decode", "prefill", "gemv", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant"}
+    families = {"decode", "prefill", "gemv", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant", "fp8_block"}
     assert {line.split()[1] for line in compiled} >= families

@@ -1,6 +1,7 @@
 """The FP8 linear layer's GPU forms against its plain-torch reference (`kiln::fp8_linear`, fp8.py): the one-row
-matmul under Triton's interpreter (on the GPU, the kernel itself) for every scale layout and activation rounding,
-and on the GPU `torch._scaled_mm` and the dequantizing fallback past one row."""
+matmul under Triton's interpreter (on the GPU, the kernel itself) for every scale layout and activation rounding;
+the activations' one-launch rounding and the block-scaled matmul past one row likewise; and on the GPU
+`torch._scaled_mm` and the float32 fallback past one row."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import triton
 import triton.language as tl
 
 from kiln.backends.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_activations
+from kiln.backends.kernels.fp8_block import block_fp8_linear
 from kiln.backends.kernels.fp8_gemv import _round_e4m3, fp8_gemv
-from kiln.backends.kernels.fp8_quant import quantize_rows
+from kiln.backends.kernels.fp8_quant import quantize_groups, quantize_rows
 
 from helpers.kernels import DEVICE
 
@@ -110,3 +112,31 @@ def test_quantize_rows_is_the_references_rounding(rows, k, static, dtype):
     torch.testing.assert_close((q.float() * scale).cpu(), want, atol=0, rtol=0)
     if not static:
         torch.testing.assert_close(scale.cpu(), x.float().abs().amax(-1, keepdim=True) * (1 / FP8_MAX), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows,k,group", [(3, 128, 32), (40, 256, 64)])
+def test_quantize_groups_is_the_references_rounding(rows, k, group):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=generator) * torch.logspace(-2, 2, k)[None, :]  # (groups of other sizes)
+    q, scale = quantize_groups(x.to(DEVICE), group)
+    assert scale.shape == (rows, k // group)
+    got = (q.float().unflatten(-1, (-1, group)) * scale.unsqueeze(-1)).flatten(-2)
+    torch.testing.assert_close(got.cpu(), quantize_activations(x, "group", None, group), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows,n,k,block", [(1, 64, 128, (16, 32)), (7, 80, 256, (16, 64)), (70, 100, 128, (32, 32))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_block_scaled_matmul_against_the_reference(rows, n, k, block, bias):
+    """Past one row, a block-scaled layer's matmul (blocks of N not whole, a tile of rows not whole), float32 under
+    the interpreter (to the reference's sums), bf16 on the GPU (to its rounding)."""
+    generator = torch.Generator().manual_seed(rows + n)
+    weight, scale = _layer(n, k, block, generator)
+    x = torch.randn(rows, k, generator=generator) * 2
+    b = torch.randn(n, generator=generator) if bias else None
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    want = fp8_linear_reference(x.to(dtype), weight, scale, None, b, *block, "group")
+    cuda = [t.to(DEVICE) if t is not None else None for t in (x.to(dtype), weight, scale, b)]
+    cuda[3] = cuda[3].to(dtype) if bias else None
+    got = block_fp8_linear(cuda[0], cuda[1], cuda[2], cuda[3], *block)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
