@@ -1,10 +1,10 @@
 """Tensor parallelism on CPU: 2 ranks over gloo (rank 0 in this process, rank 1 a spawned worker).
 
-Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank),
-Qwen3 (1 KV head: replicated on both ranks) and Qwen2 (QKV biases, tied embeddings, and an odd vocabulary
-that pads the last rank's shard), eager and compiled; a killed worker fails the engine fast; shutdown, a
-failed start-up, and dropping the engine, leave no child process behind. Without processes: how the
-layers cut their weights for more ranks than the CPU tests start.
+Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank), Qwen3 (1 KV
+head: replicated on both ranks), Qwen2 (QKV biases, tied embeddings, and an odd vocabulary that pads the last rank's
+shard), Gemma 2 and Gemma 3 (sliding windows, soft-caps, two RoPEs), eager and compiled; a killed worker fails the
+engine fast; shutdown, a failed start-up, and dropping the engine, leave no child process behind. Without processes:
+how the layers cut their weights for more ranks than the CPU tests start.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def qwen2_odd_vocab_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen2-odd-vocab"), "qwen2", vocab_size=509)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
-def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir):
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma2", "gemma3"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir, tmp_path_factory):
+    if request.param.startswith("gemma"):  # (windows of 8, soft-caps or two RoPEs, four norms a layer)
+        return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
     return {"llama": tiny_llama_dir, "qwen3": tiny_model_dir_qwen3, "qwen2": qwen2_odd_vocab_dir}[request.param]
 
 
