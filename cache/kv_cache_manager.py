@@ -9,6 +9,11 @@ A request's block table covers its tokens in order; token ``t`` lives in block
 
 Only full blocks are hashed (chained on the previous block's hash), so a hit on block ``i``
 implies the whole prefix up to and including block ``i`` matched.
+
+With a ``sliding_window`` (a model whose every layer attends that many tokens back only, Mistral-7B-v0.1's), the
+blocks wholly behind the window of a request's next token go back to the pool as the window moves; their table
+entries become the null block (the windowed kernels never read a page before the window). A freed block keeps its
+hash until it is reused, so another request's prefix can still hit it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ class KVCacheManager:
     Later steps call ``allocate_slots`` without ``new_computed_blocks``; ``free`` releases all.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -41,6 +48,8 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as physical ids, kept in step
         # Hash chain of each request's full blocks, so every block is hashed once.
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.sliding_window = sliding_window
+        self.req_to_freed: dict[str, int] = {}  # how many of a request's first blocks are behind its window, freed
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -104,6 +113,8 @@ class KVCacheManager:
         computed blocks, then fresh ones, and caches every block that is now full within the
         covered tokens.
         """
+        if self.sliding_window and request_id in self.req_to_blocks:  # (first: this step's new blocks may reuse them)
+            self._free_behind_window(request_id, num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id, [])
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; prefix hits come first")
@@ -139,20 +150,39 @@ class KVCacheManager:
             # Hazard: freeing this request before that forward runs (preempting it in the same
             # schedule call) would leave hashes on blocks whose KV was never written.
             self._cache_full_blocks(token_ids, blocks, block_hashes, num_full_blocks)
+        if self.sliding_window:
+            self._free_behind_window(request_id, num_computed_tokens)
         return True
+
+    def _free_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks wholly before the window of the request's next token (position `num_computed_tokens`,
+        which sees the keys from num_computed_tokens - window + 1 on)."""
+        behind = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        freed = self.req_to_freed.get(request_id, 0)
+        if behind <= freed:
+            return
+        blocks, ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
+        null = self.block_pool.null_block
+        # NOTE: an in-flight step may still read these; it runs on the stream before any later step's write to a
+        # block handed out again from here
+        self.block_pool.free_blocks(blocks[freed:behind])
+        for i in range(freed, behind):
+            blocks[i], ids[i] = null, null.block_id
+        self.req_to_freed[request_id] = behind
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first so it is evicted first. Unknown id: no-op."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_block_ids.pop(request_id, None)
         self.req_to_block_hashes.pop(request_id, None)
+        freed = self.req_to_freed.pop(request_id, 0)
         if blocks is not None:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[freed:]))  # (the first `freed` went back as the window moved)
 
     def uncache(self, request_id: str) -> None:
         """Make the request's blocks undiscoverable by prefix lookups, e.g. after a forward pass that
         failed midway: blocks are hashed when allocated, before their KV is written."""
-        self.block_pool.uncache(self.req_to_blocks.get(request_id, ()))
+        self.block_pool.uncache(self.req_to_blocks.get(request_id, [])[self.req_to_freed.get(request_id, 0) :])
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as physical block ids; [] for an unknown request. The list is the

@@ -66,7 +66,9 @@ class EngineCore:
         self.device, self.dtype, self.load_format = executor.device, executor.dtype, executor.load_format
         self.max_model_len, self.num_kv_blocks = executor.max_model_len, executor.num_kv_blocks
         self.runner = executor.runner
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.model_config.uniform_window
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )

@@ -239,7 +239,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
-        max_model_len = _fit_context(config, max_model_len, num_blocks)
+        max_model_len = _fit_context(config, max_model_len, num_blocks, model_config.uniform_window)
         kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
         counters.kv_sizing_seconds = time.perf_counter() - sizing_start
@@ -287,10 +287,13 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     )
 
 
-def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
-    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it."""
+def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, window: int = 0) -> int:
+    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. With a `window` on
+    every layer a request holds at most the blocks of its window and a step's tokens (the rest go back as it
+    moves), so those need to fit."""
     usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is the padding's scratch block
-    if usable_tokens >= max_model_len:
+    held = window - 1 + config.max_num_batched_tokens + 2 * config.block_size if window else max_model_len
+    if usable_tokens >= min(max_model_len, held):
         return max_model_len
     if config.max_model_len is not None:
         raise ValueError(

@@ -156,6 +156,12 @@ class ModelConfig:
             positions = int(positions * float(self.rope_scaling.get("factor", 1.0)))
         return positions
 
+    @property
+    def uniform_window(self) -> int:
+        """The window when every layer slides (Mistral-7B-v0.1): the KV blocks behind it can go; else 0."""
+        every = len(self.sliding_layers) == self.num_layers
+        return self.sliding_window if every and self.sliding_window else 0
+
     def local_rope_of(self, layer: int) -> bool:
         """Whether the layer's RoPE is the local one (Gemma 3's sliding layers)."""
         return bool(self.local_rope_theta) and layer in self.sliding_layers

@@ -110,6 +110,8 @@ class InputWriter:
             req_of_token = np.repeat(np.arange(num_reqs), num_new)
             positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
             max_query_len = int(num_new.max())
+        # (rows are copied from where they were last written: entries a sliding window freed since keep their old
+        # ids here, pages before the window that no kernel reads)
         block_table, written = self._block_table, self._block_rows
         for i, ids in enumerate(block_ids):
             last, num_written = written[i]

@@ -245,3 +245,42 @@ def test_uncache_hides_blocks_from_prefix_lookups():
     assert manager.get_computed_blocks(tokens) == ([], 0)
     manager.free("a")
     assert manager.num_free_blocks == 15
+
+
+def test_a_sliding_window_frees_the_blocks_behind_it():
+    """Window 6, blocks of 4: the next token at position p sees keys p - 5 .. p, so the blocks wholly before p - 5
+    go back as a request decodes (table entries: the null block), and the request never holds more than the
+    window's blocks and the one it writes; free returns the rest, and every block comes back."""
+    manager = KVCacheManager(12, BLOCK_SIZE, True, sliding_window=6)
+    tokens = list(range(10))
+    assert manager.allocate_slots("r", tokens, 0, 10)  # the first step's queries see from key 0
+    assert manager.block_ids("r") == [1, 2, 3] and manager.num_free_blocks == 8
+    held = []
+    for p in range(10, 40):  # decode: position p's step
+        tokens.append(p)
+        assert manager.allocate_slots("r", tokens, p, 1)
+        behind = (p - 6 + 1) // BLOCK_SIZE  # blocks wholly before key p - 5
+        table = manager.block_ids("r")
+        assert table[:behind] == [0] * behind and 0 not in table[behind:]
+        held.append(len(table) - behind)
+    assert max(held) == 3  # (6 keys and the new one span at most 3 blocks of 4)
+    assert manager.num_free_blocks == 11 - held[-1]
+    manager.free("r")
+    assert manager.num_free_blocks == 11 and manager.req_to_freed == {}
+
+
+def test_blocks_freed_behind_a_window_stay_findable_until_reused():
+    """A second request with the same 12-token prefix hits the first's blocks, freed behind its window but still
+    cached; shared blocks go back once each holder is done with them."""
+    manager = KVCacheManager(12, BLOCK_SIZE, True, sliding_window=4)
+    first = list(range(16))
+    assert prefill(manager, "a", first) == 0  # (its first query sees key 0: nothing is behind yet)
+    a_blocks = list(manager.block_ids("a"))
+    assert manager.allocate_slots("a", first + [16], 16, 1)  # position 16 sees keys 13..16: blocks 0-2 go
+    assert manager.block_ids("a")[:3] == [0, 0, 0] and manager.num_free_blocks == 11 - 2
+    assert prefill(manager, "b", first[:12] + [99, 98]) == 12  # a's freed blocks 0-2, still cached
+    # b's first new query (position 12) sees keys 9..12: its blocks 0-1 go back at once, block 2 it keeps
+    assert manager.block_ids("b")[:3] == [0, 0, a_blocks[2]]
+    manager.free("a")
+    manager.free("b")
+    assert manager.num_free_blocks == 11

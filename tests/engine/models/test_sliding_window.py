@@ -96,3 +96,29 @@ def test_a_sliding_window_on_the_gpu_matches_hf(windowed_dir, hf, tmp_path, back
         bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     hf16 = AutoModelForCausalLM.from_pretrained(windowed_dir, dtype=torch.bfloat16, attn_implementation="eager")
     assert_bf16_as_close_as_hf(hf, hf16.cuda().eval(), PROMPTS, bf16)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_blocks_behind_the_window_go_back_to_the_pool(windowed_dir, hf, backend):
+    """Every layer slides (window 8), so a request holds only its window's blocks (of 4 tokens): the three prompts
+    and their 12 tokens each (up to 82 tokens, 21 blocks) run in 15 usable blocks, chunked 8 tokens a step, without a
+    preemption, equal to HF's; every block comes back."""
+    _interpreted(backend)
+    engine = dict(enforce_eager=True, attention_backend=backend, device="cpu", block_size=4, num_kv_blocks=16)
+    with LLM(str(windowed_dir), max_model_len=128, max_num_batched_tokens=8, **engine) as llm:
+        assert llm.engine.kv_cache_manager.sliding_window == WINDOW
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions == 0
+        assert llm.engine.kv_cache_manager.num_free_blocks == 15
+    assert_matches_hf(hf, PROMPTS, outputs)
+
+
+def test_a_window_preempted_request_is_recomputed(windowed_dir, hf):
+    """9 usable blocks for three requests that each want 3 to 5: some are preempted, recomputed from their tokens
+    (their freed blocks are not theirs to reuse), and still equal HF; no block leaks."""
+    engine = dict(enforce_eager=True, attention_backend="torch", device="cpu", block_size=4, num_kv_blocks=10)
+    with LLM(str(windowed_dir), max_model_len=128, max_num_batched_tokens=16, **engine) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.kv_cache_manager.num_free_blocks == 9
+    assert_matches_hf(hf, PROMPTS, outputs)
