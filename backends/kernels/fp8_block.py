@@ -86,7 +86,7 @@ def block_fp8_linear(
     assert max(m, n) * k < 2**31, "the kernel's offsets are 32-bit"
     xq, x_scale = quantize_groups(x2, block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    # (8 warps at 64 x 128: with 4, the tile's two float32 accumulators spill; kernel_resources.py --families fp8_block)
+    # (8 warps at 64 x 128: it spills less than with 4; kernel_resources.py --families fp8_block shows both)
     block_m, block_n_tile, warps, stages = config or ((64, 128, 8, 3) if m > 64 else (16, 128, 4, 4))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile))
     _block_fp8_matmul_kernel[grid](

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Up to this many pairs the single program, past it the three launches of the parallel form: where they cross
-# (scripts/dev/time_moe_routing.py, 128 experts top-8: the single program's loops grow with the pairs, the parallel
-# form's launches cost about the same at any size; the figures in BENCHMARKS.md, "Mixture of experts").
+# Up to this many pairs the single program, past it the three launches of the parallel form: the single program's
+# loops grow with the pairs while the parallel form's launches cost about the same at any size, and they cross near
+# here (scripts/dev/time_moe_routing.py, 128 experts top-8).
 KERNEL_MAX_PAIRS = 128
 CHUNK_PAIRS = 256  # pairs a program of the parallel form takes (at most: whole tokens)
 
@@ -132,10 +132,7 @@ def _align(
         counts, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, rows, BLOCK_M, E_PAD, CHUNK
     )
     tl.debug_barrier()  # the padding is written before any pair's place
-    for start in range(0, num_pairs, CHUNK):  # `taken`: where each expert's next pair goes
-        valid = start + lanes < num_pairs
-        e = tl.load(experts_ptr + start + lanes, mask=valid, other=-1)
-        taken += _place(e, valid, lanes, start + lanes, taken, sorted_pairs_ptr, E_PAD)
+    _place_range(experts_ptr, 0, num_pairs, taken, sorted_pairs_ptr, E_PAD, CHUNK)
 
 
 @triton.jit
@@ -164,6 +161,16 @@ def _expert_runs(
         owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks * BLOCK_M < rows)
     return padded_end - padded
+
+
+@triton.jit
+def _place_range(experts_ptr, start, end, taken, sorted_pairs_ptr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs [start, end) placed CHUNK at a time (`_place`), `taken` where each expert's next pair goes."""
+    lanes = tl.arange(0, CHUNK)
+    for chunk_start in range(start, end, CHUNK):
+        valid = chunk_start + lanes < end
+        e = tl.load(experts_ptr + chunk_start + lanes, mask=valid, other=-1)
+        taken += _place(e, valid, lanes, chunk_start + lanes, taken, sorted_pairs_ptr, E_PAD)
 
 
 @triton.jit
@@ -324,16 +331,12 @@ def _place_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """A chunk's pairs placed CHUNK at a time, as `_align` places them (one step over all 256 pairs compares each
-    with each: 77 us where these steps take a few)."""
+    """A chunk's pairs placed CHUNK at a time, as `_align` places them (one step over all of a chunk's pairs would
+    compare each with each)."""
     chunk = tl.program_id(0)
-    lanes = tl.arange(0, CHUNK)
     taken = tl.load(offsets_ptr + chunk * E_PAD + tl.arange(0, E_PAD))
     end = tl.minimum((chunk + 1) * PAIRS, num_pairs)
-    for start in range(chunk * PAIRS, end, CHUNK):
-        valid = start + lanes < end
-        e = tl.load(experts_ptr + start + lanes, mask=valid, other=-1)
-        taken += _place(e, valid, lanes, start + lanes, taken, sorted_pairs_ptr, E_PAD)
+    _place_range(experts_ptr, chunk * PAIRS, end, taken, sorted_pairs_ptr, E_PAD, CHUNK)
 
 
 def _parallel(logits, weights, experts, num_experts: int, top_k: int, renormalise: bool, route: bool, block_m: int):

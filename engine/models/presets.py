@@ -74,24 +74,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         eos_token_id=2,
         torch_dtype="bfloat16",
     ),
-    "mistral-7b-v0.1": dict(  # every layer slides (window 4,096), to 32k positions
-        architectures=["MistralForCausalLM"],
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=32768,
-        rope_theta=10000.0,
-        sliding_window=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-    ),
     "qwen2.5-0.5b": dict(
         architectures=["Qwen2ForCausalLM"],
         vocab_size=151936,
@@ -328,3 +310,5 @@ PRESETS["gemma-2-9b"] = dict(
     pad_token_id=0,
     torch_dtype="bfloat16",
 )
+# Mistral-7B-v0.1: every layer slides (window 4,096) to 32k positions; v0.3's vocabulary is larger, its RoPE slower
+PRESETS["mistral-7b-v0.1"] = dict(PRESETS["mistral-7b"], vocab_size=32000, rope_theta=10000.0, sliding_window=4096)

@@ -35,7 +35,7 @@ from triton.compiler import ASTSource
 from kiln.backends.attention import decode_merge
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
-from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv
+from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_routing
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.presets import PRESETS
@@ -43,7 +43,7 @@ from kiln.engine.models.presets import PRESETS
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
 FAMILIES = ("decode", "prefill", "gemv", "qk_norm_rope", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant")
-FAMILIES += ("fp8_block",)
+FAMILIES += ("fp8_block", "moe_routing")
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32",
@@ -213,6 +213,28 @@ def fp8_block_variants(model: str):
     yield "groups of 128", fp8_quant._quantize_rows_kernel, constexprs, 4, 3, quant
 
 
+def moe_routing_variants(model: str):
+    """A mixture of experts' routing (128 experts, top-8, qwen3-30b-a3b's): the single program, and the parallel
+    form's three kernels (the model's shapes do not enter)."""
+    ints = {n: "*i32" for n in ("experts_ptr", "sorted_pairs_ptr", "block_expert_ptr", "counts_ptr", "offsets_ptr")}
+    e_pad, top_k, chunk = 128, 8, 64
+    common = dict(TOP_K=top_k, RENORMALISE=True, ROUTE=True, E_PAD=e_pad, K_PAD=top_k)
+    yield (
+        "single program",
+        moe_routing._route_and_align_kernel,
+        dict(common, BLOCK_M=16, CHUNK_T=16, CHUNK=chunk),
+        8,
+        3,
+        ints,
+    )
+    chunk_t = moe_routing.CHUNK_PAIRS // top_k
+    yield "count", moe_routing._count_kernel, dict(common, CHUNK_T=chunk_t, ROUTE_T=16, PAIRS_PAD=256), 8, 3, ints
+    offsets = dict(BLOCK_M=64, E_PAD=e_pad, CHUNK=chunk)
+    yield "offsets", moe_routing._offsets_kernel, offsets, 8, 3, ints
+    place = dict(PAIRS=chunk_t * top_k, E_PAD=e_pad, CHUNK=chunk)
+    yield "place", moe_routing._place_kernel, place, 8, 3, ints
+
+
 def fp8_gemv_variants(model: str):
     """The FP8 one-row matmul at the model's four layers: per-channel weights with dynamic per-token and static
     activations, and 128x128 blocks with per-group activations (DeepSeek's and Qwen3's FP8 format)."""
@@ -306,6 +328,7 @@ def main() -> None:
         "fp8_gemv": fp8_gemv_variants,
         "fp8_quant": fp8_quant_variants,
         "fp8_block": fp8_block_variants,
+        "moe_routing": moe_routing_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):

@@ -189,3 +189,12 @@ def assert_bf16_as_close_as_hf(hf, hf16, prompts, outputs, cuda: bool = True) ->
         their_errors = torch.tensor([abs(theirs[step, t].item() - ref[step, t].item()) for step, t, _ in ours])
         assert our_errors.mean() < 2 * their_errors.mean() + 0.02, (our_errors, their_errors)
         assert (our_errors > their_errors.max() + 0.05).float().mean() <= 0.1, (our_errors, their_errors)
+
+
+def skip_uninterpreted_triton(backend: str) -> None:
+    """Skip a CPU test of the Triton backend where CUDA is: Triton runs on the CPU under its interpreter only, which
+    conftest turns on only without a GPU (the GPU tests run those kernels there)."""
+    import pytest  # noqa: PLC0415
+
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("Triton on the CPU runs under its interpreter, which a GPU machine's run leaves off")

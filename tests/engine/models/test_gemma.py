@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
 
-from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir
+from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir, skip_uninterpreted_triton
 
 PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
 MAX_TOKENS = 12
@@ -31,11 +31,6 @@ def gemma_dir(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(gemma_dir):
     return AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _interpreted(backend: str) -> None:
-    if backend == "triton" and torch.cuda.is_available():
-        pytest.skip("Triton on the CPU runs under its interpreter, which a GPU machine's run leaves off")
 
 
 def test_the_model_is_the_one_described(gemma_dir, hf):
@@ -59,7 +54,7 @@ def test_the_model_is_the_one_described(gemma_dir, hf):
 @pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_gemma3_matches_hf(gemma_dir, hf, tmp_path, backend, budget, enforce_eager):
-    _interpreted(backend)
+    skip_uninterpreted_triton(backend)
     engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend, device="cpu")
     with LLM(str(gemma_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -68,7 +63,7 @@ def test_gemma3_matches_hf(gemma_dir, hf, tmp_path, backend, budget, enforce_eag
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_gemma3_prefix_hit_across_the_window_edge(gemma_dir, hf, backend):
-    _interpreted(backend)
+    skip_uninterpreted_triton(backend)
     first = list(range(3, 60))
     second = first[:48] + [400, 401, 402, 403, 404, 405]
     with LLM(str(gemma_dir), enforce_eager=True, max_model_len=256, attention_backend=backend, device="cpu") as llm:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
 
-from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf
+from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf, skip_uninterpreted_triton
 
 WINDOW = 8
 PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
@@ -53,7 +53,7 @@ def test_the_window_matters_here(windowed_dir, tiny_mistral_dir, hf):
 @pytest.mark.parametrize("budget", [None, 13], ids=["whole-prefill", "chunked-13"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_a_sliding_window_matches_hf(windowed_dir, hf, tmp_path, backend, budget, enforce_eager):
-    _interpreted(backend)
+    skip_uninterpreted_triton(backend)
     engine = dict(max_model_len=256, max_num_batched_tokens=budget, attention_backend=backend, device="cpu")
     with LLM(str(windowed_dir), enforce_eager=enforce_eager, compile_cache_dir=str(tmp_path), **engine) as llm:
         assert llm.engine.max_model_len == 256  # past the window
@@ -67,18 +67,13 @@ def test_a_prefix_hit_across_the_window_edge(windowed_dir, hf, backend):
     reading cached blocks of which only the last 8 tokens are in any of its queries' windows."""
     first = list(range(3, 60))
     second = first[:48] + [400, 401, 402, 403, 404, 405]
-    _interpreted(backend)
+    skip_uninterpreted_triton(backend)
     engine = dict(enforce_eager=True, max_model_len=256, attention_backend=backend, device="cpu")
     with LLM(str(windowed_dir), **engine) as llm:
         llm.generate([first], GREEDY, use_tqdm=False)
         (output,) = llm.generate([second], GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
     assert_matches_hf(hf, [second], [output])
-
-
-def _interpreted(backend: str) -> None:
-    if backend == "triton" and torch.cuda.is_available():
-        pytest.skip("Triton on the CPU runs under its interpreter, which a GPU machine's run leaves off")
 
 
 @pytest.mark.gpu
@@ -103,7 +98,7 @@ def test_the_blocks_behind_the_window_go_back_to_the_pool(windowed_dir, hf, back
     """Every layer slides (window 8), so a request holds only its window's blocks (of 4 tokens): the three prompts
     and their 12 tokens each (up to 82 tokens, 21 blocks) run in 15 usable blocks, chunked 8 tokens a step, without a
     preemption, equal to HF's; every block comes back."""
-    _interpreted(backend)
+    skip_uninterpreted_triton(backend)
     engine = dict(enforce_eager=True, attention_backend=backend, device="cpu", block_size=4, num_kv_blocks=16)
     with LLM(str(windowed_dir), max_model_len=128, max_num_batched_tokens=8, **engine) as llm:
         assert llm.engine.kv_cache_manager.sliding_window == WINDOW
