@@ -22,8 +22,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     if kv_cache.dtype == torch.float8_e4m3fn:
         key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
+    cache = _indexable(kv_cache)
+    cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = _indexable(key.to(kv_cache.dtype))
+    cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = _indexable(value.to(kv_cache.dtype))
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes (torch's indexing and index_put lack float8 kernels on some devices and versions)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather_kv(
@@ -34,8 +40,8 @@ def gather_kv(
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_ids[:num_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    k = _indexable(kv_cache)[0, blocks].view(kv_cache.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = _indexable(kv_cache)[1, blocks].view(kv_cache.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
     return k.to(dtype), v.to(dtype)
 
 

@@ -31,7 +31,8 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def quantize_activations(x: torch.Tensor, activations: str, input_scale: torch.Tensor | None, group: int):
-    """x rounded through e4m3 as `activations` says, back in float32 (what an FP8 matmul of x computes with)."""
+    """x rounded through e4m3 as `activations` says, back in float32 (what an FP8 matmul of x computes with). x / scale
+    is x times 1 / scale, as the kernels compute it (both products IEEE-rounded on every device)."""
     x32 = x.float()
     if activations == "none":
         return x32
@@ -42,8 +43,8 @@ def quantize_activations(x: torch.Tensor, activations: str, input_scale: torch.T
     else:  # "group": a scale a row and `group` columns
         grouped = x32.unflatten(-1, (-1, group))
         scale = (grouped.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=_TINY)
-        return (_round(grouped / scale) * scale).flatten(-2)
-    return _round(x32 / scale) * scale
+        return (_round(grouped * (1 / scale)) * scale).flatten(-2)
+    return _round(x32 * (1 / scale)) * scale
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,10 @@ def _e4m3_units(x, scale, HARDWARE: tl.constexpr = False):
     """x / scale rounded to the nearest e4m3 value (ties to even, saturated at 448), as float32. HARDWARE (a GPU's
     kernel): the conversion instruction and back. Else in float32 arithmetic: three mantissa bits kept of a normal
     value (a carry moves the exponent, as it must), multiples of 2^-9 below 2^-6 (e4m3's subnormals); the same in
-    Triton's interpreter, whose e4m3 conversion drops such a carry, at ten instructions a value."""
-    v = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    Triton's interpreter, whose e4m3 conversion drops such a carry, at ten instructions a value.
+    x / scale is x times the reciprocal of scale (fp8.py's `quantize_activations` too), the reciprocal IEEE-rounded
+    (`div_rn`): Triton's `/` is not, and a quotient an ulp away from torch's can round to another e4m3 value."""
+    v = tl.clamp(x * tl.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
     if HARDWARE:
         rounded = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     else:

@@ -2,7 +2,7 @@
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
-#   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE | breakdown:MODEL
+#   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 #   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
@@ -149,7 +149,7 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
         | tee -a "$summary" ;;
     gputests:*)
       files=${step#gputests:}
-      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -q ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
+      timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -v -rf -p no:cacheprovider ${GPUTESTS_ARGS:-} ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
     serving:*)
       model=${step#serving:}
       start_server "$model"

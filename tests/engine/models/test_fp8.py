@@ -63,10 +63,11 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Ten
 
 def _round_input(x: torch.Tensor, activations: str, input_scale: float) -> torch.Tensor:
     if activations == "static":
-        return ((x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * input_scale).to(x.dtype)
+        units = (x.float() * (1 / input_scale)).clamp(-FP8_MAX, FP8_MAX)
+        return (units.to(FP8_DTYPE).float() * input_scale).to(x.dtype)
     groups = x.float().unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.float().unsqueeze(-2)
-    scale = groups.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)  # (a product, as the engine's scales are)
-    return ((groups / scale).to(FP8_DTYPE).float() * scale).reshape(x.shape).to(x.dtype)
+    scale = groups.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)  # (products, as the engine's scales and x / scale)
+    return ((groups * (1 / scale)).to(FP8_DTYPE).float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def write_fp8_checkpoint(src, dst, fmt: str) -> dict[str, tuple[torch.Tensor, float]]:
