@@ -36,14 +36,23 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int = 0,
+        block_pool: BlockPool | None = None,
+        hash_root: BlockHash | None = None,
     ) -> None:
+        """`block_pool`: a pool shared with other managers (hybrid.py's groups), each hashing its blocks from its
+        own `hash_root` (its blocks hold other layers' KV, so the same tokens must not hit another group's)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks, enable_prefix_caching)
+        self.hash_root = hash_root
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as physical ids, kept in step
         # Hash chain of each request's full blocks, so every block is hashed once.
@@ -82,7 +91,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         computed_blocks: list[KVBlock] = []
-        parent_hash: BlockHash | None = None
+        parent_hash = self.hash_root
         for i in range(max_blocks):
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent_hash = hash_block_tokens(parent_hash, block_tokens)
@@ -154,6 +163,25 @@ class KVCacheManager:
             self._free_behind_window(request_id, num_computed_tokens)
         return True
 
+    def blocks_needed(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> int:
+        """How many of the pool's free blocks `allocate_slots` with these arguments would take, less those its
+        window gives back first (hit blocks sitting in the free queue count as taken)."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_required_blocks = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        taken = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
+        taken += sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if self.sliding_window and blocks:
+            behind = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+            freed = self.req_to_freed.get(request_id, 0)
+            taken -= sum(1 for block in blocks[freed:behind] if block.ref_cnt == 1)
+        return taken
+
     def _free_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks wholly before the window of the request's next token (position `num_computed_tokens`,
         which sees the keys from num_computed_tokens - window + 1 on)."""
@@ -202,7 +230,7 @@ class KVCacheManager:
     ) -> None:
         # block_hashes[i] is the hash of blocks[i]'s content; extend the chain where it stops.
         for i in range(len(block_hashes), num_full_blocks):
-            parent_hash = block_hashes[-1] if block_hashes else None
+            parent_hash = block_hashes[-1] if block_hashes else self.hash_root
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block_tokens(parent_hash, block_tokens)
             self.block_pool.cache_block(blocks[i], block_hash)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.cache.groups import KVGroups
+
 _GIB = 1 << 30
 
 
@@ -18,6 +20,12 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    groups: KVGroups | None = None  # several: the layers share slot tensors (groups.py); None: one group
+
+    @property
+    def num_slots(self) -> int:
+        """Cache tensors: one a layer, or one a slot of the groups (a block holds this many layers' pages)."""
+        return self.groups.num_slots if self.groups is not None else self.num_layers
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -26,8 +34,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, K and V together."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes one block takes across all slots, K and V together."""
+        return 2 * self.num_slots * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """Per-layer cache tensor shape: (K/V, block, slot in block, kv head, head dim)."""
@@ -68,9 +76,13 @@ def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, peak_us
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed ``spec.shape(num_blocks)`` tensor per layer.
+    """Each layer's ``spec.shape(num_blocks)`` cache tensor, zeroed: its own, or its slot's (shared by a layer of
+    each group).
 
     Zeroed so the reserved null block and never-written slots hold finite values: padded
     attention reads them under a mask, and NaN * 0 would still be NaN.
     """
-    return [torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    slots = [torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_slots)]
+    if spec.groups is None:
+        return slots
+    return [slots[slot] for slot in spec.groups.layer_slot]

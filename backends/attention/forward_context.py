@@ -7,6 +7,7 @@ model once: the graph sees only `(query, key, value, layer_index, scale)`, never
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,10 +42,23 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # with several KV groups (kiln.cache.groups): each group's metadata, its own block table and slot mapping (the
+    # first is this one); empty with one
+    groups: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_reqs(self) -> int:
         return self.seq_lens_cpu.shape[0]
+
+    def with_groups(self, block_tables: torch.Tensor, slot_mappings: torch.Tensor) -> AttentionMetadata:
+        """This metadata for each KV group: block_tables [B, G, width] and slot_mappings [G, T] give each its
+        own (views: a group's table rows are G * width apart)."""
+        groups = [
+            dataclasses.replace(self, block_table=block_tables[:, g], slot_mapping=slot_mappings[g])
+            for g in range(slot_mappings.shape[0])
+        ]
+        groups[0].groups = tuple(groups)
+        return groups[0]
 
 
 @dataclass
@@ -55,6 +69,7 @@ class ForwardContext:
     cudagraph_size: int | None = None  # set: compiled pieces replay (or capture) their graph for this size
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer slides
     softcaps: tuple[float, ...] = ()  # each layer's attention score cap (0: none); empty: no layer caps
+    layer_groups: tuple[int, ...] = ()  # each layer's KV group (attn_metadata.groups' index); empty: one group
 
 
 _forward_context: ForwardContext | None = None

@@ -103,10 +103,13 @@ def attend(
     kv_cache = context.kv_caches[layer_index]
     window = context.windows[layer_index] if context.windows else 0
     softcap = context.softcaps[layer_index] if context.softcaps else 0.0
+    metadata = context.attn_metadata
+    if context.layer_groups:  # (the layer's KV group: its block table and slots)
+        metadata = metadata.groups[context.layer_groups[layer_index]]
     if window or softcap:
-        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output, window, softcap)
+        context.backend.forward(query, key, value, kv_cache, metadata, scale, output, window, softcap)
     else:
-        context.backend.forward(query, key, value, kv_cache, context.attn_metadata, scale, output)
+        context.backend.forward(query, key, value, kv_cache, metadata, scale, output)
 
 
 @unified_attention.register_fake

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.cache import KVCacheManager
+from kiln.cache import make_kv_cache_manager
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
 from kiln.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -66,8 +66,8 @@ class EngineCore:
         self.device, self.dtype, self.load_format = executor.device, executor.dtype, executor.load_format
         self.max_model_len, self.num_kv_blocks = executor.max_model_len, executor.num_kv_blocks
         self.runner = executor.runner
-        self.kv_cache_manager = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.model_config.uniform_window
+        self.kv_cache_manager = make_kv_cache_manager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, executor.kv_spec.groups
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

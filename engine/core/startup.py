@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kiln.backends.attention import AttentionBackend, default_backend_name, get_attention_backend
-from kiln.cache import KVCacheSpec, allocate_kv_caches
+from kiln.cache import KVCacheSpec, allocate_kv_caches, kv_groups
 from kiln.compile import (
     CompileCache,
     CompileCounters,
@@ -199,12 +199,17 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
         if compiled is not None:
             compiled.load_saved()  # a warm start's split graph and artifacts
+        # (a backend without windows runs every layer full, over a context capped at the window)
+        windows = [
+            model_config.window_of(layer) if backend.sliding_window else 0 for layer in range(model_config.num_layers)
+        ]
         kv_spec = KVCacheSpec(
             model_config.num_layers,
             kv_heads_per_rank(model_config.num_kv_heads, shard.size),
             model_config.head_dim,
             config.block_size,
             torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else dtype,
+            kv_groups(windows),
         )
         sizing_start = time.perf_counter()
 
@@ -225,6 +230,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
                 cudagraph_mode,
                 sizes,
                 tp_workers,
+                kv_spec.groups,
             )
 
         cache = compiled.backend.cache if compiled is not None else None
@@ -239,7 +245,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
-        max_model_len = _fit_context(config, max_model_len, num_blocks, model_config.uniform_window)
+        max_model_len = _fit_context(config, max_model_len, num_blocks, kv_spec.groups.windows)
         kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
         counters.kv_sizing_seconds = time.perf_counter() - sizing_start
@@ -287,21 +293,30 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     )
 
 
-def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, window: int = 0) -> int:
-    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. With a `window` on
-    every layer a request holds at most the blocks of its window and a step's tokens (the rest go back as it
-    moves), so those need to fit."""
-    usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is the padding's scratch block
-    held = window - 1 + config.max_num_batched_tokens + 2 * config.block_size if window else max_model_len
-    if usable_tokens >= min(max_model_len, held):
+def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:
+    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. A request holds
+    its whole context in each full group, and in each sliding group at most the blocks of its window and a step's
+    tokens (the rest go back as it moves): one request at max_model_len must fit in them all."""
+    block_size = config.block_size
+    usable = num_blocks - 1  # block 0 is the padding's scratch block
+    held = [-(-(w - 1 + config.max_num_batched_tokens) // block_size) + 2 for w in windows if w]
+    num_full = sum(1 for w in windows if not w)
+
+    def blocks_for(length: int) -> int:
+        return num_full * -(-length // block_size) + sum(min(h, -(-length // block_size)) for h in held)
+
+    if blocks_for(max_model_len) <= usable:
         return max_model_len
+    fits = max_model_len
+    while fits > 0 and blocks_for(fits) > usable:  # (each group's blocks grow with the length: step down)
+        fits -= block_size if fits % block_size == 0 else fits % block_size
     if config.max_model_len is not None:
         raise ValueError(
-            f"the KV cache holds {usable_tokens} tokens, fewer than max_model_len={max_model_len}; "
-            "lower max_model_len or give the KV cache more memory"
+            f"the KV cache holds {usable * block_size} tokens a layer, too few for one request of max_model_len="
+            f"{max_model_len} (it fits {fits}); lower max_model_len or give the KV cache more memory"
         )
-    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, usable_tokens)
-    return usable_tokens
+    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, fits)
+    return fits
 
 
 def _cudagraph_mode(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> str:

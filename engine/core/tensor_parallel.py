@@ -108,10 +108,12 @@ def _shutdown_header() -> StepHeader:
 def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
     """The step's inputs in the runner's input arena, in broadcast order (the same layout on every rank)."""
     inputs = runner.inputs.views(header.num_tokens, header.num_reqs)
+    # (several KV groups' slot mappings go whole, [G, n]: a slice of each row would not be one contiguous tensor)
+    several = runner.inputs.num_groups > 1
     return [
         inputs.input_ids,
         inputs.positions,
-        inputs.slot_mapping[: header.num_actual_tokens],
+        inputs.slot_mapping if several else inputs.slot_mapping[: header.num_actual_tokens],
         inputs.query_start_loc,
         inputs.seq_lens,
         inputs.block_table[: header.num_scheduled_reqs],

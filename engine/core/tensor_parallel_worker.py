@@ -82,12 +82,14 @@ def run_step(runner: ModelRunner, header: StepHeader) -> None:
         query_start_loc=inputs.query_start_loc,
         seq_lens=inputs.seq_lens,
         block_table=inputs.block_table,
-        slot_mapping=inputs.slot_mapping[: header.num_actual_tokens],
+        slot_mapping=inputs.slot_mapping[..., : header.num_actual_tokens],
         max_query_len=header.max_query_len,
         max_seq_len=header.max_seq_len,
         query_start_loc_cpu=torch.tensor(header.query_start_loc, dtype=torch.int32),
         seq_lens_cpu=torch.tensor(header.seq_lens, dtype=torch.int32),
     )
+    if runner.inputs.num_groups > 1:
+        metadata = metadata.with_groups(inputs.block_table, metadata.slot_mapping)
     hidden, head = runner.forward(metadata, GraphPlan(header.mode, header.num_tokens, header.num_reqs))
     if header.logits_indices is not None and head is None:  # a full graph ran the LM head (and its gather) itself
         rows = torch.tensor(header.logits_indices, dtype=torch.int64, device=runner.device)

@@ -20,17 +20,26 @@ Rows = torch.Tensor | slice  # rows of the hidden states: an index tensor, or a 
 
 class InputWriter:
     def __init__(
-        self, max_tokens: int, max_reqs: int, max_model_len: int, block_size: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.num_groups = num_groups
         max_blocks_per_seq = -(-max_model_len // block_size)
-        self.arena = InputArena(max_tokens, max_reqs, max_blocks_per_seq, device)
+        self.arena = InputArena(max_tokens, max_reqs, max_blocks_per_seq, device, num_groups)
         # Every request's block ids, row by row, kept on the host from step to step: a request's list only grows
         # (the KV cache manager extends it in place), so a row holding the same list needs only its new tail
         # written; a step then copies its rows into the arena at once. Per row: the list and how much of it.
-        self._block_table = np.zeros((max_reqs, max_blocks_per_seq), dtype=np.int32)
-        self._block_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_reqs
+        # With several KV groups a row holds each group's table ([G, width]), tracked a group at a time.
+        shape = (max_reqs, num_groups, max_blocks_per_seq) if num_groups > 1 else (max_reqs, max_blocks_per_seq)
+        self._block_table = np.zeros(shape, dtype=np.int32)
+        self._block_rows: list[list[tuple[list[int] | None, int]]] = [[(None, 0)] * max_reqs for _ in range(num_groups)]
         self._arange = np.arange(max(max_tokens, max_reqs) + 1)
         # The host mirror this step writes (two alternate), and the copy out of each (done once its event fires).
         self._parity = 0
@@ -81,13 +90,14 @@ class InputWriter:
         input_ids: np.ndarray,
         computed: np.ndarray,
         num_new: np.ndarray,
-        block_ids: list[list[int]],
+        block_ids: list,
         plan: GraphPlan,
         sample_rows: list[int] = (),
         carry: tuple[list[int], list[int]] = ((), ()),
         prev_sampled: torch.Tensor | None = None,
     ) -> tuple[AttentionMetadata, Rows]:
-        """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over.
+        """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over. `block_ids`:
+        each request's block table, or with several KV groups its table in each (one table: the same in each).
 
         Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
         scratch block 0; a full graph's padded requests have one token each and an empty context."""
@@ -112,24 +122,30 @@ class InputWriter:
             max_query_len = int(num_new.max())
         # (rows are copied from where they were last written: entries a sliding window freed since keep their old
         # ids here, pages before the window that no kernel reads)
-        block_table, written = self._block_table, self._block_rows
-        for i, ids in enumerate(block_ids):
-            last, num_written = written[i]
-            if last is not ids:
-                num_written = 0
-            elif num_written == len(ids):
-                continue
-            block_table[i, num_written : len(ids)] = ids[num_written:]
-            written[i] = (ids, len(ids))
+        block_table = self._block_table
+        for g, written in enumerate(self._block_rows):
+            table = block_table[:, g] if self.num_groups > 1 else block_table
+            for i, tables in enumerate(block_ids):
+                ids = tables[g] if self.num_groups > 1 and tables and isinstance(tables[0], list) else tables
+                last, num_written = written[i]
+                if last is not ids:
+                    num_written = 0
+                elif num_written == len(ids):
+                    continue
+                table[i, num_written : len(ids)] = ids[num_written:]
+                written[i] = (ids, len(ids))
         host.block_table[:num_reqs] = block_table[:num_reqs]
         host.input_ids[:num_tokens] = input_ids
         host.positions[:num_tokens] = positions
-        host.slot_mapping[:num_tokens] = (
-            block_table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
+        pages, offsets = positions // self.block_size, positions % self.block_size
+        if self.num_groups > 1:
+            slots = block_table[req_of_token, :, pages].astype(np.int64).T * self.block_size + offsets
+            host.slot_mapping[:, :num_tokens] = slots
+        else:
+            slots = block_table[req_of_token, pages].astype(np.int64) * self.block_size + offsets
+            host.slot_mapping[:num_tokens] = slots
         for field in (host.input_ids, host.positions, host.slot_mapping):
-            field[num_tokens:] = 0
+            field[..., num_tokens:] = 0
         host.seq_lens[:num_reqs] = seq_lens
         host.seq_lens[num_reqs:] = 0
         carry_dst, carry_src = carry
@@ -158,15 +174,18 @@ class InputWriter:
         full = plan.mode == "full"
         num_actual_tokens = n if full else num_tokens  # a full graph writes K/V for padding too (to scratch)
         host_views = self.arena.views(n, padded_reqs, p)
+        slot_mapping = inputs.slot_mapping if full else inputs.slot_mapping[..., :num_tokens]
         metadata = AttentionMetadata(
             num_actual_tokens=num_actual_tokens,
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
             block_table=inputs.block_table,
-            slot_mapping=inputs.slot_mapping if full else inputs.slot_mapping[:num_tokens],
+            slot_mapping=slot_mapping,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=host_views.query_start_loc,
             seq_lens_cpu=host_views.seq_lens,
         )
+        if self.num_groups > 1:
+            metadata = metadata.with_groups(inputs.block_table, slot_mapping)
         return metadata, logits_indices

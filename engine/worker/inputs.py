@@ -47,12 +47,12 @@ class StepInputs(NamedTuple):
 
     input_ids: Any  # [n] int64
     positions: Any  # [n] int64
-    slot_mapping: Any  # [n] int64
+    slot_mapping: Any  # [n] int64; with G > 1 KV groups [G, n], a row a group
     query_start_loc: Any  # [r + 1] int32
     seq_lens: Any  # [r] int32
     logits_indices: Any  # [r] int64: the rows to sample when they are not simply the first r
     carry: Any  # [2, r] int64: tokens of the previous step the host has not seen (where they go, their row there)
-    block_table: Any  # [r, width] int32
+    block_table: Any  # [r, width] int32; with G > 1 KV groups [r, G, width], a request's tables together
 
 
 DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32, torch.int64, torch.int64, torch.int32)
@@ -69,8 +69,8 @@ class InputArena:
     one is free). Views are made once per layout: slicing a tensor costs microseconds of host time a step.
     """
 
-    def __init__(self, max_tokens: int, max_reqs: int, width: int, device: torch.device) -> None:
-        self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, width
+    def __init__(self, max_tokens: int, max_reqs: int, width: int, device: torch.device, num_groups: int = 1) -> None:
+        self.max_tokens, self.max_reqs, self.width, self.num_groups = max_tokens, max_reqs, width, num_groups
         nbytes = self._offsets(max_tokens, max_reqs)[-1]
         self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
@@ -79,6 +79,9 @@ class InputArena:
         self._spans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _shapes(self, n: int, r: int) -> list[tuple[int, ...]]:
+        if self.num_groups > 1:
+            g = self.num_groups
+            return [(n,), (n,), (g, n), (r + 1,), (r,), (r,), (2, r), (r, g, self.width)]
         return [(n,), (n,), (n,), (r + 1,), (r,), (r,), (2, r), (r, self.width)]
 
     def _offsets(self, n: int, r: int) -> list[int]:
@@ -113,7 +116,7 @@ class InputArena:
         if span is None:
             if len(self._spans) >= MAX_VIEWS:
                 self._spans.clear()
-            end = self._offsets(n, r)[-2] + block_rows * self.width * 4
+            end = self._offsets(n, r)[-2] + block_rows * self.num_groups * self.width * 4
             span = self._spans[key] = (self.device_bytes[:end], self.host_bytes[parity][:end])
         span[0].copy_(span[1], non_blocking=True)
 

@@ -33,6 +33,7 @@ from kiln.engine.worker.sampler import (
 )
 
 if TYPE_CHECKING:
+    from kiln.cache import KVGroups
     from kiln.engine.core.request import Request
     from kiln.engine.core.scheduler import SchedulerOutput
     from kiln.engine.core.tensor_parallel import TensorParallelWorkers
@@ -61,8 +62,10 @@ class ModelRunner:
         cudagraph_mode: str = "none",
         capture_sizes: list[int] | None = None,
         tp_workers: TensorParallelWorkers | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
-        """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too."""
+        """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too.
+        `kv_groups`: the layers' KV groups (kiln.cache.groups), each with block tables of its own when several."""
         self.model = model
         self.compiled = compiled
         self.kv_caches = kv_caches
@@ -90,7 +93,9 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens, *self.capture_sizes, 1)
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
-        self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device)
+        num_groups = kv_groups.num_groups if kv_groups is not None else 1
+        self.layer_groups = kv_groups.layer_group if num_groups > 1 else ()
+        self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups)
         self.inputs = self.writer.arena  # the persistent buffers every step's inputs (and a graph's) live in
         # The last launched step's sampled tokens on the device, and each request's row there.
         self._prev_sampled: torch.Tensor | None = None
@@ -231,7 +236,9 @@ class ModelRunner:
             return model(inputs.input_ids, inputs.positions), None
 
     def _context(self, metadata: AttentionMetadata, cudagraph_size: int | None = None) -> ForwardContext:
-        return ForwardContext(metadata, self.kv_caches, self.backend, cudagraph_size, self.windows, self.softcaps)
+        return ForwardContext(
+            metadata, self.kv_caches, self.backend, cudagraph_size, self.windows, self.softcaps, self.layer_groups
+        )
 
     def head(self, hidden: torch.Tensor) -> Head:
         """What a full graph records after the forward: every row's logits and their argmax (a greedy batch's

@@ -16,7 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
 
-from helpers.models import assert_greedy_matches_hf, make_tiny_model_dir, skip_uninterpreted_triton
+from helpers.models import (
+    assert_bf16_as_close_as_hf,
+    assert_greedy_matches_hf,
+    make_tiny_model_dir,
+    skip_uninterpreted_triton,
+)
 
 PROMPTS = [list(range(3, 60)), [(7 * i) % 500 + 1 for i in range(70)], list(range(100, 151))]
 MAX_TOKENS = 12
@@ -71,6 +76,22 @@ def test_a_gemma3_prefix_hit_across_the_window_edge(gemma_dir, hf, backend):
         (output,) = llm.generate([second], GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.kv.prefix_cache_hits >= 48
     assert_greedy_matches_hf(hf, [second], [output], MAX_TOKENS, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_sliding_layers_keep_only_their_windows_blocks(gemma_dir, hf, backend):
+    """A block table a KV group (the global layer's, each sliding layer's), over one pool: the sliding layers'
+    blocks behind the window go back as it moves. 47 usable blocks of 4 tokens start a max_model_len of 128 (32
+    blocks a layer: 96 if every layer kept its whole context) and run the prompts and their tokens equal to HF's,
+    preempting where they must; every block comes back."""
+    skip_uninterpreted_triton(backend)
+    engine = dict(enforce_eager=True, attention_backend=backend, device="cpu", block_size=4, num_kv_blocks=48)
+    with LLM(str(gemma_dir), max_model_len=128, max_num_batched_tokens=8, **engine) as llm:
+        manager = llm.engine.kv_cache_manager
+        assert manager.groups.windows == (0, 8, 8) and len(llm.engine.executor.kv_caches) == 3
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert manager.num_free_blocks == 47 and manager.usage == 0.0
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 1e-4)
 
 
 def test_gemma_variants_kiln_does_not_compute_are_refused_in_one_line(gemma_dir, tmp_path):
@@ -131,3 +152,23 @@ def test_each_gemma_preset_has_hugging_faces_parameters(preset):
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
     sliding = [i for i, kind in enumerate(hf_config.layer_types) if kind == "sliding_attention"]
     assert list(model_config.sliding_layers) == sliding and model_config.sliding_window == hf_config.sliding_window
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_gemma_on_the_gpu_matches_hf(gemma_dir, hf, tmp_path, enforce_eager):
+    """On the GPU (the Triton kernels' windows and soft caps, a block table a KV group in full and piecewise CUDA
+    graphs, the sliding groups' blocks freed as their windows move): float32 greedy tokens and log-probabilities
+    Hugging Face's (within TF32's rounding of the attention's dots), and bf16 log-probabilities as close to them as
+    Hugging Face's own bf16 run."""
+    engine = dict(max_model_len=256, block_size=4, compile_cache_dir=str(tmp_path), device="cuda")
+    with LLM(str(gemma_dir), enforce_eager=enforce_eager, dtype="float32", **engine) as llm:
+        assert llm.engine.kv_cache_manager.groups.num_groups == 3
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.engine.kv_cache_manager.usage == 0.0
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 5e-3, near_tie=True)
+    with LLM(str(gemma_dir), enforce_eager=enforce_eager, dtype="bfloat16", **engine) as llm:
+        bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf16 = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    assert_bf16_as_close_as_hf(hf, hf16.cuda().eval(), PROMPTS, bf16)

@@ -1,0 +1,110 @@
+"""A request's block tables in each of the layers' KV groups (groups.py), over one shared BlockPool.
+
+The scheduler sees one manager, as with a single group: an allocation takes every group's blocks or none, a prefix
+hit is the longest prefix every group has cached, and `block_ids` is a request's table in each group (the input
+writer gives each group's layers theirs). Each group is a KVCacheManager of its own on the shared pool: the full
+group keeps every block, a sliding group frees those behind its window as it moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from kiln.cache.block_pool import BlockPool, KVBlock
+from kiln.cache.groups import KVGroups
+from kiln.cache.kv_cache_manager import KVCacheManager
+
+
+class HybridKVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, groups: KVGroups) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.groups = groups
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.managers = [
+            KVCacheManager(
+                num_blocks,
+                block_size,
+                enable_prefix_caching,
+                window,
+                self.block_pool,
+                hashlib.sha256(f"kiln.cache.hybrid.group{g}".encode()).digest(),
+            )
+            for g, window in enumerate(groups.windows)
+        ]
+        self._tables: dict[str, list[list[int]]] = {}  # each request's tables, the managers' own lists
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        usable = self.block_pool.num_usable_blocks
+        return (usable - self.num_free_blocks) / usable
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[list[KVBlock]], int]:
+        """Each group's cached blocks of the longest prefix of `token_ids` that every group has (as
+        KVCacheManager's, a whole number of blocks, short of the last token), and its length in tokens."""
+        hits = [manager.get_computed_blocks(token_ids)[0] for manager in self.managers]
+        num_blocks = min(len(blocks) for blocks in hits)
+        self.prefix_cache_queries += len(token_ids) if self.enable_prefix_caching else 0
+        self.prefix_cache_hits += num_blocks * self.block_size
+        return [blocks[:num_blocks] for blocks in hits], num_blocks * self.block_size
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVBlock]] = (),
+    ) -> bool:
+        """Every group's slots for the tokens (KVCacheManager.allocate_slots), or none: False, nothing taken, when
+        the pool is short of what they need together."""
+        hits = new_computed_blocks or [()] * len(self.managers)
+        needed = sum(
+            manager.blocks_needed(request_id, num_computed_tokens, num_new_tokens, blocks)
+            for manager, blocks in zip(self.managers, hits)
+        )
+        if needed > self.num_free_blocks:
+            return False
+        for manager, blocks in zip(self.managers, hits):
+            allocated = manager.allocate_slots(request_id, token_ids, num_computed_tokens, num_new_tokens, blocks)
+            assert allocated, "a group's allocation failed after the pool was found to hold them all"
+        if request_id not in self._tables:
+            self._tables[request_id] = [manager.block_ids(request_id) for manager in self.managers]
+        return True
+
+    def free(self, request_id: str) -> None:
+        self._tables.pop(request_id, None)
+        for manager in self.managers:
+            manager.free(request_id)
+
+    def uncache(self, request_id: str) -> None:
+        for manager in self.managers:
+            manager.uncache(request_id)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (the managers' own lists: read them, never modify them)."""
+        return self._tables.get(request_id, [[] for _ in self.managers])
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+
+def make_kv_cache_manager(
+    num_blocks: int, block_size: int, enable_prefix_caching: bool, groups: KVGroups
+) -> KVCacheManager | HybridKVCacheManager:
+    """One group's manager (its window, if every layer slides), or the hybrid one over several groups."""
+    if groups.num_groups == 1:
+        return KVCacheManager(num_blocks, block_size, enable_prefix_caching, groups.windows[0])
+    return HybridKVCacheManager(num_blocks, block_size, enable_prefix_caching, groups)

@@ -1,0 +1,109 @@
+"""KV groups (which layers share block tables and slot tensors) and the hybrid manager over them: each group's
+blocks from one pool, sliding groups' blocks behind the window freed, allocations all or nothing, prefix hits
+per group, nothing leaked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.cache import HybridKVCacheManager, KVCacheManager, KVCacheSpec, kv_groups, make_kv_cache_manager
+from kiln.cache.sizing import allocate_kv_caches
+from kiln.engine.models.source import resolve_model
+
+BLOCK_SIZE = 4
+WINDOW = 8
+TINY = (WINDOW, WINDOW, 0)  # the tiny Gemma's layers: two sliding, one global
+
+
+@pytest.mark.parametrize("preset", ["gemma-3-1b", "gemma-3-27b", "gemma-2-9b", "mistral-7b-v0.1", "llama-3.2-1b"])
+def test_every_layer_has_one_slot_in_one_group_of_its_window(preset):
+    config = resolve_model(preset).model_config
+    windows = [config.window_of(layer) for layer in range(config.num_layers)]
+    groups = kv_groups(windows)
+    kinds = set(windows)
+    smallest = min(windows.count(w) for w in kinds)
+    assert groups.num_slots == (smallest if len(kinds) > 1 else config.num_layers)
+    # as many groups as each kind's layers fill, each of its layers' window, no (group, slot) taken twice
+    assert groups.num_groups == (sum(math.ceil(windows.count(w) / smallest) for w in kinds) if len(kinds) > 1 else 1)
+    pairs = set(zip(groups.layer_group, groups.layer_slot))
+    assert len(pairs) == config.num_layers and all(s < groups.num_slots for _, s in pairs)
+    for layer, (g, _) in enumerate(zip(groups.layer_group, groups.layer_slot)):
+        assert groups.windows[g] == windows[layer]
+
+
+def test_the_slot_tensors_are_shared_by_a_layer_of_each_group():
+    groups = kv_groups(TINY)
+    spec = KVCacheSpec(3, 2, 8, BLOCK_SIZE, torch.float32, groups)
+    caches = allocate_kv_caches(spec, 5, "cpu")
+    assert groups.num_slots == 1 and len({t.data_ptr() for t in caches}) == 1 and len(caches) == 3
+    assert spec.bytes_per_block == 2 * 1 * BLOCK_SIZE * 2 * 8 * 4  # a block: one layer's page in each group
+    assert isinstance(make_kv_cache_manager(10, BLOCK_SIZE, True, kv_groups((0, 0))), KVCacheManager)
+
+
+def make(num_blocks: int = 64) -> HybridKVCacheManager:
+    return HybridKVCacheManager(num_blocks, BLOCK_SIZE, True, kv_groups(TINY))
+
+
+def held(manager: HybridKVCacheManager, request_id: str) -> list[int]:
+    """Each group's blocks the request holds (not the null block its freed entries show)."""
+    return [sum(1 for b in table if b) for table in manager.block_ids(request_id)]
+
+
+def test_sliding_groups_hold_only_their_window():
+    manager = make()
+    tokens = list(range(40))
+    blocks, computed = manager.get_computed_blocks(tokens)
+    assert manager.allocate_slots("r", tokens, computed, 40, blocks)
+    assert held(manager, "r") == [10, 10, 10]  # the prefill's own tokens see back to position 0
+    for step in range(12):  # decode: the window moves, the sliding groups give its tail back
+        tokens.append(100 + step)
+        assert manager.allocate_slots("r", tokens, len(tokens) - 1, 1)
+        num_blocks = -(-len(tokens) // BLOCK_SIZE)
+        behind = (len(tokens) - 1 - WINDOW + 1) // BLOCK_SIZE
+        full, *sliding = held(manager, "r")
+        assert full == num_blocks and sliding == [num_blocks - behind] * 2
+        assert manager.num_free_blocks == 63 - full - sum(sliding)
+    manager.free("r")
+    assert manager.num_free_blocks == 63 and manager.usage == 0.0
+
+
+def test_an_allocation_is_all_groups_or_none():
+    manager = make(num_blocks=25)  # 24 usable: a 40-token prompt wants 10 in each of three groups
+    tokens = list(range(40))
+    assert not manager.allocate_slots("big", tokens, 0, 40)
+    assert manager.num_free_blocks == 24 and manager.block_ids("big") == [[], [], []]
+    assert manager.allocate_slots("small", tokens[:28], 0, 28)  # 7 a group
+    assert manager.num_free_blocks == 3
+    manager.free("small")
+    assert manager.num_free_blocks == 24
+
+
+def test_a_prefix_hit_is_what_every_group_has_and_groups_never_share_blocks():
+    manager = make()
+    first = list(range(30))
+    blocks, computed = manager.get_computed_blocks(first)
+    assert manager.allocate_slots("a", first, computed, len(first), blocks)
+    first.append(7)
+    assert manager.allocate_slots("a", first, 30, 1)  # (the sliding groups free their first blocks: still cached)
+    manager.free("a")
+    second = first[:24] + [500, 501, 502]
+    hits, computed = manager.get_computed_blocks(second)
+    assert computed == 24 and [len(h) for h in hits] == [6, 6, 6]
+    ids = [block.block_id for group in hits for block in group]
+    assert len(set(ids)) == len(ids)  # the same tokens, another group's KV: other blocks
+    assert manager.allocate_slots("b", second, computed, len(second) - computed, hits)
+    # the hit blocks are the tables' first entries; in the sliding groups those behind the next token's window went
+    # straight back (null entries), and stay cached
+    behind = (computed - WINDOW + 1) // BLOCK_SIZE
+    for g, (table, h) in enumerate(zip(manager.block_ids("b"), hits)):
+        want = [b.block_id for b in h]
+        assert table[:6] == (want if g == 0 else [0] * behind + want[behind:])
+    # a group missing the prefix's blocks limits the hit for all: take one group's away
+    manager.free("b")
+    manager.managers[1].block_pool.uncache(hits[1][3:])
+    hits, computed = manager.get_computed_blocks(second)
+    assert computed == 12 and [len(h) for h in hits] == [3, 3, 3]
+    assert manager.prefix_cache_hits == 36 and manager.prefix_cache_queries == 30 + 2 * len(second)
