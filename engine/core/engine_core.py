@@ -84,7 +84,8 @@ class EngineCore:
         self.startup_stats = {**executor.startup_stats, "total_seconds": time.perf_counter() - start}
         logger.info("startup: %s", self.startup_stats)
         logger.info(
-            "engine ready in %.1fs: %s (%s, %s, %s weights), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready in %.1fs: %s (%s, %s, %s weights), %d KV blocks of %d tokens (%d tokens of context), "
+            "max_model_len %d",
             self.startup_stats["total_seconds"],
             config.model,
             self.device,
@@ -92,6 +93,7 @@ class EngineCore:
             self.load_format,
             self.num_kv_blocks,
             config.block_size,
+            self.startup_stats["kv_cache_tokens"],
             self.max_model_len,
         )
 

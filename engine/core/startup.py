@@ -268,6 +268,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         "total_seconds": time.perf_counter() - start,
         "load_seconds": load_seconds,
         "num_kv_blocks": num_blocks,
+        "kv_cache_tokens": _kv_cache_tokens(config, num_blocks, kv_spec.groups.windows),
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
         "quantization": quantization.describe() if quantization is not None else None,
         "kv_cache_dtype": str(kv_spec.dtype).removeprefix("torch."),
@@ -317,6 +318,17 @@ def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, wind
         )
     logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, fits)
     return fits
+
+
+def _kv_cache_tokens(config: EngineConfig, num_blocks: int, windows: tuple[int, ...]) -> int:
+    """The tokens of context the KV cache holds: its blocks' tokens, or with full and sliding groups, what the full
+    groups hold once one request's windows are held in each sliding group."""
+    usable = num_blocks - 1
+    num_full = sum(1 for w in windows if not w)
+    if num_full in (0, len(windows)):
+        return usable * config.block_size
+    held = sum(-(-(w - 1 + config.max_num_batched_tokens) // config.block_size) + 2 for w in windows if w)
+    return max(usable - held, 0) // num_full * config.block_size
 
 
 def _cudagraph_mode(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> str:

@@ -5,6 +5,7 @@
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
+#   | kv-capacity:MODEL (the KV cache's tokens against every layer global)
 #   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
@@ -147,6 +148,11 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
         2>&1 | gzip > "$OUT/inductor_code_$model.log.gz"
       echo "inductor code of $model: $(zcat "$OUT/inductor_code_$model.log.gz" | grep -c 'async_compile.triton(') Triton kernels compiled" \
         | tee -a "$summary" ;;
+    kv-capacity:*)
+      # the KV cache's tokens of context against every layer global (KV_MAX_MODEL_LEN, 32768)
+      timeout -s ABRT -k 15 ${KV_TIMEOUT:-300} python3 scripts/bench/bench_kv_capacity.py --model "${step#kv-capacity:}" \
+        --max-model-len ${KV_MAX_MODEL_LEN:-32768} --json "$OUT/kv_capacity.jsonl" 2>&1 | tee -a "$OUT/kv_capacity.log" | tail -n 3
+      grep -A1 "^KV capacity" "$OUT/kv_capacity.log" | tail -n 2 >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -v -rf -p no:cacheprovider ${GPUTESTS_ARGS:-} ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;
