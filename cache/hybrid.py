@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kiln.cache.block_pool import BlockPool, KVBlock
 from kiln.cache.groups import KVGroups
-from kiln.cache.kv_cache_manager import KVCacheManager
+from kiln.cache.kv_cache_manager import KVCacheManager, cached_runs
 
 
 class HybridKVCacheManager:
@@ -52,13 +52,23 @@ class HybridKVCacheManager:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[list[KVBlock]], int]:
-        """Each group's cached blocks of the longest prefix of `token_ids` that every group has (as
-        KVCacheManager's, a whole number of blocks, short of the last token), and its length in tokens."""
-        hits = [manager.get_computed_blocks(token_ids)[0] for manager in self.managers]
-        num_blocks = min(len(blocks) for blocks in hits)
-        self.prefix_cache_queries += len(token_ids) if self.enable_prefix_caching else 0
-        self.prefix_cache_hits += num_blocks * self.block_size
-        return [blocks[:num_blocks] for blocks in hits], num_blocks * self.block_size
+        """Each group's cached blocks of the longest prefix of `token_ids` that every group holds (as
+        KVCacheManager's: a whole number of blocks, short of the last token; a sliding group needs only those in the
+        next token's window), and its length in tokens."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.managers], 0
+        found = [manager.lookup(token_ids) for manager in self.managers]
+        runs = [cached_runs(f) for f in found]
+        hits: list[list[KVBlock]] = [[] for _ in self.managers]
+        for n in range(min(len(f) for f in found), 0, -1):
+            each = [manager.hit(f, r, n) for manager, f, r in zip(self.managers, found, runs)]
+            if all(blocks is not None for blocks in each):
+                hits = each
+                break
+        num_tokens = len(hits[0]) * self.block_size
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_tokens
+        return hits, num_tokens
 
     def allocate_slots(
         self,

@@ -23,6 +23,15 @@ from collections.abc import Sequence
 from kiln.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 
 
+def cached_runs(found: Sequence[KVBlock | None]) -> list[int]:
+    """For each block of a lookup, how many cached blocks end there in a row."""
+    runs, run = [], 0
+    for block in found:
+        run = run + 1 if block is not None else 0
+        runs.append(run)
+    return runs
+
+
 class KVCacheManager:
     """Per-request block tables over one BlockPool, with automatic prefix caching.
 
@@ -86,23 +95,44 @@ class KVCacheManager:
         compute (the forward pass must produce logits for the last one). Returns the blocks and
         ``num_computed_tokens = len(blocks) * block_size``. Does not change ref counts; pass the
         blocks to ``allocate_slots`` to take them. ``([], 0)`` with prefix caching off.
+        With a sliding window a hit needs only the blocks inside the next token's window: those before it
+        are the null block in the returned list (their KV is never read).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        computed_blocks: list[KVBlock] = []
-        parent_hash = self.hash_root
-        for i in range(max_blocks):
-            block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent_hash = hash_block_tokens(parent_hash, block_tokens)
-            block = self.block_pool.get_cached_block(parent_hash)
-            if block is None:
-                break
-            computed_blocks.append(block)
-        num_computed_tokens = len(computed_blocks) * self.block_size
+        found = self.lookup(token_ids)
+        runs = cached_runs(found)
+        blocks = next((b for n in range(len(found), 0, -1) if (b := self.hit(found, runs, n)) is not None), [])
+        num_computed_tokens = len(blocks) * self.block_size
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_computed_tokens
-        return computed_blocks, num_computed_tokens
+        return blocks, num_computed_tokens
+
+    def lookup(self, token_ids: Sequence[int]) -> list[KVBlock | None]:
+        """The cached block of each full block of ``token_ids`` short of the last token, None where there is none;
+        without a window it stops at the first miss (a hit needs every block before it)."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[KVBlock | None] = []
+        parent_hash = self.hash_root
+        for i in range(max(len(token_ids) - 1, 0) // self.block_size):
+            parent_hash = hash_block_tokens(parent_hash, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.block_pool.get_cached_block(parent_hash)
+            if block is None and not self.sliding_window:
+                break
+            found.append(block)
+        return found
+
+    def hit(self, found: list[KVBlock | None], runs: list[int], n: int) -> list[KVBlock] | None:
+        """The blocks of a hit on the first `n` blocks (`found` from `lookup`, `runs` its `cached_runs`), or None
+        where the cache does not hold it: every block; with a window, those the next token's window covers (the
+        null block before them)."""
+        if n > len(found):
+            return None
+        first = max(n * self.block_size - self.sliding_window + 1, 0) // self.block_size if self.sliding_window else 0
+        if runs[n - 1] < n - first:
+            return None
+        return [self.block_pool.null_block] * first + found[first:n]
 
     def allocate_slots(
         self,
@@ -137,16 +167,26 @@ class KVCacheManager:
         num_required_blocks = -(-num_required_tokens // self.block_size)
         num_new_blocks = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
         # Hit blocks sitting in the free queue are counted as free but are about to be taken.
-        num_hit_blocks_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        null = self.block_pool.null_block
+        num_hit_blocks_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not null)
         if num_new_blocks > self.num_free_blocks - num_hit_blocks_free:
             return False
 
         block_hashes = self.req_to_block_hashes.get(request_id, [])
         # Touch before taking fresh blocks so get_new_blocks cannot evict the hit blocks.
-        self.block_pool.touch(new_computed_blocks)
-        for block in new_computed_blocks:
-            assert block.block_hash is not None, "hit block was evicted before allocate_slots"
-            block_hashes.append(block.block_hash)
+        behind = sum(1 for block in new_computed_blocks if block is null)  # (a windowed hit's, all first)
+        self.block_pool.touch(new_computed_blocks[behind:])
+        parent_hash = self.hash_root
+        for i, block in enumerate(new_computed_blocks):
+            if i < behind:  # (the chain goes on through them: their hashes from the tokens)
+                tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+                parent_hash = hash_block_tokens(parent_hash, tokens)
+            else:
+                assert block.block_hash is not None, "hit block was evicted before allocate_slots"
+                parent_hash = block.block_hash
+            block_hashes.append(parent_hash)
+        if behind:
+            self.req_to_freed[request_id] = behind
         new_blocks = [*new_computed_blocks, *self.block_pool.get_new_blocks(num_new_blocks)]
         blocks.extend(new_blocks)
         self.req_to_blocks[request_id] = blocks
@@ -175,7 +215,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id, [])
         num_required_blocks = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         taken = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
-        taken += sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        null = self.block_pool.null_block
+        taken += sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block is not null)
         if self.sliding_window and blocks:
             behind = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
             freed = self.req_to_freed.get(request_id, 0)

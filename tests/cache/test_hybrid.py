@@ -91,19 +91,22 @@ def test_a_prefix_hit_is_what_every_group_has_and_groups_never_share_blocks():
     manager.free("a")
     second = first[:24] + [500, 501, 502]
     hits, computed = manager.get_computed_blocks(second)
-    assert computed == 24 and [len(h) for h in hits] == [6, 6, 6]
-    ids = [block.block_id for group in hits for block in group]
-    assert len(set(ids)) == len(ids)  # the same tokens, another group's KV: other blocks
-    assert manager.allocate_slots("b", second, computed, len(second) - computed, hits)
-    # the hit blocks are the tables' first entries; in the sliding groups those behind the next token's window went
-    # straight back (null entries), and stay cached
+    # 6 blocks; a sliding group's hit is the blocks its next token's window covers, the null block before them
     behind = (computed - WINDOW + 1) // BLOCK_SIZE
-    for g, (table, h) in enumerate(zip(manager.block_ids("b"), hits)):
-        want = [b.block_id for b in h]
-        assert table[:6] == (want if g == 0 else [0] * behind + want[behind:])
-    # a group missing the prefix's blocks limits the hit for all: take one group's away
+    assert computed == 24 and [len(h) for h in hits] == [6, 6, 6] and behind == 4
+    assert all(b.block_id == 0 for h in hits[1:] for b in h[:behind]) and all(b.block_id for b in hits[0])
+    ids = [block.block_id for group in hits for block in group if block.block_id]
+    assert len(set(ids)) == len(ids) == 10  # the same tokens, another group's KV: other blocks
+    assert manager.allocate_slots("b", second, computed, len(second) - computed, hits)
+    assert [table[:6] for table in manager.block_ids("b")] == [[b.block_id for b in h] for h in hits]
     manager.free("b")
-    manager.managers[1].block_pool.uncache(hits[1][3:])
+    assert manager.num_free_blocks == 63
+    # blocks before a sliding group's window are not needed: gone, the hit is the same
+    a_sliding = manager.managers[1].lookup(second)
+    manager.block_pool.uncache(a_sliding[: behind - 1])
+    assert manager.get_computed_blocks(second)[1] == 24
+    # one inside it is: the hit is then the longest prefix whose window that group still holds whole
+    manager.block_pool.uncache(a_sliding[5:6])
     hits, computed = manager.get_computed_blocks(second)
-    assert computed == 12 and [len(h) for h in hits] == [3, 3, 3]
-    assert manager.prefix_cache_hits == 36 and manager.prefix_cache_queries == 30 + 2 * len(second)
+    assert computed == 20 and [b.block_id for b in hits[1]] == [0, 0, 0] + [b.block_id for b in a_sliding[3:5]]
+    assert manager.prefix_cache_hits == 24 + 24 + 20 and manager.prefix_cache_queries == 30 + 3 * len(second)
