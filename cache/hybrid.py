@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from kiln.cache.block_pool import BlockPool, KVBlock
 from kiln.cache.groups import KVGroups
-from kiln.cache.kv_cache_manager import KVCacheManager, cached_runs
+from kiln.cache.kv_cache_manager import KVCacheManager, PoolCounters, cached_runs
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolCounters):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, groups: KVGroups) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -37,19 +37,6 @@ class HybridKVCacheManager:
         self._tables: dict[str, list[list[int]]] = {}  # each request's tables, the managers' own lists
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        usable = self.block_pool.num_usable_blocks
-        return (usable - self.num_free_blocks) / usable
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[list[KVBlock]], int]:
         """Each group's cached blocks of the longest prefix of `token_ids` that every group holds (as
@@ -106,9 +93,6 @@ class HybridKVCacheManager:
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (the managers' own lists: read them, never modify them)."""
         return self._tables.get(request_id, [[] for _ in self.managers])
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
 
 def make_kv_cache_manager(

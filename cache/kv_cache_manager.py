@@ -32,7 +32,37 @@ def cached_runs(found: Sequence[KVBlock | None]) -> list[int]:
     return runs
 
 
-class KVCacheManager:
+class PoolCounters:
+    """What a manager over `self.block_pool` reports (a group's, or the hybrid one over several groups): its free
+    blocks, their use, the prefix cache's hit rate (`prefix_cache_queries` / `prefix_cache_hits`, in tokens)."""
+
+    block_pool: BlockPool
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by some request, in [0, 1]."""
+        usable = self.block_pool.num_usable_blocks
+        return (usable - self.num_free_blocks) / usable
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate in tokens; 0.0 before any query."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes if no block is in use; returns whether it did."""
+        return self.block_pool.reset_prefix_cache()
+
+
+class KVCacheManager(PoolCounters):
     """Per-request block tables over one BlockPool, with automatic prefix caching.
 
     Usage by the scheduler, for a request's first allocation:
@@ -70,23 +100,6 @@ class KVCacheManager:
         self.req_to_freed: dict[str, int] = {}  # how many of a request's first blocks are behind its window, freed
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable blocks referenced by some request, in [0, 1]."""
-        usable = self.block_pool.num_usable_blocks
-        return (usable - self.num_free_blocks) / usable
-
-    @property
-    def hit_rate(self) -> float:
-        """Prefix-cache hit rate in tokens; 0.0 before any query."""
-        if self.prefix_cache_queries == 0:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
 
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVBlock], int]:
         """Longest chain of cached full blocks matching a prefix of ``token_ids``.
@@ -257,10 +270,6 @@ class KVCacheManager:
         """The request's block table as physical block ids; [] for an unknown request. The list is the
         manager's own (it grows as the request does): read it, never modify it."""
         return self.req_to_block_ids.get(request_id, [])
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes if no block is in use; returns whether it did."""
-        return self.block_pool.reset_prefix_cache()
 
     def _cache_full_blocks(
         self,
