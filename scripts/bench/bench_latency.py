@@ -66,7 +66,9 @@ def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
     avg_context = prompt_len + DECODE_STEPS / 2
     kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.executor.shard.size)  # under TP: what one GPU reads
     kv_bytes = llm.engine.executor.kv_spec.dtype.itemsize
-    kv = 2 * c.num_layers * kv_heads * c.head_dim * kv_bytes * avg_context * batch
+    # a sliding layer reads only its window's keys
+    context = sum(min(avg_context, c.window_of(layer) or avg_context) for layer in range(c.num_layers))
+    kv = 2 * kv_heads * c.head_dim * kv_bytes * context * batch
     return weights + kv
 
 

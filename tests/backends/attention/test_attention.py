@@ -34,6 +34,8 @@ from helpers.attention import make_paged_batch, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-3 if DEVICE == "cuda" else 1e-5  # NOTE: fp32 tl.dot runs as TF32 on the GPU
+# TF32's rounding of a dot grows with it: queries times 4 (scores a soft cap bites) take 4 times the tolerance there
+SCORES_X4_TOL = 4 * TOL if DEVICE == "cuda" else TOL
 
 CASES = [
     # (query_lens, context_lens): decodes (q=1), fresh prefills (ctx=0), chunks continuing a prefill
@@ -443,7 +445,7 @@ def test_soft_capped_scores_against_the_reference(backend, softcap, window):
     out = torch.zeros_like(q)
     get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 0.125, out, window, softcap)
     ref = reference_attention(q, history, query_lens, 0.125, window, softcap)
-    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=SCORES_X4_TOL, rtol=SCORES_X4_TOL)
     if softcap < 50:
         uncapped = reference_attention(q, history, query_lens, 0.125, window)
         assert (uncapped - ref).abs().max() > 0.05
@@ -458,6 +460,5 @@ def test_split_kv_decode_with_soft_capped_scores(num_splits, unsplit_tokens):
     q = q * 4
     out = torch.zeros_like(q)
     split_kv_decode(q, k, v, kv_cache, metadata, 0.125, out, num_splits, 16, None, unsplit_tokens, 0, 2.0)
-    torch.testing.assert_close(
-        out.double().cpu(), reference_attention(q, history, query_lens, 0.125, 0, 2.0), atol=TOL, rtol=TOL
-    )
+    ref = reference_attention(q, history, query_lens, 0.125, 0, 2.0)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=SCORES_X4_TOL, rtol=SCORES_X4_TOL)
