@@ -34,7 +34,9 @@ class HybridKVCacheManager(PoolCounters):
             )
             for g, window in enumerate(groups.windows)
         ]
+        self._sliding = [manager for manager in self.managers if manager.sliding_window]
         self._tables: dict[str, list[list[int]]] = {}  # each request's tables, the managers' own lists
+        self._quiet: dict[str, tuple[int, int]] = {}  # each request's `_quiet_limits`
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -67,6 +69,14 @@ class HybridKVCacheManager(PoolCounters):
     ) -> bool:
         """Every group's slots for the tokens (KVCacheManager.allocate_slots), or none: False, nothing taken, when
         the pool is short of what they need together."""
+        quiet = self._quiet.get(request_id)
+        if quiet is not None and num_computed_tokens + num_new_tokens <= quiet[0]:
+            if num_computed_tokens <= quiet[1]:
+                return True  # most decode steps: no group takes, hashes or frees a block
+            for manager in self._sliding:  # only windows move: each frees what left it, and none takes a block
+                manager.free_behind_window(request_id, num_computed_tokens)
+            self._quiet[request_id] = self._quiet_limits(request_id)
+            return True
         hits = new_computed_blocks or [()] * len(self.managers)
         needed = sum(
             manager.blocks_needed(request_id, num_computed_tokens, num_new_tokens, blocks)
@@ -79,10 +89,31 @@ class HybridKVCacheManager(PoolCounters):
             assert allocated, "a group's allocation failed after the pool was found to hold them all"
         if request_id not in self._tables:
             self._tables[request_id] = [manager.block_ids(request_id) for manager in self.managers]
+        self._quiet[request_id] = self._quiet_limits(request_id)
         return True
+
+    def _quiet_limits(self, request_id: str) -> tuple[int, int]:
+        """Up to how many tokens in all and how many computed ones the request's next allocations change nothing in
+        any group: no new block (every group's table has the same length), no block newly full to hash (nor its
+        hash chain), none behind a window to free (each sliding group's next block leaves its window when the
+        computed tokens pass its end + window - 1)."""
+        first, size = self.managers[0], self.block_size
+        tokens = len(first.req_to_blocks[request_id]) * size
+        if self.enable_prefix_caching:
+            tokens = min(tokens, (len(first.req_to_block_hashes[request_id]) + 1) * size - 1)
+        computed = min(
+            (
+                (m.req_to_freed.get(request_id, 0) + 1) * size + m.sliding_window - 2
+                for m in self.managers
+                if m.sliding_window
+            ),
+            default=tokens,
+        )
+        return tokens, computed
 
     def free(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
+        self._quiet.pop(request_id, None)
         for manager in self.managers:
             manager.free(request_id)
 

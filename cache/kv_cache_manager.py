@@ -166,7 +166,7 @@ class KVCacheManager(PoolCounters):
         covered tokens.
         """
         if self.sliding_window and request_id in self.req_to_blocks:  # (first: this step's new blocks may reuse them)
-            self._free_behind_window(request_id, num_computed_tokens)
+            self.free_behind_window(request_id, num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id, [])
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; prefix hits come first")
@@ -213,7 +213,7 @@ class KVCacheManager(PoolCounters):
             # schedule call) would leave hashes on blocks whose KV was never written.
             self._cache_full_blocks(token_ids, blocks, block_hashes, num_full_blocks)
         if self.sliding_window:
-            self._free_behind_window(request_id, num_computed_tokens)
+            self.free_behind_window(request_id, num_computed_tokens)
         return True
 
     def blocks_needed(
@@ -236,7 +236,7 @@ class KVCacheManager(PoolCounters):
             taken -= sum(1 for block in blocks[freed:behind] if block.ref_cnt == 1)
         return taken
 
-    def _free_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+    def free_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks wholly before the window of the request's next token (position `num_computed_tokens`,
         which sees the keys from num_computed_tokens - window + 1 on)."""
         behind = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size

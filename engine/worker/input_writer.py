@@ -121,20 +121,26 @@ class InputWriter:
             positions = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]
             max_query_len = int(num_new.max())
         # (rows are copied from where they were last written: entries a sliding window freed since keep their old
-        # ids here, pages before the window that no kernel reads)
-        block_table = self._block_table
-        for g, written in enumerate(self._block_rows):
-            table = block_table[:, g] if self.num_groups > 1 else block_table
-            for i, tables in enumerate(block_ids):
-                ids = tables[g] if self.num_groups > 1 and tables and isinstance(tables[0], list) else tables
-                last, num_written = written[i]
+        # ids here, pages before the window that no kernel reads; a request's tables in every group have one length,
+        # so where its first group's is as written, all are)
+        block_table, groups = self._block_table, self.num_groups
+        tables_of_group = [block_table[:, g] for g in range(groups)] if groups > 1 else [block_table]
+        first_written, used = self._block_rows[0], 0
+        for i, tables in enumerate(block_ids):
+            each = tables if groups > 1 and tables and isinstance(tables[0], list) else [tables] * groups
+            used = max(used, len(each[0]))
+            last, num_written = first_written[i]
+            if last is each[0] and num_written == len(last):
+                continue
+            for g, ids in enumerate(each):
+                last, num_written = self._block_rows[g][i]
                 if last is not ids:
                     num_written = 0
-                elif num_written == len(ids):
-                    continue
-                table[i, num_written : len(ids)] = ids[num_written:]
-                written[i] = (ids, len(ids))
-        host.block_table[:num_reqs] = block_table[:num_reqs]
+                tables_of_group[g][i, num_written : len(ids)] = ids[num_written:]
+                self._block_rows[g][i] = (ids, len(ids))
+        # only the columns some table reaches: a row is max_model_len / block_size wide (8,192 at 131,072 tokens) and
+        # no kernel reads past its request's context, so what lies beyond in this mirror may be any old ids
+        host.block_table[:num_reqs, ..., :used] = block_table[:num_reqs, ..., :used]
         host.input_ids[:num_tokens] = input_ids
         host.positions[:num_tokens] = positions
         pages, offsets = positions // self.block_size, positions % self.block_size

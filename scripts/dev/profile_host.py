@@ -2,14 +2,16 @@
 
     python scripts/dev/profile_host.py                      # async scheduling (the default)
     python scripts/dev/profile_host.py --no-async-scheduling
+    python scripts/dev/profile_host.py --kind gemma3 --stub-model   # gemma-3-12b's 48 layers and KV groups
 
-A tiny random-weight Llama (the tests' model, positions raised to 2048) serves 256 greedy requests
-through `LLM.generate`, prompt lengths uniform in [100, 1024] as in bench_throughput.py. Steps whose
-batch is 256 one-token decodes are measured with `time.process_time()`; each part below is timed
-around its function, and `model` (forward, logits, sampler kernels) is subtracted from the total.
-`LLM._run` (llm_run) is the time between two `engine.step()` calls; `gc` is the garbage collector's
-share, already counted inside the parts. The whole run repeats and each part reports the minimum over
-repeats of its mean per step, in µs.
+A tiny random-weight Llama (the tests' model, positions raised to 131,072; --max-model-len 2048 by default)
+serves 256 greedy requests through `LLM.generate`, prompt lengths uniform in [100, 1024] as in
+bench_throughput.py. Steps whose batch is 256 one-token decodes are measured with `time.process_time()`; each
+part below is timed around its function, and `model` (forward, logits, sampler kernels) is subtracted from the
+total. `LLM._run` (llm_run) is the time between two `engine.step()` calls; `gc` is the garbage collector's
+share, already counted inside the parts. `--kind gemma3`: a tiny Gemma 3 of gemma-3-12b's layer pattern (48
+layers, 5 sliding of window 1,024 to 1 global: six KV groups), for the host cost of the hybrid KV groups. The
+whole run repeats and each part reports the minimum over repeats of its mean per step, in µs.
 """
 
 from __future__ import annotations
@@ -41,15 +43,26 @@ PARTS = (
 )
 
 
-def make_model_dir(path: Path) -> Path:
+def make_model_dir(path: Path, kind: str = "llama") -> Path:
     import sys  # noqa: PLC0415
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-    from helpers.models import make_tiny_model_dir  # noqa: PLC0415
+    from helpers.models import make_tiny_model_dir, tiny_hf_config  # noqa: PLC0415
 
+    if kind == "gemma3":
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        from kiln.engine.text.tokenizer import builtin_tokenizer  # noqa: PLC0415
+
+        config = tiny_hf_config("gemma3")
+        config.num_hidden_layers, config.sliding_window, config.max_position_embeddings = 48, 1024, 131072
+        config.layer_types = [("full" if i % 6 == 5 else "sliding") + "_attention" for i in range(48)]
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        builtin_tokenizer(config.vocab_size).save_pretrained(path)
+        return path
     make_tiny_model_dir(path, "llama")
     config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 2048
+    config["max_position_embeddings"] = 131072
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -154,19 +167,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="decode steps per run (about; the tail is dropped)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kind", choices=("llama", "gemma3"), default="llama")
     p.add_argument("--stub-model", action="store_true", help="skip the forward pass (fast; host numbers alike)")
     args = p.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(0)
     prompts = [[rng.randint(1, 500) for _ in range(rng.randint(100, 1024))] for _ in range(args.num_seqs)]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp))
+        model_dir = make_model_dir(Path(tmp), args.kind)
         llm = LLM(
             str(model_dir),
             enforce_eager=True,
             max_num_seqs=args.num_seqs,
-            max_model_len=2048,
-            num_kv_blocks=args.num_seqs * 2048 // 16 + 1,
+            max_model_len=args.max_model_len,  # (the block table's width: a preset's 131,072 is 8,192 blocks)
+            num_kv_blocks=args.num_seqs * 2048 // 16 * (6 if args.kind == "gemma3" else 1) + 1,  # (a block a group)
             async_scheduling=not args.no_async_scheduling,
         )
         runs = [run_once(llm, prompts, args.steps, args.num_seqs, args.stub_model) for _ in range(args.repeats)]

@@ -110,3 +110,34 @@ def test_a_prefix_hit_is_what_every_group_has_and_groups_never_share_blocks():
     hits, computed = manager.get_computed_blocks(second)
     assert computed == 20 and [b.block_id for b in hits[1]] == [0, 0, 0] + [b.block_id for b in a_sliding[3:5]]
     assert manager.prefix_cache_hits == 24 + 24 + 20 and manager.prefix_cache_queries == 30 + 3 * len(second)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("windows", [TINY, (6, 0, 10, 0)], ids=["aligned", "unaligned"])
+def test_decode_steps_that_skip_the_groups_change_what_the_groups_would(windows, prefix_caching):
+    """The hybrid manager answers most decode steps without asking its groups (no block to take, hash or free):
+    three requests of different prompt lengths, decoded token by token past several windows and blocks, give every
+    group's tables, the pool's free blocks and cached hashes exactly those of a manager that asks every group
+    every step."""
+    fast = HybridKVCacheManager(256, BLOCK_SIZE, prefix_caching, kv_groups(windows))
+    slow = HybridKVCacheManager(256, BLOCK_SIZE, prefix_caching, kv_groups(windows))
+    slow._quiet_limits = lambda request_id: (-1, -1)  # every step the whole path
+    prompts = {"a": list(range(1, 6)), "b": list(range(10, 23)), "c": [7] * 9}
+    for manager in (fast, slow):
+        for rid, prompt in prompts.items():
+            assert manager.allocate_slots(rid, prompt, 0, len(prompt))
+    tokens = {rid: list(p) for rid, p in prompts.items()}
+    for step in range(30):
+        for rid, t in tokens.items():
+            t.append(100 + step)
+            for manager in (fast, slow):
+                assert manager.allocate_slots(rid, t, len(t) - 1, 1)
+            assert fast.block_ids(rid) == slow.block_ids(rid), (step, rid)
+        assert fast.num_free_blocks == slow.num_free_blocks, step
+        assert fast.block_pool.num_cached_blocks == slow.block_pool.num_cached_blocks, step
+    held_if_nothing_freed = len(fast.managers) * sum(-(-len(t) // BLOCK_SIZE) for t in tokens.values())
+    assert fast.num_free_blocks > 256 - 1 - held_if_nothing_freed  # the windows' blocks were freed
+    for manager in (fast, slow):
+        for rid in tokens:
+            manager.free(rid)
+        assert manager.num_free_blocks == 255
