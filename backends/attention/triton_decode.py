@@ -321,12 +321,17 @@ def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: in
     return decode_num_splits(num_reqs, num_kv_heads, num_sms, merge_width=width)
 
 
-def decode_config(num_programs: int, num_reqs: int) -> tuple[int, int, int]:
+def decode_config(num_programs: int, num_reqs: int, kv_bytes: int = 2) -> tuple[int, int, int]:
     """The decode kernel's launch config for a grid of `num_programs` over `num_reqs` requests: fixed by the batch
-    size, so graph-safe."""
+    size, so graph-safe. An FP8 cache (`kv_bytes` 1) keeps the tile and doubles the tiles in flight (stages - 1):
+    a tile then holds half the bytes, and as many bytes in flight as a 16-bit cache's keep the memory busy."""
     if num_programs >= 2048:
-        return DECODE_CONFIG_MANY
-    return DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
+        tile_n, num_warps, num_stages = DECODE_CONFIG_MANY
+    else:
+        tile_n, num_warps, num_stages = DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
+    if kv_bytes == 1:
+        num_stages = 2 * num_stages - 1
+    return tile_n, num_warps, num_stages
 
 
 def split_kv_decode(
@@ -355,7 +360,8 @@ def split_kv_decode(
     q_per_kv = num_heads // num_kv_heads
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
-    tile_n, num_warps, num_stages = config or decode_config(num_reqs * num_kv_heads * num_splits, num_reqs)
+    num_programs = num_reqs * num_kv_heads * num_splits
+    tile_n, num_warps, num_stages = config or decode_config(num_programs, num_reqs, kv_cache.element_size())
     min_split_tokens = max(MIN_SPLIT_TOKENS, tile_n) if min_split_tokens is None else min_split_tokens
     lean = head_dim == head_dim_p and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1

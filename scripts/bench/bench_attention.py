@@ -184,13 +184,14 @@ def kv_copies(kv_bytes: int, budget: int = 1 << 30) -> int:
     return max(1, min(8, budget // kv_bytes))
 
 
-def decode_inputs(batch: int, context: int) -> tuple:
+def decode_inputs(batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16) -> tuple:
     """A decode step's inputs at the 8B's shapes: (kv_cache, metadata, q, k_new, v_new, out), each request with
-    `context` tokens on random pages, its new token in its last page's last slot."""
+    `context` tokens on random pages, its new token in its last page's last slot; the cache in `kv_dtype` (an FP8
+    cache: the random values rounded to e4m3)."""
     dtype, device = torch.bfloat16, "cuda"
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device).to(kv_dtype)
     block_table = (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).view(batch, -1)
     block_table = block_table.to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)

@@ -311,6 +311,7 @@ def main() -> None:
                         "tokens_per_s": tps,
                         "bw_util": util,
                         "startup_s": llm.engine.startup_stats["total_seconds"],
+                        "kv_blocks": llm.engine.num_kv_blocks,
                     }
                 )
         llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
@@ -326,6 +327,7 @@ def main() -> None:
                     "tokens_per_s": tps,
                     "bw_util": float("nan"),
                     "startup_s": float("nan"),
+                    "kv_blocks": 0,
                 }
             )
     print(
@@ -335,11 +337,13 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
         f"(BW util: what one GPU reads)"
     )
-    print(f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10}")
+    print(
+        f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10} {'KV blocks':>10}"
+    )
     for r in rows:
         print(
             f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
-            f"{r['startup_s']:>10.1f}"
+            f"{r['startup_s']:>10.1f} {r['kv_blocks'] or '':>10}"
         )
     if args.json:
         with open(args.json, "w") as f:

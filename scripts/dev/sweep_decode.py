@@ -4,7 +4,7 @@ configs in `kiln.backends.attention.triton_decode` were chosen from. GPU; each p
 calls back to back over copies of the K/V.
 
     python scripts/dev/sweep_decode.py --splits 1,2,4,8,16,32,64 [--min-split 64,128] [--configs 64x2x3,128x4x2s32]
-        [--shapes 64x256,1x8192] [--model qwen2.5-7b]
+        [--shapes 64x256,1x8192] [--model qwen2.5-7b] [--kv-cache-dtype fp8]
 
 A config is TILExWARPSxSTAGES, then sN (N splits at any context, the one-split cut-off off) and mN (splits of N
 tokens or more).
@@ -42,10 +42,16 @@ def parse_config(name: str) -> dict:
 
 
 def sweep(
-    batch: int, context: int, num_sms: int, splits: list[int], min_tokens: list[int], configs: dict[str, dict]
+    batch: int,
+    context: int,
+    num_sms: int,
+    splits: list[int],
+    min_tokens: list[int],
+    configs: dict[str, dict],
+    kv_dtype: torch.dtype,
 ) -> dict:
-    kv_cache, metadata, q, k_new, v_new, out = ba.decode_inputs(batch, context)
-    kv_bytes = 2 * batch * context * ba.NUM_KV_HEADS * ba.HEAD_DIM * 2
+    kv_cache, metadata, q, k_new, v_new, out = ba.decode_inputs(batch, context, kv_dtype)
+    kv_bytes = 2 * batch * context * ba.NUM_KV_HEADS * ba.HEAD_DIM * kv_dtype.itemsize
     caches = [kv_cache] + [kv_cache.clone() for _ in range(ba.kv_copies(kv_bytes) - 1)]
     chosen = decode_splits(batch, ba.NUM_HEADS, ba.NUM_KV_HEADS, ba.HEAD_DIM, num_sms)
     scale = ba.HEAD_DIM**-0.5
@@ -75,7 +81,9 @@ def main() -> None:
     p.add_argument("--configs", default="", help="launch configs at the chosen count, e.g. 64x4x3,128x8x2s32")
     p.add_argument("--shapes", default="", help="BATCHxCONTEXT points (default: the benchmark's grid)")
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an e4m3 cache")
     args = p.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     ba.use_model_shapes(args.model)
     pin_triton_setup()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
@@ -84,9 +92,10 @@ def main() -> None:
     min_tokens = [int(x) for x in args.min_split.split(",") if x]
     configs = {c: parse_config(c) for c in args.configs.split(",") if c}
     num_sms = get_attention_backend("triton").num_sms
-    rows = [sweep(b, c, num_sms, splits, min_tokens, configs) for b, c in shapes]
+    rows = [sweep(b, c, num_sms, splits, min_tokens, configs, kv_dtype) for b, c in shapes]
     device = torch.cuda.get_device_name()
-    print(f"\ndecode kernel alone, {args.model} shapes, {device}: us a replay / eight calls back to back")
+    what = f"{args.model} shapes, {kv_dtype} cache, {device}"
+    print(f"\ndecode kernel alone, {what}: us a replay / eight calls back to back")
     for key, what in (("splits", "splits"), ("min_split", ">= tokens"), ("configs", "config")):
         names = list(rows[0][key]) if rows else []
         if names:

@@ -284,6 +284,14 @@ def test_decode_config_by_grid_size():
     assert decode_config(4096, 512) == DECODE_CONFIG_MANY
     assert decode_config(512, 1) == decode_config(2047, FEW_REQUESTS) == DECODE_CONFIG_FEW != DECODE_CONFIG
     assert decode_config(512, FEW_REQUESTS + 1) == DECODE_CONFIG
+    # an FP8 cache: the same tile and warps, twice the tiles in flight
+    for programs, reqs, config in (
+        (512, 1, DECODE_CONFIG_FEW),
+        (512, 64, DECODE_CONFIG),
+        (4096, 512, DECODE_CONFIG_MANY),
+    ):
+        tile_n, warps, stages = decode_config(programs, reqs, kv_bytes=1)
+        assert (tile_n, warps, stages - 1) == (config[0], config[1], 2 * (config[2] - 1))
 
 
 def test_decode_num_splits_fills_the_gpu():
