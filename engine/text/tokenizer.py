@@ -34,22 +34,27 @@ Questions, answers; lists, tables: and code, like def f(x): return x * 2 + 1.
 """
 
 
-@lru_cache(maxsize=4)
-def builtin_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE; deterministic for a given vocab_size."""
+def train_bpe(texts: list[str], vocab_size: int, eos: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of up to `vocab_size` tokens trained on `texts`, `eos` its one special token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BUILTIN_EOS],
+        special_tokens=[eos],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tok.train_from_iterator(texts, trainer)
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BUILTIN_EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+
+
+@lru_cache(maxsize=4)
+def builtin_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE; deterministic for a given vocab_size."""
+    return train_bpe(_CORPUS.splitlines(), vocab_size, BUILTIN_EOS)
 
 
 def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

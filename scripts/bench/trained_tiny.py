@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kiln.engine.text.tokenizer import train_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = "<|endoftext|>"
@@ -33,20 +34,6 @@ def corpus() -> list[str]:
     return [(ROOT / name).read_text(errors="replace") for name in sorted(names) if (ROOT / name).is_file()]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
-
-
 def make_trained_tiny(
     path: Path, steps: int = 400, hidden: int = 256, layers: int = 4, vocab_size: int = 4096, seed: int = 0
 ) -> Path:
@@ -55,7 +42,7 @@ def make_trained_tiny(
     torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     texts = corpus()
-    tokenizer = train_tokenizer(texts, vocab_size)
+    tokenizer = train_bpe(texts, vocab_size, EOS)
     ids = torch.tensor([t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
     split = int(len(ids) * 0.95)
     train, held_out = ids[:split], ids[split:]
