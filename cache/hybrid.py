@@ -94,22 +94,9 @@ class HybridKVCacheManager(PoolCounters):
 
     def _quiet_limits(self, request_id: str) -> tuple[int, int]:
         """Up to how many tokens in all and how many computed ones the request's next allocations change nothing in
-        any group: no new block (every group's table has the same length), no block newly full to hash (nor its
-        hash chain), none behind a window to free (each sliding group's next block leaves its window when the
-        computed tokens pass its end + window - 1)."""
-        first, size = self.managers[0], self.block_size
-        tokens = len(first.req_to_blocks[request_id]) * size
-        if self.enable_prefix_caching:
-            tokens = min(tokens, (len(first.req_to_block_hashes[request_id]) + 1) * size - 1)
-        computed = min(
-            (
-                (m.req_to_freed.get(request_id, 0) + 1) * size + m.sliding_window - 2
-                for m in self.managers
-                if m.sliding_window
-            ),
-            default=tokens,
-        )
-        return tokens, computed
+        any group (KVCacheManager.quiet_limits, the least over the groups)."""
+        limits = [manager.quiet_limits(request_id) for manager in self.managers]
+        return min(tokens for tokens, _ in limits), min(computed for _, computed in limits)
 
     def free(self, request_id: str) -> None:
         self._tables.pop(request_id, None)

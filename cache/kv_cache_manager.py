@@ -252,6 +252,18 @@ class KVCacheManager(PoolCounters):
             blocks[i], ids[i] = null, null.block_id
         self.req_to_freed[request_id] = behind
 
+    def quiet_limits(self, request_id: str) -> tuple[int, int]:
+        """Up to how many tokens in all, and how many computed ones, the request's next allocations leave it as it
+        is: no new block, no block newly full to hash (nor its hash chain), none behind the window to free (the next
+        block leaves the window when the computed tokens pass its end + window - 1)."""
+        size = self.block_size
+        tokens = len(self.req_to_blocks[request_id]) * size
+        if self.enable_prefix_caching:
+            tokens = min(tokens, (len(self.req_to_block_hashes[request_id]) + 1) * size - 1)
+        if not self.sliding_window:
+            return tokens, tokens
+        return tokens, (self.req_to_freed.get(request_id, 0) + 1) * size + self.sliding_window - 2
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first so it is evicted first. Unknown id: no-op."""
         blocks = self.req_to_blocks.pop(request_id, None)
