@@ -13,6 +13,8 @@ one-row matmul (fp8_gemv.py); more rows with a scale per output row and activati
 of each side; N and K multiples of 16, as cuBLAS takes them, bf16 out); block-scaled layers take the block-scaled
 matmul (fp8_block.py); the rest (weight-only layers, blocks of other shapes) the reference, in float32.
 `fp8_linear_reference` is the plain form, the CPU's, and the reference the tests hold every path to.
+`kiln::fp8_linear_silu_mul` and `kiln::fp8_linear_rope` are the GPU's gate/up and qkv layers with their epilogues,
+inside the one-row matmul for one row, as the 16-bit layers' `kiln::linear_silu_mul` and `kiln::linear_rope` are.
 """
 
 from __future__ import annotations
@@ -117,6 +119,56 @@ def _scaled_mm(x, weight, weight_scale, input_scale, bias, activations: str) -> 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_linear_silu_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    activations: str,
+) -> torch.Tensor:
+    """silu(gate) * up of an FP8 gate/up layer (the gate's rows, then the up's) on the GPU: for one row the one-row
+    matmul with the SiLU-and-mul inside it (a batch-1 step launches no kernel for it), else `fp8_linear` and the
+    SiLU-and-mul kernel."""
+    from kiln.backends.kernels import fused  # noqa: PLC0415  (Triton only where there is a GPU)
+    from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415
+
+    args = (x, weight, weight_scale, input_scale, None, block_n, block_k, activations)
+    if x.numel() == x.shape[-1]:
+        return fp8_gemv(*args, epilogue="silu_mul").view(*x.shape[:-1], weight.shape[0] // 2)
+    return fused.silu_and_mul(fp8_linear(*args)).view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def fp8_linear_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    activations: str,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rot_rows: int,
+) -> torch.Tensor:
+    """An FP8 qkv layer's [T, N] with neox RoPE on its first rot_rows columns (heads of cos.shape[-1] * 2, token t
+    rotated by cos[t], sin[t]) on the GPU: for one row the one-row matmul with the rotary inside it, else
+    `fp8_linear` and the rotary kernel in place (`kiln::linear_rope`'s two forms, gemv.py)."""
+    from kiln.backends.kernels import fused  # noqa: PLC0415  (Triton only where there is a GPU)
+    from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415
+
+    args = (x, weight, weight_scale, input_scale, bias, block_n, block_k, activations)
+    if x.numel() == x.shape[-1]:
+        y = fp8_gemv(*args, epilogue="rope", cos=cos, sin=sin, rot_rows=rot_rows)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    y = fp8_linear(*args)
+    rotated = y.view(-1, y.shape[-1])[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
+    fused.rotate(rotated, cos, sin, out=rotated)
+    return y
+
+
 def _fake(x, weight, *args) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -125,5 +177,17 @@ define(
     "fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, int block_n, "
     "int block_k, str activations) -> Tensor",
     fp8_linear,
+    _fake,
+)
+define(
+    "fp8_linear_silu_mul(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, int block_n, "
+    "int block_k, str activations) -> Tensor",
+    fp8_linear_silu_mul,
+    lambda x, weight, *args: x.new_empty(*x.shape[:-1], weight.shape[0] // 2),
+)
+define(
+    "fp8_linear_rope(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, int block_n, "
+    "int block_k, str activations, Tensor cos, Tensor sin, int rot_rows) -> Tensor",
+    fp8_linear_rope,
     _fake,
 )

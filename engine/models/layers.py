@@ -32,13 +32,31 @@ def project(x: torch.Tensor, layer: nn.Linear, with_bias: bool = True) -> torch.
     """x through a linear layer: `linear` of its weights, or `kiln::fp8_linear` when they are FP8 (quantization.py;
     traced, the op; eager, the same function called directly)."""
     bias = layer.bias if with_bias else None
-    quant = getattr(layer, "quant", None)
-    if quant is None:
+    if getattr(layer, "quant", None) is None:
         return linear(x, layer.weight, bias)
-    block_n, block_k = quant.block if quant.weights == "block" else (0, quant.block[1] if quant.block else 0)
-    input_scale = getattr(layer, "input_scale", None)
-    args = (x, layer.weight, layer.weight_scale, input_scale, bias, block_n, block_k, quant.activations)
+    args = (x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias, *_fp8_format(layer))
     return torch.ops.kiln.fp8_linear(*args) if torch.compiler.is_compiling() else fp8.fp8_linear(*args)
+
+
+def _fp8_format(layer: nn.Module) -> tuple[int, int, str]:
+    """An FP8 layer's (block_n, block_k, activations), as `kiln::fp8_linear` takes them."""
+    quant = layer.quant
+    block_n, block_k = quant.block if quant.weights == "block" else (0, quant.block[1] if quant.block else 0)
+    return block_n, block_k, quant.activations
+
+
+def project_silu_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """silu(gate) * up of a merged gate/up layer: `linear_silu_mul` of its weights, or when they are FP8 on the GPU
+    `kiln::fp8_linear_silu_mul` (its one-row matmul with the SiLU-and-mul inside), on the CPU `project`'s output
+    and the plain form."""
+    if getattr(layer, "quant", None) is None:
+        return linear_silu_mul(x, layer.weight)
+    if not x.is_cuda:
+        return silu_and_mul(project(x, layer))
+    args = (x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), *_fp8_format(layer))
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.fp8_linear_silu_mul(*args)
+    return fp8.fp8_linear_silu_mul(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,20 +92,22 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sub-block's input: `norm(x + residual)` (`norm(x)` without a residual, the first layer's) projected by
     the linear layer `proj`, with the projection's epilogue: "" plain, "silu_mul" (`linear_silu_mul`) or "rope"
-    (`kiln::linear_rope`, the rotary by `rope`'s cos, sin, for the compiled GPU pieces only; not for FP8 layers).
-    Returns (the projection, the new residual). On the GPU with a residual, the `kiln::add_norm_linear` op: at
-    batch 1 the norm inside the one-row matmul (no kernel of its own), beyond it the add + norm kernel and the
-    projection. An FP8 layer takes the norm, then `project`, then the epilogue."""
+    (`kiln::linear_rope`, the rotary by `rope`'s cos, sin, for the compiled GPU pieces only). Returns (the
+    projection, the new residual). On the GPU with a residual, the `kiln::add_norm_linear` op: at batch 1 the norm
+    inside the one-row matmul (no kernel of its own), beyond it the add + norm kernel and the projection. An FP8
+    layer takes the norm, then its projection with the epilogue (`project_silu_mul`, `kiln::fp8_linear_rope`)."""
     weight, bias = proj.weight, proj.bias
     if getattr(proj, "quant", None) is not None:
         if residual is None:
             residual, x = x, norm(x)
         else:
             x, residual = norm(x, residual)
-        out = project(x, proj)
         if epilogue == "silu_mul":
-            out = fused_kernels.silu_and_mul(out) if norm.fused else silu_and_mul(out)
-        return out, residual
+            return project_silu_mul(x, proj), residual
+        if epilogue == "rope":
+            args = (x, weight, proj.weight_scale, getattr(proj, "input_scale", None), bias, *_fp8_format(proj))
+            return torch.ops.kiln.fp8_linear_rope(*args, *rope, rot_rows), residual
+        return project(x, proj), residual
     if x.is_cuda and residual is not None:
         cos, sin = rope if rope is not None else (None, None)
         args = (x, residual, norm.weight, norm.eps, weight, bias, epilogue, cos, sin, rot_rows)

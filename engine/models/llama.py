@@ -25,7 +25,6 @@ from kiln.engine.models.parallel import (
     TensorParallelShard,
     VocabParallelEmbedding,
 )
-from kiln.engine.models.quantization import is_fp8
 
 
 class Attention(nn.Module):
@@ -63,8 +62,7 @@ class Attention(nn.Module):
         """Attention over norm(hidden + residual) (see `norm_linear`), then o: (o's output, the new residual).
         `rope`: the rotary's lookup for this step's positions, made once for all layers."""
         num_tokens = hidden.shape[0]
-        plain_qkv = hasattr(self, "q_norm") or is_fp8(self.qkv_proj)
-        if hidden.is_cuda and torch.compiler.is_compiling() and not plain_qkv:
+        if hidden.is_cuda and torch.compiler.is_compiling() and not hasattr(self, "q_norm"):
             # the rotary inside the projection's op: at batch 1 the one-row kernel rotates q and k (no launch of
             # its own); beyond it, cuBLAS then the rotary kernel in place
             qkv, residual = norm_linear(

@@ -21,7 +21,7 @@ from torch import nn
 import kiln.backends.kernels.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
 from kiln.backends.kernels import moe_triton
 from kiln.engine.models.config import ModelConfig
-from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, linear, linear_silu_mul
+from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, linear, project_silu_mul
 from kiln.engine.models.parallel import MergedColumnParallelLinear, RowParallelLinear, ShardId, TensorParallelShard
 
 
@@ -94,4 +94,4 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
+        return self.down_proj(project_silu_mul(x, self.gate_up_proj))

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.backends.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_activations
+from kiln.backends.kernels.fp8 import dequantize_weight, fp8_linear, fp8_linear_reference, quantize_activations
 from kiln.backends.kernels.fp8_block import block_fp8_linear
 from kiln.backends.kernels.fp8_gemv import _round_e4m3, fp8_gemv
 from kiln.backends.kernels.fp8_quant import quantize_groups, quantize_rows
+from kiln.engine.models.layers import RotaryEmbedding
 
 from helpers.kernels import DEVICE
 
@@ -140,3 +142,118 @@ def test_the_block_scaled_matmul_against_the_reference(rows, n, k, block, bias):
     got = block_fp8_linear(cuda[0], cuda[1], cuda[2], cuda[3], *block)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def _rows_float64(x, weight, scale, input_scale, bias, block, activations):
+    """dequant(x) @ dequant(W)^T (+ b) in float64: what an FP8 layer computes before its output's rounding."""
+    block_n, block_k = block or (0, 0)
+    xq = quantize_activations(x, activations, input_scale, block_k).double()
+    y = xq @ dequantize_weight(weight, scale, block_n, block_k).double().T
+    return y if bias is None else y + bias.double()
+
+
+def _rotated(y, cos, sin, rot_rows):
+    """The first rot_rows columns of y rotated as neox RoPE, head by head (heads of 2 * cos's columns)."""
+    heads = y[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
+    x1, x2 = heads.chunk(2, dim=-1)
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(1)
+    return torch.cat([rotated, y[:, rot_rows:]], dim=1)
+
+
+EPILOGUE_CASES = [
+    # (activations, block, config): the kernel's default tile, a tile of pairs set, the gate's and up's block scales
+    ("token", None, None),
+    ("none", None, (2, 32, 4)),
+    ("static", None, None),
+    ("group", (16, 32), None),
+]
+
+
+@pytest.mark.parametrize("activations,block,config", EPILOGUE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_fp8_gemv_epilogues_against_float64(activations, block, config, dtype):
+    """The one-row matmul with its epilogues against float64: SiLU-and-mul of a gate/up layer (the gate's rows, then
+    the up's, each with its own scales), and a qkv layer with a bias whose q and k heads RoPE rotates, v's not."""
+    generator = torch.Generator().manual_seed(len(activations))
+    k = 128
+    input_scale = torch.tensor([0.01]) if activations == "static" else None
+    x = (torch.randn(1, k, generator=generator) * 2).to(dtype).float()  # (the reference rounds the kernel's x)
+    block_n, block_k = block or (0, 0)
+    on = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    weight, scale = _layer(96, k, block, generator)  # gate 48 rows, up 48
+    got = fp8_gemv(
+        on(x.to(dtype)),
+        on(weight),
+        on(scale),
+        on(input_scale),
+        None,
+        block_n,
+        block_k,
+        activations,
+        config,
+        epilogue="silu_mul",
+    )
+    gate, up = _rows_float64(x, weight, scale, input_scale, None, block, activations).chunk(2, dim=-1)
+    assert got.shape == (1, 48) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().double(), F.silu(gate) * up, atol=tol, rtol=tol)
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    n, rot_rows = (heads + 2 * kv_heads) * head_dim, (heads + kv_heads) * head_dim
+    weight, scale = _layer(n, k, block, generator)
+    bias = torch.randn(n, generator=generator).to(dtype).float()
+    cos, sin = RotaryEmbedding(head_dim, 64, 10000.0, None).lookup(torch.tensor([37]), dtype)
+    cos, sin = cos.float(), sin.float()
+    got = fp8_gemv(
+        on(x.to(dtype)),
+        on(weight),
+        on(scale),
+        on(input_scale),
+        on(bias.to(dtype)),
+        block_n,
+        block_k,
+        activations,
+        config,
+        epilogue="rope",
+        cos=on(cos.to(dtype)),
+        sin=on(sin.to(dtype)),
+        rot_rows=rot_rows,
+    )
+    want = _rotated(_rows_float64(x, weight, scale, input_scale, bias, block, activations), cos, sin, rot_rows)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the ops' GPU forms")
+@pytest.mark.parametrize("activations,block,config", EPILOGUE_CASES[:1] + EPILOGUE_CASES[3:])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_epilogue_ops_on_the_gpu_against_float64(activations, block, config, rows):
+    """`kiln::fp8_linear_silu_mul` and `kiln::fp8_linear_rope` in bf16: the one-row kernel for one row, the FP8
+    matmul and the SiLU-and-mul or rotary kernel past it; each within bf16's rounding of float64."""
+    generator = torch.Generator().manual_seed(rows)
+    k, block_n, block_k = 256, *(block or (0, 0))
+    x = (torch.randn(rows, k, generator=generator) * 2).to(torch.bfloat16)
+    weight, scale = _layer(128, k, block, generator)
+    got = torch.ops.kiln.fp8_linear_silu_mul(x.cuda(), weight.cuda(), scale.cuda(), None, block_n, block_k, activations)
+    gate, up = _rows_float64(x, weight, scale, None, None, block, activations).chunk(2, dim=-1)
+    torch.testing.assert_close(got.cpu().double(), F.silu(gate) * up, atol=3e-2, rtol=2e-2)
+    head_dim, rot_rows = 32, 96
+    cos, sin = RotaryEmbedding(head_dim, 64, 10000.0, None).lookup(torch.arange(rows) * 5, torch.bfloat16)
+    got = torch.ops.kiln.fp8_linear_rope(
+        x.cuda(),
+        weight.cuda(),
+        scale.cuda(),
+        None,
+        None,
+        block_n,
+        block_k,
+        activations,
+        cos.cuda(),
+        sin.cuda(),
+        rot_rows,
+    )
+    want = _rotated(_rows_float64(x, weight, scale, None, None, block, activations), cos, sin, rot_rows)
+    torch.testing.assert_close(got.cpu().double(), want, atol=3e-2, rtol=2e-2)

@@ -264,17 +264,21 @@ def test_a_server_with_quantization_fp8_says_so_in_its_metrics_and_serves(tiny_l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("fmt", ["ct-fp8", "ct-fp8-dynamic", "hf-fp8"])
+@pytest.mark.parametrize(
+    "model,fmt", [("qwen3", "ct-fp8"), ("qwen3", "ct-fp8-dynamic"), ("qwen3", "hf-fp8"), ("llama", "ct-fp8-dynamic")]
+)
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_fp8_on_the_gpu_matches_hf(tiny_model_dir_qwen3, tmp_path, fmt, eager):
-    """On the GPU (the one-row kernel for a batch of one, torch._scaled_mm, the block-scaled matmul, CUDA graphs):
-    float32 greedy tokens and log-probabilities those of Hugging Face's model with the dequantized weights and
-    e4m3-rounded inputs, and bf16 log-probabilities as close to them as that model's own bf16 run.
+def test_fp8_on_the_gpu_matches_hf(request, model, tmp_path, fmt, eager):
+    """On the GPU (the one-row kernel for a batch of one, with its SiLU-and-mul, and for Llama compiled its rotary,
+    inside; torch._scaled_mm, the block-scaled matmul, CUDA graphs): float32 greedy tokens and log-probabilities
+    those of Hugging Face's model with the dequantized weights and e4m3-rounded inputs, and bf16 log-probabilities
+    as close to them as that model's own bf16 run.
     The float32 run takes the torch attention backend: the Triton one's dots round their inputs to TF32, and a
     layer's input an ulp of TF32 away moves many e4m3 roundings (0.2 in a log-probability here); its IEEE float32
     still moves one now and then (up to a few 1e-2 here, where unquantized models agree to 1e-5): 5e-2."""
-    layers = write_fp8_checkpoint(tiny_model_dir_qwen3, tmp_path / fmt, fmt)
-    hf = fp8_reference(tiny_model_dir_qwen3, layers, FORMATS[fmt][1])
+    model_dir = request.getfixturevalue({"qwen3": "tiny_model_dir_qwen3", "llama": "tiny_llama_dir"}[model])
+    layers = write_fp8_checkpoint(model_dir, tmp_path / fmt, fmt)
+    hf = fp8_reference(model_dir, layers, FORMATS[fmt][1])
     engine = dict(enforce_eager=eager, max_model_len=128, compile_cache_dir=str(tmp_path / "c"), device="cuda")
     with LLM(str(tmp_path / fmt), dtype="float32", attention_backend="torch", **engine) as llm:
         together = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -283,7 +287,7 @@ def test_fp8_on_the_gpu_matches_hf(tiny_model_dir_qwen3, tmp_path, fmt, eager):
     assert_greedy_matches_hf(hf, PROMPTS, alone, MAX_TOKENS, 5e-2, near_tie=True)
     with LLM(str(tmp_path / fmt), dtype="bfloat16", **engine) as llm:
         bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    hf16 = fp8_reference(tiny_model_dir_qwen3, layers, FORMATS[fmt][1]).to(torch.bfloat16).cuda()
+    hf16 = fp8_reference(model_dir, layers, FORMATS[fmt][1]).to(torch.bfloat16).cuda()
     assert_bf16_as_close_as_hf(hf, hf16, PROMPTS, bf16)
 
 

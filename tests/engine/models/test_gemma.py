@@ -162,7 +162,14 @@ def test_gemma_on_the_gpu_matches_hf(gemma_dir, hf, tmp_path, enforce_eager):
     graphs, the sliding groups' blocks freed as their windows move): float32 greedy tokens and log-probabilities
     Hugging Face's (within TF32's rounding of the attention's dots), and bf16 log-probabilities as close to them as
     Hugging Face's own bf16 run."""
-    engine = dict(max_model_len=256, block_size=4, compile_cache_dir=str(tmp_path), device="cuda")
+    # three prompts: graphs of one to four rows are all that decode replays
+    engine = dict(
+        max_model_len=256,
+        block_size=4,
+        compile_cache_dir=str(tmp_path),
+        device="cuda",
+        cudagraph_capture_sizes=(1, 2, 4),
+    )
     with LLM(str(gemma_dir), enforce_eager=enforce_eager, dtype="float32", **engine) as llm:
         assert llm.engine.kv_cache_manager.groups.num_groups == 3
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
