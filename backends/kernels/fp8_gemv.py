@@ -187,9 +187,10 @@ def fp8_gemv(
     block-scaled layer's BLOCK_K is its block's columns (so a chunk has one scale a row)."""
     n, k = weight.shape
     x = x.reshape(k).contiguous()
-    # (scripts/dev/sweep_fp8_gemv.py at Llama-3.1-8B's layers: with activations rounded, 16 rows a program share
-    # each chunk's rounding, 8 warps; without, 4 rows and 4 warps; an epilogue's pairs, half as many)
-    block_rows, chunk, warps = config or ((16, min(1024, k), 8) if activations != "none" else (4, min(1024, k), 4))
+    # (scripts/dev/sweep_fp8_gemv.py at Llama-3.1-8B's and Llama-3.2-1B's layers: with activations rounded, 16 rows
+    # a program share each chunk's rounding, in chunks of 2,048 and 8 warps; without, 4 rows and 4 warps; an
+    # epilogue's pairs, half as many)
+    block_rows, chunk, warps = config or ((16, min(2048, k), 8) if activations != "none" else (4, min(1024, k), 4))
     if epilogue and config is None:
         block_rows = max(1, block_rows // 2)
     if block_n or activations == "group":
