@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.kernels import pdl
+from kiln.backends.kernels.gemv import epilogue_rows, store_outputs
 
 FP8_MAX = tl.constexpr(448.0)  # (a global a kernel reads must be a constexpr)
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # (fp8.py's INV_FP8_MAX: scales are products)
@@ -96,16 +97,11 @@ def _fp8_gemv_kernel(
 ):
     """A program dots BLOCK_N weight rows with x, or with an epilogue BLOCK_N pairs of rows: "silu_mul", gate row i
     and up row N + i; "rope", rows j and j + HALF of a head, rotated as neox RoPE by cos, sin [HALF] when the head's
-    rows lie below ROT_ROWS (q, k). The rounding of each epilogue is the plain form's, as gemv.py's kernel says."""
+    rows lie below ROT_ROWS (q, k); each rounded as the plain form (gemv.py's `store_outputs`)."""
     idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = idx < N
     clamped = tl.minimum(idx, N - 1)  # (rows past N re-read row N-1: full-width loads)
-    if EPILOGUE == "rope":
-        rows_a = (clamped // HALF) * (2 * HALF) + clamped % HALF
-        rows_b = rows_a + HALF
-    else:
-        rows_a = clamped
-        rows_b = clamped + N
+    rows_a, rows_b = epilogue_rows(clamped, N, HALF, EPILOGUE)
     offs_k = tl.arange(0, BLOCK_K)
     wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -143,27 +139,25 @@ def _fp8_gemv_kernel(
         acc_a *= tl.load(w_scale_ptr + rows_a)
         if EPILOGUE != "":
             acc_b *= tl.load(w_scale_ptr + rows_b)
-    if HAS_BIAS:
-        acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
-        if EPILOGUE != "":
-            acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
-    dtype = y_ptr.dtype.element_ty
     if EPILOGUE == "":
-        tl.store(y_ptr + idx, acc_a.to(dtype), mask=mask_n)
-    elif EPILOGUE == "silu_mul":
-        gate = acc_a.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        tl.store(y_ptr + idx, silu * acc_b.to(dtype), mask=mask_n)
-    else:
-        x1, x2 = acc_a.to(dtype).to(tl.float32), acc_b.to(dtype).to(tl.float32)
-        j = clamped % HALF
-        cos = tl.load(cos_ptr + j).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + j).to(dtype).to(tl.float32)
-        rotate = rows_a < ROT_ROWS
-        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
-        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
-        tl.store(y_ptr + rows_a, y1.to(dtype), mask=mask_n)
-        tl.store(y_ptr + rows_b, y2.to(dtype), mask=mask_n)
+        acc_b = acc_a  # (not read: `store_outputs` takes one name for both forms)
+    store_outputs(
+        y_ptr,
+        b_ptr,
+        idx,
+        clamped,
+        rows_a,
+        rows_b,
+        acc_a,
+        acc_b,
+        cos_ptr,
+        sin_ptr,
+        ROT_ROWS,
+        mask_n,
+        HALF,
+        HAS_BIAS,
+        EPILOGUE,
+    )
 
 
 def fp8_gemv(

@@ -55,6 +55,64 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, h_ptr, offs, mask, h_limit, EVEN_K: tl.co
 
 
 @triton.jit
+def epilogue_rows(clamped, N, HALF: tl.constexpr, EPILOGUE: tl.constexpr):
+    """The weight rows of output (or pair) `clamped`: with "rope" rows j and j + HALF of its head, else row i and
+    row N + i (the up's row of a "silu_mul" gate row)."""
+    if EPILOGUE == "rope":
+        rows_a = (clamped // HALF) * (2 * HALF) + clamped % HALF
+        rows_b = rows_a + HALF
+    else:
+        rows_a = clamped
+        rows_b = clamped + N
+    return rows_a, rows_b
+
+
+@triton.jit
+def store_outputs(
+    y_ptr,
+    b_ptr,
+    idx,
+    clamped,
+    rows_a,
+    rows_b,
+    acc_a,
+    acc_b,
+    cos_ptr,
+    sin_ptr,
+    ROT_ROWS,
+    mask_n,
+    HALF,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
+    """A one-row matmul's outputs from rows a's (and with an epilogue rows b's) float32 sums, plus the bias: plain;
+    "silu_mul" rounded as the plain form (the matmul's output in the model's dtype, SiLU in float32, cast, times
+    up); "rope" rounded as the compiled plain form (the matmul's output and cos, sin in the model's dtype, the
+    rotation in float32). Without an epilogue acc_b is not read."""
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
+        if EPILOGUE != "":
+            acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    if EPILOGUE == "":
+        tl.store(y_ptr + idx, acc_a.to(dtype), mask=mask_n)
+    elif EPILOGUE == "silu_mul":
+        gate = acc_a.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        tl.store(y_ptr + idx, silu * acc_b.to(dtype), mask=mask_n)
+    else:
+        x1, x2 = acc_a.to(dtype).to(tl.float32), acc_b.to(dtype).to(tl.float32)
+        j = clamped % HALF
+        cos = tl.load(cos_ptr + j).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + j).to(dtype).to(tl.float32)
+        rotate = rows_a < ROT_ROWS
+        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
+        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
+        tl.store(y_ptr + rows_a, y1.to(dtype), mask=mask_n)
+        tl.store(y_ptr + rows_b, y2.to(dtype), mask=mask_n)
+
+
+@triton.jit
 def _gemv_kernel(
     y_ptr,
     x_ptr,
@@ -87,12 +145,7 @@ def _gemv_kernel(
     mask_n = idx < N
     # NOTE: rows past N re-read row N-1 rather than masking, so every weight load is a full-width vector
     clamped = tl.minimum(idx, N - 1)
-    if EPILOGUE == "rope":
-        rows_a = (clamped // HALF) * (2 * HALF) + clamped % HALF
-        rows_b = rows_a + HALF
-    else:
-        rows_a = clamped
-        rows_b = clamped + N
+    rows_a, rows_b = epilogue_rows(clamped, N, HALF, EPILOGUE)
     offs_k = tl.arange(0, BLOCK_K)
     wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -133,30 +186,25 @@ def _gemv_kernel(
         acc_a *= rstd
         if EPILOGUE != "":
             acc_b *= rstd
-    if HAS_BIAS:
-        acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
-        if EPILOGUE != "":
-            acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
-    dtype = y_ptr.dtype.element_ty
     if EPILOGUE == "":
-        tl.store(y_ptr + idx, acc_a.to(dtype), mask=mask_n)
-    elif EPILOGUE == "silu_mul":
-        # rounded as the plain form: the matmul's output in the model's dtype, SiLU in float32, cast, times up
-        gate = acc_a.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        tl.store(y_ptr + idx, silu * acc_b.to(dtype), mask=mask_n)
-    else:
-        # rounded as the compiled plain form: the matmul's output and cos, sin in the model's dtype, the rotation
-        # in float32
-        x1, x2 = acc_a.to(dtype).to(tl.float32), acc_b.to(dtype).to(tl.float32)
-        j = clamped % HALF
-        cos = tl.load(cos_ptr + j).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + j).to(dtype).to(tl.float32)
-        rotate = rows_a < ROT_ROWS
-        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
-        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
-        tl.store(y_ptr + rows_a, y1.to(dtype), mask=mask_n)
-        tl.store(y_ptr + rows_b, y2.to(dtype), mask=mask_n)
+        acc_b = acc_a  # (not read: `store_outputs` takes one name for both forms)
+    store_outputs(
+        y_ptr,
+        b_ptr,
+        idx,
+        clamped,
+        rows_a,
+        rows_b,
+        acc_a,
+        acc_b,
+        cos_ptr,
+        sin_ptr,
+        ROT_ROWS,
+        mask_n,
+        HALF,
+        HAS_BIAS,
+        EPILOGUE,
+    )
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int]:

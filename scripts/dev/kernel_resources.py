@@ -236,24 +236,35 @@ def moe_routing_variants(model: str):
 
 
 def fp8_gemv_variants(model: str):
-    """The FP8 one-row matmul at the model's four layers: per-channel weights with dynamic per-token and static
-    activations, and 128x128 blocks with per-group activations (DeepSeek's and Qwen3's FP8 format)."""
+    """The FP8 one-row matmul at the model's four layers, with the epilogues the models use (per-token activations):
+    per-channel weights with dynamic per-token and static activations, and 128x128 blocks with per-group
+    activations (DeepSeek's and Qwen3's FP8 format)."""
     s = shapes(model)
-    inputs = {"qkv": s["hidden"], "o": s["heads"] * s["head_dim"], "gate_up": s["hidden"], "down": s["inter"]}
-    pointers = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32"}
-    for (layer, k), act in itertools.product(inputs.items(), ("token", "static", "group")):
+    layers = {
+        "qkv": (s["hidden"], "rope"),
+        "o": (s["heads"] * s["head_dim"], ""),
+        "gate_up": (s["hidden"], "silu_mul"),
+        "down": (s["inter"], ""),
+    }
+    pointers = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32", "cos_ptr": "*bf16"}
+    pointers["sin_ptr"] = "*bf16"
+    for (layer, (k, epilogue)), act in itertools.product(layers.items(), ("token", "static", "group")):
         blocked = act == "group"
-        block_rows, chunk = 16, 128 if blocked else min(1024, k)  # (fp8_gemv's default, 8 warps)
-        constexprs = dict(
-            ACT=act,
-            BLOCKED=blocked,
-            SCALE_ROWS=128 if blocked else 1,
-            HAS_BIAS=False,
-            BLOCK_N=block_rows,
-            BLOCK_K=triton.next_power_of_2(chunk),
-            HW_ROUND=True,
-        )
-        yield f"{layer} {act}", fp8_gemv._fp8_gemv_kernel, constexprs, 8, 3, pointers
+        for ep in dict.fromkeys(("", epilogue if act == "token" else "")):
+            block_rows, chunk = 16, 128 if blocked else min(2048, k)  # (fp8_gemv's default, 8 warps)
+            constexprs = dict(
+                ACT=act,
+                BLOCKED=blocked,
+                SCALE_ROWS=128 if blocked else 1,
+                HAS_BIAS=False,
+                EPILOGUE=ep,
+                HALF=s["head_dim"] // 2,
+                BLOCK_N=block_rows // 2 if ep else block_rows,
+                BLOCK_K=triton.next_power_of_2(chunk),
+                HW_ROUND=True,
+                USE_PDL=True,
+            )
+            yield f"{layer} {act}{' ' + ep if ep else ''}", fp8_gemv._fp8_gemv_kernel, constexprs, 8, 3, pointers
 
 
 def gemv_variants(model: str):
