@@ -124,6 +124,7 @@ def fp8_linear_silu_mul(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
     block_n: int,
     block_k: int,
     activations: str,
@@ -134,7 +135,7 @@ def fp8_linear_silu_mul(
     from kiln.backends.kernels import fused  # noqa: PLC0415  (Triton only where there is a GPU)
     from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415
 
-    args = (x, weight, weight_scale, input_scale, None, block_n, block_k, activations)
+    args = (x, weight, weight_scale, input_scale, bias, block_n, block_k, activations)
     if x.numel() == x.shape[-1]:
         return fp8_gemv(*args, epilogue="silu_mul").view(*x.shape[:-1], weight.shape[0] // 2)
     return fused.silu_and_mul(fp8_linear(*args)).view(*x.shape[:-1], weight.shape[0] // 2)
@@ -156,17 +157,14 @@ def fp8_linear_rope(
     """An FP8 qkv layer's [T, N] with neox RoPE on its first rot_rows columns (heads of cos.shape[-1] * 2, token t
     rotated by cos[t], sin[t]) on the GPU: for one row the one-row matmul with the rotary inside it, else
     `fp8_linear` and the rotary kernel in place (`kiln::linear_rope`'s two forms, gemv.py)."""
-    from kiln.backends.kernels import fused  # noqa: PLC0415  (Triton only where there is a GPU)
-    from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415
+    from kiln.backends.kernels.fp8_gemv import fp8_gemv  # noqa: PLC0415  (Triton only where there is a GPU)
+    from kiln.backends.kernels.gemv import rotate_leading  # noqa: PLC0415
 
     args = (x, weight, weight_scale, input_scale, bias, block_n, block_k, activations)
     if x.numel() == x.shape[-1]:
         y = fp8_gemv(*args, epilogue="rope", cos=cos, sin=sin, rot_rows=rot_rows)
         return y.view(*x.shape[:-1], weight.shape[0])
-    y = fp8_linear(*args)
-    rotated = y.view(-1, y.shape[-1])[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
-    fused.rotate(rotated, cos, sin, out=rotated)
-    return y
+    return rotate_leading(fp8_linear(*args), cos, sin, rot_rows)
 
 
 def _fake(x, weight, *args) -> torch.Tensor:
@@ -180,8 +178,8 @@ define(
     _fake,
 )
 define(
-    "fp8_linear_silu_mul(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, int block_n, "
-    "int block_k, str activations) -> Tensor",
+    "fp8_linear_silu_mul(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+    "int block_n, int block_k, str activations) -> Tensor",
     fp8_linear_silu_mul,
     lambda x, weight, *args: x.new_empty(*x.shape[:-1], weight.shape[0] // 2),
 )

@@ -340,7 +340,12 @@ def linear_rope(
     token t rotated by cos[t], sin[t]: one kernel for one row; else cuBLAS and the rotary kernel, in place."""
     if _one_row(x, weight):
         return gemv_rope(x, weight, bias, cos, sin, rot_rows).view(*x.shape[:-1], weight.shape[0])
-    y = F.linear(x, weight, bias)
+    return rotate_leading(F.linear(x, weight, bias), cos, sin, rot_rows)
+
+
+def rotate_leading(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_rows: int) -> torch.Tensor:
+    """y [T, N] with neox RoPE on its first rot_rows columns (heads of cos.shape[-1] * 2), by the rotary kernel in
+    place: a projection's q and k past one row."""
     rotated = y.view(-1, y.shape[-1])[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
     fused_kernels.rotate(rotated, cos, sin, out=rotated)
     return y

@@ -34,15 +34,16 @@ def project(x: torch.Tensor, layer: nn.Linear, with_bias: bool = True) -> torch.
     bias = layer.bias if with_bias else None
     if getattr(layer, "quant", None) is None:
         return linear(x, layer.weight, bias)
-    args = (x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias, *_fp8_format(layer))
+    args = _fp8_args(x, layer, bias)
     return torch.ops.kiln.fp8_linear(*args) if torch.compiler.is_compiling() else fp8.fp8_linear(*args)
 
 
-def _fp8_format(layer: nn.Module) -> tuple[int, int, str]:
-    """An FP8 layer's (block_n, block_k, activations), as `kiln::fp8_linear` takes them."""
+def _fp8_args(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> tuple:
+    """The arguments `kiln::fp8_linear` (and its forms with epilogues) takes for x through an FP8 layer."""
     quant = layer.quant
     block_n, block_k = quant.block if quant.weights == "block" else (0, quant.block[1] if quant.block else 0)
-    return block_n, block_k, quant.activations
+    input_scale = getattr(layer, "input_scale", None)
+    return (x, layer.weight, layer.weight_scale, input_scale, bias, block_n, block_k, quant.activations)
 
 
 def project_silu_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -53,7 +54,7 @@ def project_silu_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return linear_silu_mul(x, layer.weight)
     if not x.is_cuda:
         return silu_and_mul(project(x, layer))
-    args = (x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), *_fp8_format(layer))
+    args = _fp8_args(x, layer, layer.bias)
     if torch.compiler.is_compiling():
         return torch.ops.kiln.fp8_linear_silu_mul(*args)
     return fp8.fp8_linear_silu_mul(*args)
@@ -105,8 +106,7 @@ def norm_linear(
         if epilogue == "silu_mul":
             return project_silu_mul(x, proj), residual
         if epilogue == "rope":
-            args = (x, weight, proj.weight_scale, getattr(proj, "input_scale", None), bias, *_fp8_format(proj))
-            return torch.ops.kiln.fp8_linear_rope(*args, *rope, rot_rows), residual
+            return torch.ops.kiln.fp8_linear_rope(*_fp8_args(x, proj, bias), *rope, rot_rows), residual
         return project(x, proj), residual
     if x.is_cuda and residual is not None:
         cos, sin = rope if rope is not None else (None, None)

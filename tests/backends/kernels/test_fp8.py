@@ -15,7 +15,7 @@ from kiln.backends.kernels.fp8 import dequantize_weight, fp8_linear, fp8_linear_
 from kiln.backends.kernels.fp8_block import block_fp8_linear
 from kiln.backends.kernels.fp8_gemv import _round_e4m3, fp8_gemv
 from kiln.backends.kernels.fp8_quant import quantize_groups, quantize_rows
-from kiln.engine.models.layers import RotaryEmbedding
+from kiln.engine.models.layers import RotaryEmbedding, _rotate
 
 from helpers.kernels import DEVICE
 
@@ -153,12 +153,9 @@ def _rows_float64(x, weight, scale, input_scale, bias, block, activations):
 
 
 def _rotated(y, cos, sin, rot_rows):
-    """The first rot_rows columns of y rotated as neox RoPE, head by head (heads of 2 * cos's columns)."""
+    """The first rot_rows columns of y rotated as neox RoPE, head by head (the plain form's `_rotate`, in float64)."""
     heads = y[:, :rot_rows].unflatten(1, (-1, 2 * cos.shape[-1]))
-    x1, x2 = heads.chunk(2, dim=-1)
-    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
-    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(1)
-    return torch.cat([rotated, y[:, rot_rows:]], dim=1)
+    return torch.cat([_rotate(heads, cos.double(), sin.double()).flatten(1), y[:, rot_rows:]], dim=1)
 
 
 EPILOGUE_CASES = [
@@ -237,7 +234,9 @@ def test_the_epilogue_ops_on_the_gpu_against_float64(activations, block, config,
     k, block_n, block_k = 256, *(block or (0, 0))
     x = (torch.randn(rows, k, generator=generator) * 2).to(torch.bfloat16)
     weight, scale = _layer(128, k, block, generator)
-    got = torch.ops.kiln.fp8_linear_silu_mul(x.cuda(), weight.cuda(), scale.cuda(), None, block_n, block_k, activations)
+    got = torch.ops.kiln.fp8_linear_silu_mul(
+        x.cuda(), weight.cuda(), scale.cuda(), None, None, block_n, block_k, activations
+    )
     gate, up = _rows_float64(x, weight, scale, None, None, block, activations).chunk(2, dim=-1)
     torch.testing.assert_close(got.cpu().double(), F.silu(gate) * up, atol=3e-2, rtol=2e-2)
     head_dim, rot_rows = 32, 96
