@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from kiln.backends.attention.decode_plan import decode_config, decode_splits
 from kiln.backends.attention.forward_context import AttentionMetadata
 from kiln.backends.attention.op import AttentionBackend, register_backend
-from kiln.backends.attention.triton_decode import decode_config, decode_splits, split_kv_decode
+from kiln.backends.attention.triton_decode import split_kv_decode
 from kiln.backends.attention.triton_unified import unified_attention, write_kv
 
 

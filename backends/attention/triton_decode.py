@@ -1,5 +1,5 @@
-"""The split-KV (flash-decoding) kernel for decode-only batches, which writes the new tokens' K/V itself, its
-split count and launch config (fixed by the batch size, so graph-safe), and its launcher."""
+"""The split-KV (flash-decoding) kernel for decode-only batches, which writes the new tokens' K/V itself, and its
+launcher (its split count and launch config: `decode_plan`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.attention.decode_merge import _merge_head, _merge_splits, merge_chunk
+from kiln.backends.attention.decode_plan import MIN_SPLIT_TOKENS, UNSPLIT_TOKENS, decode_config
 from kiln.backends.attention.forward_context import AttentionMetadata
 from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32, to_cache
 from kiln.backends.kernels import pdl
@@ -272,66 +273,6 @@ def _decode_split_kernel(
 # Each decode's (request, kv head) counts its splits' arrivals (`kiln.backends.kernels.arrivals`), in one buffer per
 # device big enough for any batch: 512 capture rows x 128 KV heads.
 MAX_ARRIVAL_SLOTS = 512 * 128
-# The most floats of partials the last split of a (request, kv head) merges (128 KB). It caps the split count where a
-# kv head has many query heads of 128 dims (Qwen2.5-7B: 7 a kv head), whose merging program would otherwise read
-# hundreds of KB in a row; models with 4 query heads a kv head are held at 32 splits by the grid first.
-MAX_MERGE_FLOATS = 32 * 1024
-# The smallest split, in tokens: one key tile of the default config (a split never takes less than the launch
-# config's key tile either: a half-filled tile costs as much as a full one).
-MIN_SPLIT_TOKENS = 64
-# Contexts up to this many tokens take one split whatever the batch: no partials to merge, which is faster for short
-# contexts at batch 1.
-UNSPLIT_TOKENS = 256
-# (TILE_N, num_warps, num_stages) of the decode kernel, from sweeps of `scripts/bench/bench_attention.py`: 2 warps beat
-# Triton's default 4 below batch 256; from 2,048 programs on a 32-key tile fits more programs an SM. Up to
-# FEW_REQUESTS requests a 128-key tile with 4 warps: with one split for a short context, a program walks its keys in
-# half as many dependent iterations.
-DECODE_CONFIG = (64, 2, 3)
-DECODE_CONFIG_FEW = (128, 4, 2)
-DECODE_CONFIG_MANY = (32, 2, 2)
-FEW_REQUESTS = 1
-
-
-def decode_num_splits(
-    num_reqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 64, merge_width: int = 0
-) -> int:
-    """The most splits that keep (requests x kv heads x splits) within one wave of the launch config: four programs
-    per SM, two for the few-request config (its 128-key tile with 4 warps fits two or three an SM, by registers and
-    shared memory); more than half of that unless one split already gives it (a second wave, with twice the
-    partials to merge, was slower at every context measured). It depends only on the batch size, so a CUDA graph
-    captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at most
-    log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the kernel's
-    `min_split_pages`). `merge_width` (`decode_merge_width`): the floats each split adds to the partials one
-    (request, kv head)'s merge reads; no more splits than keep those within MAX_MERGE_FLOATS."""
-    if merge_width:
-        max_splits = min(max_splits, max(1, MAX_MERGE_FLOATS // merge_width))
-    per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
-    splits = max(1, min(max_splits, per_sm * num_sms // (num_reqs * num_kv_heads)))
-    return 1 << (splits.bit_length() - 1)
-
-
-def decode_merge_width(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """The floats of partials a split adds to its (request, kv head)'s merge: its query heads' accumulators."""
-    return num_heads // num_kv_heads * triton.next_power_of_2(head_dim)
-
-
-def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """The split count a decode-only batch runs with: by the grid, capped by the merge's partials."""
-    width = decode_merge_width(num_heads, num_kv_heads, head_dim)
-    return decode_num_splits(num_reqs, num_kv_heads, num_sms, merge_width=width)
-
-
-def decode_config(num_programs: int, num_reqs: int, kv_bytes: int = 2) -> tuple[int, int, int]:
-    """The decode kernel's launch config for a grid of `num_programs` over `num_reqs` requests: fixed by the batch
-    size, so graph-safe. An FP8 cache (`kv_bytes` 1) keeps the tile and doubles the tiles in flight (stages - 1):
-    a tile then holds half the bytes, and as many bytes in flight as a 16-bit cache's keep the memory busy."""
-    if num_programs >= 2048:
-        tile_n, num_warps, num_stages = DECODE_CONFIG_MANY
-    else:
-        tile_n, num_warps, num_stages = DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
-    if kv_bytes == 1:
-        num_stages = 2 * num_stages - 1
-    return tile_n, num_warps, num_stages
 
 
 def split_kv_decode(
@@ -361,7 +302,7 @@ def split_kv_decode(
     num_reqs = metadata.seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
     num_programs = num_reqs * num_kv_heads * num_splits
-    tile_n, num_warps, num_stages = config or decode_config(num_programs, num_reqs, kv_cache.element_size())
+    tile_n, num_warps, num_stages = config or decode_config(num_programs, num_reqs, kv_cache.element_size(), head_dim)
     min_split_tokens = max(MIN_SPLIT_TOKENS, tile_n) if min_split_tokens is None else min_split_tokens
     lean = head_dim == head_dim_p and kv_cache[0].numel() < 2**31  # its offsets are 32-bit
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.attention import AttentionMetadata, get_attention_backend
-from kiln.backends.attention.triton_decode import decode_splits
+from kiln.backends.attention.decode_plan import decode_splits
 from kiln.backends.attention.triton_unified import unified_attention
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.compile import pin_triton_setup

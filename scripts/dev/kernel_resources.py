@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.backends.attention import decode_merge
+from kiln.backends.attention import decode_plan as plan
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
 from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_routing
@@ -114,15 +115,18 @@ def shapes(model: str) -> dict:
     )
 
 
-def decode_variants(model: str, window: int = 0, softcap: float = 0.0):
-    """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config."""
+def decode_variants(model: str, window: int = 0, softcap: float = 0.0, kv_bytes: int = 2):
+    """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config (an FP8 cache's
+    with `kv_bytes` 1)."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
     head_dim_p = triton.next_power_of_2(s["head_dim"])
     for num_splits in (1, 64):
-        for tile_n, warps, stages in (td.DECODE_CONFIG, td.DECODE_CONFIG_FEW, td.DECODE_CONFIG_MANY):
-            if num_splits > 1 and (tile_n, warps, stages) == td.DECODE_CONFIG_MANY:
+        for tile_n, warps, stages in (plan.DECODE_CONFIG, plan.DECODE_CONFIG_FEW, plan.DECODE_CONFIG_MANY):
+            if num_splits > 1 and (tile_n, warps, stages) == plan.DECODE_CONFIG_MANY:
                 continue  # never launched: it is chosen from 2,048 programs on, where decode_num_splits gives one split
+            if kv_bytes == 1:
+                tile_n, warps, stages = plan.fp8_decode_config((tile_n, warps, stages), s["head_dim"])
             constexprs = dict(
                 NUM_HEADS=s["heads"],
                 NUM_KV_HEADS=s["kv_heads"],
@@ -183,7 +187,7 @@ FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "cache_ptr": 
 def fp8_kv_variants(model: str):
     """The kernels that read and write an FP8 KV cache (`--kv-cache-dtype fp8`): decode (which writes the new token),
     prefill, and the prefill's cache write."""
-    yield from (("decode " + v, *rest, FP8_CACHE) for v, *rest in decode_variants(model))
+    yield from (("decode " + v, *rest, FP8_CACHE) for v, *rest in decode_variants(model, kv_bytes=1))
     yield from (("prefill " + v, *rest, FP8_CACHE) for v, *rest in prefill_variants(model))
     s = shapes(model)
     row = s["kv_heads"] * s["head_dim"]
@@ -382,7 +386,7 @@ FEW_SPILL_ALLOWED = 128
 
 
 def spill_allowed(family: str, variant: str) -> int:
-    few = "x".join(str(v) for v in td.DECODE_CONFIG_FEW)
+    few = "x".join(str(v) for v in plan.DECODE_CONFIG_FEW)
     return FEW_SPILL_ALLOWED if family == "decode" and variant.removesuffix("l").endswith(f", {few}") else 0
 
 

@@ -16,7 +16,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _read_kernel, decode_inputs  # noqa: E402
 
-from kiln.backends.attention.triton_decode import decode_splits, split_kv_decode  # noqa: E402
+from kiln.backends.attention.decode_plan import decode_splits  # noqa: E402
+from kiln.backends.attention.triton_decode import split_kv_decode  # noqa: E402
 from kiln.compile import pin_triton_setup  # noqa: E402
 
 READ_CONFIG = (4096, 4, 8)  # elements a block, blocks a program, warps: among the fastest on the H200

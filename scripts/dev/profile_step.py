@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel (torch.profiler), for one model and batch:
 
 python scripts/dev/profile_step.py --model llama-3.2-1b --batch 1 --top 25
+python scripts/dev/profile_step.py --model llama-3.2-1b --batch 64 --prompt-len 8192 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32, help="each request's prompt: the context decode reads")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--host", action="store_true", help="then cProfile the host side of LLM.generate")
@@ -47,7 +50,8 @@ def main() -> None:
     llm = LLM(
         args.model,
         tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=2048,
+        max_model_len=max(2048, args.prompt_len + 8 * args.steps),
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(args.batch, 8),
         gpu_memory_utilization=0.8,
         enforce_eager=args.enforce_eager,
@@ -56,8 +60,9 @@ def main() -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 1 for j in range(32)], params)
-    for _ in range(8):
+        engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
+    # the prompts' prefill steps (max_num_batched_tokens, 8,192 tokens a step), then a few decode steps
+    for _ in range(8 + args.batch * args.prompt_len // 8192):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

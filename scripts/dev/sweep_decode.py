@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_attention as ba  # noqa: E402
 
 from kiln.backends.attention import get_attention_backend  # noqa: E402
-from kiln.backends.attention.triton_decode import decode_splits, split_kv_decode  # noqa: E402
+from kiln.backends.attention.decode_plan import decode_splits  # noqa: E402
+from kiln.backends.attention.triton_decode import split_kv_decode  # noqa: E402
 from kiln.compile import pin_triton_setup  # noqa: E402
 from kiln.engine.models.presets import PRESETS  # noqa: E402
 

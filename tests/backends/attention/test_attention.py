@@ -15,17 +15,18 @@ from kiln.backends.attention import (
     get_attention_backend,
     triton_decode,
 )
-from kiln.backends.attention.triton_decode import (
+from kiln.backends.attention.decode_plan import (
     DECODE_CONFIG,
     DECODE_CONFIG_FEW,
+    DECODE_CONFIG_FP8_SMALL_HEADS,
     DECODE_CONFIG_MANY,
     FEW_REQUESTS,
     MAX_MERGE_FLOATS,
     decode_config,
     decode_merge_width,
     decode_num_splits,
-    split_kv_decode,
 )
+from kiln.backends.attention.triton_decode import split_kv_decode
 from kiln.backends.attention.triton_unified import unified_attention, write_kv
 from kiln.backends.kernels.arrivals import arrival_counts
 from kiln.engine.config import ATTENTION_BACKENDS, EngineConfig
@@ -284,7 +285,7 @@ def test_decode_config_by_grid_size():
     assert decode_config(4096, 512) == DECODE_CONFIG_MANY
     assert decode_config(512, 1) == decode_config(2047, FEW_REQUESTS) == DECODE_CONFIG_FEW != DECODE_CONFIG
     assert decode_config(512, FEW_REQUESTS + 1) == DECODE_CONFIG
-    # an FP8 cache: the same tile and warps, twice the tiles in flight
+    # an FP8 cache: the same tile and warps, twice the tiles in flight; heads of 64 or fewer their own mid-batch config
     for programs, reqs, config in (
         (512, 1, DECODE_CONFIG_FEW),
         (512, 64, DECODE_CONFIG),
@@ -292,6 +293,8 @@ def test_decode_config_by_grid_size():
     ):
         tile_n, warps, stages = decode_config(programs, reqs, kv_bytes=1)
         assert (tile_n, warps, stages - 1) == (config[0], config[1], 2 * (config[2] - 1))
+        small = decode_config(programs, reqs, kv_bytes=1, head_dim=64)
+        assert small == (DECODE_CONFIG_FP8_SMALL_HEADS if config == DECODE_CONFIG else (tile_n, warps, stages))
 
 
 def test_decode_num_splits_fills_the_gpu():
@@ -403,6 +406,24 @@ def test_split_kv_decode_with_an_fp8_cache():
         out.double().cpu(), reference_attention(q, history, query_lens, 0.125), atol=TOL, rtol=TOL
     )
     assert torch.equal(kv_cache.reshape(2, -1, 2, 64)[0, metadata.slot_mapping].float(), _fp8(k).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("num_reqs", [64, 8])
+def test_fp8_cache_decode_at_long_contexts_on_the_gpu(num_reqs):
+    """Llama-3.2-1B's heads (head_dim 64) on an FP8 cache at ~8k keys: 64 requests take one split and
+    DECODE_CONFIG_FP8_SMALL_HEADS, 8 several splits; each key read once, against the float64 reference."""
+    query_lens, context_lens = [1] * num_reqs, [8191 - 37 * i for i in range(num_reqs)]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 32, 8, 64, 16, torch.float32, "cuda"
+    )
+    kv_cache = _fp8(kv_cache)
+    history = [(_fp8(hk).float(), _fp8(hv).float()) for hk, hv in history]
+    out = torch.zeros_like(q)
+    get_attention_backend("triton").forward(q, k, v, kv_cache, metadata, 0.125, out)
+    ref = reference_attention(q, history, query_lens, 0.125)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
