@@ -250,8 +250,13 @@ def fp8_gemv_variants(model: str):
         "gate_up": (s["hidden"], "silu_mul"),
         "down": (s["inter"], ""),
     }
-    pointers = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32", "cos_ptr": "*bf16"}
-    pointers["sin_ptr"] = "*bf16"
+    pointers = {
+        "w_ptr": "*fp8e4nv",
+        "w_scale_ptr": "*fp32",
+        "in_scale_ptr": "*fp32",
+        "cos_ptr": "*bf16",
+        "sin_ptr": "*bf16",
+    }
     for (layer, (k, epilogue)), act in itertools.product(layers.items(), ("token", "static", "group")):
         blocked = act == "group"
         for ep in dict.fromkeys(("", epilogue if act == "token" else "")):
