@@ -96,8 +96,8 @@ def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> t
         f"wait {t.wait_seconds / t.steps * 1e3:.3f} ms/step, wall {long / t.steps * 1e3:.3f} ms/step",
         flush=True,
     )
-    # the prefill cancels out, in medians of three: the prefix-cached prefill of a long batch varies from one run to
-    # the next by as much as the KV cache's dtype changes its decode steps
+    # the prefill cancels out, in medians of three runs against their run-to-run noise; at long batched prompts
+    # (64 x 8k) it does not quite (the 1-step runs' prefill costs more), and profile_step's GPU time is the figure
     long = statistics.median([long, timed(DECODE_STEPS + 1), timed(DECODE_STEPS + 1)])
     step = (long - statistics.median(timed(1) for _ in range(3))) / DECODE_STEPS
     return batch / step, step_bytes(llm, batch, prompt_len) / step / PEAK_BYTES_PER_S

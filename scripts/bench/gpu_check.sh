@@ -16,8 +16,8 @@
 # LATENCY_HF_CACHE=dynamic times HF eager, as a mixture of experts must run there),
 # kernel-tests runs the kernel tests (tests/backends) on the GPU, bf16 and fp16 too, each test's result on its own line
 # (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
-# PROFILE_HOST=1 adds a cProfile of the host to a profile step (PROFILE_PROMPT=8192 its prompts' length, KV_DTYPE its cache); ATTENTION_SHAPES=64x256,1x32768 only those points of
-# `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
+# PROFILE_HOST=1 adds a cProfile of the host to a profile step (PROFILE_PROMPT=8192 its prompts' length, KV_DTYPE
+# its cache); ATTENTION_SHAPES=64x256,1x32768 only those points of `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
 # ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes, ATTENTION_WINDOW=1024 a sliding layer's decode beside
 # each point's full one.
 # Logs come back as $OUT/logs.tgz.

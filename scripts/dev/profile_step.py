@@ -61,8 +61,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"profile-{i}", [(7 * i + j) % 1000 + 1 for j in range(args.prompt_len)], params)
-    # the prompts' prefill steps (max_num_batched_tokens, 8,192 tokens a step), then a few decode steps
-    for _ in range(8 + args.batch * args.prompt_len // 8192):
+    # the prompts' prefill steps (max_num_batched_tokens a step), then a few decode steps
+    for _ in range(8 + args.batch * args.prompt_len // engine.config.max_num_batched_tokens):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
