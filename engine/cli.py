@@ -21,7 +21,8 @@ from kiln.engine.config import (
     EngineConfig,
     ServerConfig,
 )
-from kiln.engine.models.presets import DEFAULT_MODEL, PRESETS
+from kiln.engine.models.default_model import DEFAULT_MODEL
+from kiln.engine.models.presets import PRESETS
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -38,17 +39,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
-        help=f"a local Hugging Face model directory or a built-in preset ({', '.join(PRESETS)}); "
-        f"default {DEFAULT_MODEL} with dummy weights",
+        help=f"a Hugging Face Hub id (ORG/NAME), a local model directory, a GGUF file, or a preset of a real shape "
+        f"with random weights, for benchmarks ({', '.join(PRESETS)}); default {DEFAULT_MODEL}, fetched on first use",
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory or Hub id (default: the model's)")
+    parser.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--download-dir", default=None, help="where Hub models are downloaded (default: the Hugging Face cache)"
+    )
+    parser.add_argument(
+        "--gguf-file", default=None, help="the GGUF file to read from a model directory or Hub repo (e.g. a Q4_K_M)"
+    )
     parser.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     parser.add_argument(
         "--load-format",
         default=d.load_format,
         choices=LOAD_FORMATS,
-        help="dummy = random weights (presets always use them)",
+        help="auto: what the model holds; dummy: random weights of its shape (presets always use them)",
     )
     parser.add_argument(
         "--quantization",
@@ -99,6 +107,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: the model's generation_config.json sets the default temperature, top_p, top_k, "
         "min_p and repetition_penalty; vllm: the built-in defaults",
     )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="threads the engine computes with on the CPU (default: OMP_NUM_THREADS, else the cores less one, so the "
+        "API server and other processes are not fought for the cores)",
+    )
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument(
         "--cudagraph-capture-sizes",
@@ -142,14 +157,14 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     """Fill the compile cache for this model and these flags, then exit: a deployment's warm-up job."""
     from kiln.engine.core.startup import build_executor, model_memo  # noqa: PLC0415
     from kiln.engine.models.source import resolve_tokenizer_class  # noqa: PLC0415
-    from kiln.engine.text.tokenizer import tokenizer_dir  # noqa: PLC0415
+    from kiln.engine.text.tokenizer import tokenizer_dir_of  # noqa: PLC0415
 
     config = engine_config_from_args(args)
     if config.enforce_eager:
         print("kiln: error: precompile with --enforce-eager has nothing to compile", file=sys.stderr)
         return 2
     # what a warm start reads of the tokenizer too (its class, without transformers' auto classes)
-    tokenizers = tokenizer_dir(config.model, config.tokenizer)
+    tokenizers = tokenizer_dir_of(config)
     if tokenizers is not None:
         resolve_tokenizer_class(tokenizers, model_memo(config))
     # Weights do not change what is compiled: random ones skip reading the checkpoint.

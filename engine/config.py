@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import MISSING, dataclass, fields
 
-from kiln.engine.models.presets import DEFAULT_MODEL
+from kiln.engine.models.default_model import DEFAULT_MODEL
 
 DTYPES = {
     "float32": "float32",
@@ -20,7 +20,7 @@ DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
 }
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")  # auto: what the model holds (presets: dummy)
 QUANTIZATIONS = ("fp8",)  # --quantization: a 16-bit checkpoint's linear layers quantized at load
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (scaled as the checkpoint says)
 ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
@@ -29,11 +29,14 @@ CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None  # default: the model directory (or the built-in one for presets)
+    model: str = DEFAULT_MODEL  # a preset, a directory, a GGUF file or a Hub id (kiln.engine.models.model_dir)
+    tokenizer: str | None = None  # a directory or Hub id; default: the model's (or the built-in one for presets)
+    revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
+    download_dir: str | None = None  # where Hub models are kept (default: the Hugging Face cache)
+    gguf_file: str | None = None  # the GGUF file to read in a model directory or Hub repo that holds several
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available
-    load_format: str = "auto"  # auto: dummy for presets, safetensors for directories
+    load_format: str = "auto"  # auto: dummy for presets, else the checkpoint's (safetensors, pt or gguf)
     quantization: str | None = None  # fp8: quantize the linear layers at load (an FP8 checkpoint is read as it is)
     seed: int = 0
     max_model_len: int | None = None  # default: the positions (a window, on a backend without windows)
@@ -53,6 +56,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
     generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
+    cpu_threads: int | None = None  # threads a rank computes with on the CPU (default: the free cores less one)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # None where a field has a value by default: that value (vLLM reads None so)
@@ -70,6 +74,7 @@ class EngineConfig:
             "block_size",
             "kv_cache_memory_bytes",
             "tensor_parallel_size",
+            "cpu_threads",
         ):
             positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):

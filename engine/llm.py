@@ -15,12 +15,12 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.core.engine_core import EngineCore
 from kiln.engine.core.startup import model_memo
 from kiln.engine.messages import EngineCoreOutput
-from kiln.engine.models.model_dir import generation_defaults, model_dir
+from kiln.engine.models.model_dir import generation_defaults, model_dir_of
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.text.detokenizer import TextStream
-from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
+from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
 
 Prompt = str | list[int]
 
@@ -62,11 +62,11 @@ class LLM:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         # The tokenizer and generation_config.json before the model: a missing or bad one fails before the load and
         # compile
-        path = tokenizer_dir(self.config.model, self.config.tokenizer)
+        path = tokenizer_dir_of(self.config)
         tokenizer_class = None if path is None else resolve_tokenizer_class(path, model_memo(self.config))
         self.tokenizer = load_tokenizer(path, tokenizer_class)
         auto = self.config.generation_config == "auto"
-        self.sampling_defaults = generation_defaults(model_dir(self.config.model)) if auto else {}
+        self.sampling_defaults = generation_defaults(model_dir_of(self.config)) if auto else {}
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 

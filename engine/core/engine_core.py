@@ -23,7 +23,7 @@ from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output.admission import GrammarAdmission
-from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
+from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
 from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger("kiln")
@@ -49,7 +49,7 @@ class EngineCore:
         self.config = config
         # The tokenizer's class first (a missing or broken tokenizer fails before the model loads): the API server
         # reads the tokenizer with it, and grammars are compiled for that tokenizer.
-        self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
+        self.tokenizer_dir = tokenizer_dir_of(config)
         self.tokenizer_class = None
         if self.tokenizer_dir is not None:
             self.tokenizer_class = resolve_tokenizer_class(self.tokenizer_dir, model_memo(config))

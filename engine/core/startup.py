@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_r
 from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
-from kiln.engine.models.loader import build_model, init_dummy_weights, load_checkpoint
+from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
 from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
@@ -53,7 +54,7 @@ class ModelExecutor:
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
-    load_format: str  # "dummy" or "safetensors"
+    load_format: str  # "dummy", or the checkpoint's: "safetensors", "pt" or "gguf"
     shard: TensorParallelShard
     model: nn.Module
     compiled: CompiledModel | None  # None with enforce_eager
@@ -101,6 +102,17 @@ def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
     if rank > 0 and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def cpu_threads(config: EngineConfig) -> int:
+    """The threads a rank computes with on the CPU: `cpu_threads`, else OMP_NUM_THREADS where set, else the cores this
+    process may use less one (for the API server, tokenizers and the other processes a machine runs: threads that
+    outnumber free cores spin against each other and a step can take twenty times as long), shared among the ranks."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // config.tensor_parallel_size)
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
@@ -158,7 +170,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several)."""
     start = time.perf_counter()
     pin_triton_setup()  # before anything compiles
-    source = resolve_model(config.model, model_memo(config))
+    source = resolve_model(config.model, model_memo(config), config.revision, config.download_dir, config.gguf_file)
     model_config = source.model_config
     quantization = quant_config.resolve(config.quantization, model_config.quantization)
     if quantization is not None and quantization.kv_scales and not config.kv_cache_dtype.startswith("fp8"):
@@ -167,10 +179,12 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     if quantization != model_config.quantization:  # (--quantization fp8 of a 16-bit checkpoint; scales dropped)
         model_config = dataclasses.replace(model_config, quantization=quantization)
     device = resolve_device(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(config))
     dtype = resolve_dtype(config, device, source.checkpoint_dtype_name)
     load_format = config.load_format
     if load_format == "auto":
-        load_format = "dummy" if source.is_preset else "safetensors"
+        load_format = "dummy" if source.is_preset else checkpoint_format(source.model_dir)
     if source.is_preset and load_format != "dummy":
         raise ValueError(f"preset {config.model!r} has no checkpoint: use load_format='dummy'")
     backend = get_attention_backend(config.attention_backend or default_backend_name(device))
@@ -182,7 +196,9 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     counters = CompileCounters()
     compiled = None
     if not config.enforce_eager:
-        compiled = _compiled_model(config, model, model_config, dtype, device, backend, max_model_len, counters)
+        compiled = _compiled_model(
+            config, model, model_config, dtype, device, backend, max_model_len, counters, source.origin
+        )
     tp_workers = None
     if shard.size > 1 and rank == 0:
         # Rank 0 starts the other ranks once the shapes are known to split, so they load their weights alongside it.
@@ -192,7 +208,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         if load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
-            load_checkpoint(model, source.model_dir)
+            load_checkpoint(model, source.model_dir, load_format)
         load_seconds = time.perf_counter() - start
         # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
         # forms itself.
@@ -267,6 +283,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     stats = {
         "total_seconds": time.perf_counter() - start,
         "load_seconds": load_seconds,
+        "model_source": source.origin,
         "num_kv_blocks": num_blocks,
         "kv_cache_tokens": _kv_cache_tokens(config, num_blocks, kv_spec.groups.windows),
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
@@ -351,6 +368,7 @@ def _compiled_model(
     backend: AttentionBackend,
     max_model_len: int,
     counters: CompileCounters,
+    model_source: str,
 ) -> CompiledModel:
     """The model wrapped for its one trace, with its compile cache (keyed by everything that shapes the code)."""
     settings = {
@@ -359,6 +377,7 @@ def _compiled_model(
         "max_model_len": max_model_len,
         "attention_backend": backend.name,
         "tensor_parallel_size": config.tensor_parallel_size,
+        "model_source": model_source,  # (the key names where the weights came from, as start-up stats do)
     }
     key = cache_key_inputs(
         kiln_version(), model, dataclasses.asdict(model_config), dtype, device, settings, INPUT_SOURCES

@@ -1,11 +1,14 @@
-"""Build a model and fill its weights: from a local Hugging Face directory, or random ("dummy")."""
+"""Build a model and fill its weights: from a model directory (safetensors, `pytorch_model*.bin`, or the GGUF file
+a prepared directory stands for), or random ("dummy")."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +16,8 @@ from torch import nn
 
 from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.gguf_dir import gguf_file_of
+from kiln.engine.models.gguf_weights import gguf_tensors
 from kiln.engine.models.llama import LlamaForCausalLM
 from kiln.engine.models.parallel import ShardId, TensorParallelShard, checkpoint_parts, load_part
 
@@ -89,8 +94,20 @@ def _hf_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
+def checkpoint_format(model_dir: Path) -> str:
+    """What a model directory's weights are: "gguf" (a prepared GGUF directory), "safetensors", or "pt" (only
+    `pytorch_model*.bin`)."""
+    if gguf_file_of(model_dir) is not None:
+        return "gguf"
+    if (model_dir / "model.safetensors.index.json").exists() or any(model_dir.glob("*.safetensors")):
+        return "safetensors"
+    if any(model_dir.glob("pytorch_model*.bin")):
+        return "pt"
+    raise WeightLoadError(f"no weights Kiln reads in {model_dir} (*.safetensors, pytorch_model*.bin or a GGUF file)")
+
+
+def _weight_files(model_dir: Path, index_name: str, pattern: str) -> list[Path]:
+    index = model_dir / index_name
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
@@ -98,44 +115,63 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if missing:
             raise WeightLoadError(f"{index} lists shards that do not exist: {missing}")
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob(pattern))
     if not files:
-        raise WeightLoadError(f"no *.safetensors weights in {model_dir}")
+        raise WeightLoadError(f"no {pattern} weights in {model_dir}")
     return files
 
 
-@torch.no_grad()
-def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; every parameter must be filled.
+def safetensors_files(model_dir: Path) -> list[Path]:
+    return _weight_files(model_dir, "model.safetensors.index.json", "*.safetensors")
 
-    Each tensor is opened as a safetensors slice and only this rank's rows or columns are read."""
+
+def checkpoint_tensors(model_dir: Path, config: ModelConfig, load_format: str) -> Iterator[tuple[str, str, Any]]:
+    """(file, name, tensor) for each tensor of the checkpoint, one at a time: a safetensors slice (a rank reads only its
+    rows), a tensor of a memory-mapped `pytorch_model*.bin` (read with `weights_only`), or a dequantized GGUF tensor."""
+    found = checkpoint_format(model_dir)
+    if load_format not in ("auto", found):
+        raise WeightLoadError(f"{model_dir}: --load-format {load_format}, but its weights are {found}")
+    if found == "gguf":
+        gguf_file = gguf_file_of(model_dir)
+        for name, tensor in gguf_tensors(gguf_file, config):
+            yield gguf_file.name, name, tensor
+    elif found == "pt":
+        for path in _weight_files(model_dir, "pytorch_model.bin.index.json", "pytorch_model*.bin"):
+            for name, tensor in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
+                yield path.name, name, tensor
+    else:
+        for path in safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for stored in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                    yield path.name, stored, f.get_slice(stored)
+
+
+@torch.no_grad()
+def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str = "auto") -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; every parameter must be filled."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, ShardId]] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for stored in f.keys():  # noqa: SIM118  (safe_open is not a dict)
-                name = _language_model_name(stored)
-                if name is None or name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # tied to the embedding, which is loaded under its own name
-                target, shard = _target_of(model, name)
-                if target.endswith((".k_scale", ".v_scale")) and target not in params:
-                    continue  # KV cache scales with a 16-bit KV cache (startup says so)
-                if target not in params:
-                    raise WeightLoadError(f"{path.name}: tensor {name!r} has no place in {model.config.architecture}")
-                module, param_name = _owner(model, target)
-                expected = dict(checkpoint_parts(module, param_name))[shard]
-                source = f.get_slice(stored)
-                if not _shape_fits(tuple(source.get_shape()), expected):
-                    raise WeightLoadError(
-                        f"{path.name}: tensor {name!r} has shape {tuple(source.get_shape())}, expected {expected}"
-                    )
-                fp8_weight = param_name == "weight" and quantization.is_fp8(module)
-                if fp8_weight and not quantization.quantized_at_load(module) and source.get_dtype() != "F8_E4M3":
-                    raise WeightLoadError(f"{path.name}: tensor {name!r} is {source.get_dtype()}, expected F8_E4M3")
-                load_part(module, param_name, source, shard)
-                filled.add((target, shard))
+    for file_name, stored, source in checkpoint_tensors(model_dir, model.config, load_format):
+        name = _language_model_name(stored)
+        if name is None or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied to the embedding, which is loaded under its own name
+        target, shard = _target_of(model, name)
+        if target.endswith((".k_scale", ".v_scale")) and target not in params:
+            continue  # KV cache scales with a 16-bit KV cache (startup says so)
+        if target not in params:
+            raise WeightLoadError(f"{file_name}: tensor {name!r} has no place in {model.config.architecture}")
+        module, param_name = _owner(model, target)
+        expected = dict(checkpoint_parts(module, param_name))[shard]
+        shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+        if not _shape_fits(shape, expected):
+            raise WeightLoadError(f"{file_name}: tensor {name!r} has shape {shape}, expected {expected}")
+        fp8_weight = param_name == "weight" and quantization.is_fp8(module)
+        if fp8_weight and not quantization.quantized_at_load(module) and _dtype_name(source) != "F8_E4M3":
+            raise WeightLoadError(f"{file_name}: tensor {name!r} is {_dtype_name(source)}, expected F8_E4M3")
+        load_part(module, param_name, source, shard)
+        filled.add((target, shard))
     missing = [_describe(target, shard) for target, shard in _expected_parts(model) if (target, shard) not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -144,6 +180,13 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path) -> None:
         for name, param in params.items():
             if name.endswith("norm.weight"):
                 param.add_(model.config.norm_weight_offset)
+
+
+def _dtype_name(source: Any) -> str:
+    """safetensors' name of a tensor's dtype ("F8_E4M3", "BF16", ...)."""
+    if hasattr(source, "get_dtype"):
+        return source.get_dtype()
+    return {torch.float8_e4m3fn: "F8_E4M3"}.get(source.dtype, str(source.dtype).removeprefix("torch."))
 
 
 # One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py)

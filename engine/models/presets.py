@@ -1,14 +1,12 @@
 """Built-in presets: the shapes of real models, served with random ("dummy") weights.
 
-They let benchmarks and the README's first command run with no download. Their output is noise, and
-every place that uses one says so.
+They let benchmarks run a real architecture's shapes with no download. Their output is noise, and every place that
+uses one says so.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-DEFAULT_MODEL = "qwen3-0.6b"
 
 _LLAMA3_ROPE_1B = {
     "rope_type": "llama3",

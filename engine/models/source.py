@@ -1,4 +1,4 @@
-"""Resolve a `model` argument: a built-in preset name or a local Hugging Face directory.
+"""Resolve a `model` argument (a preset, a directory, a GGUF file or a Hub id: `model_dir`) to its config.
 
 What transformers makes of a model's config can be kept (`resolve_model`'s `memo`; the engine keeps it beside
 its compile cache), keyed by the config files' bytes and the code and versions that read them: a start that finds
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kiln.engine.models import config as config_module
 from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.gguf_dir import gguf_file_of
 from kiln.engine.models.model_dir import model_dir as checked_model_dir
 from kiln.engine.models.presets import PRESETS
 
@@ -51,6 +52,18 @@ class ModelSource:
     def is_preset(self) -> bool:
         return self.model_dir is None
 
+    @property
+    def origin(self) -> str:
+        """Where the weights come from, for start-up stats and the compile cache's key: "preset (dummy weights)",
+        "gguf NAME.gguf", "hub ORG/NAME@COMMIT" or "directory"."""
+        if self.model_dir is None:
+            return "preset (dummy weights)"
+        if (gguf_file := gguf_file_of(self.model_dir)) is not None:
+            return f"gguf {gguf_file.name}"
+        if self.model_dir.parent.name == "snapshots" and not Path(self.name).expanduser().exists():
+            return f"hub {self.name}@{self.model_dir.name}"
+        return "directory"
+
     @cached_property
     def hf_config(self) -> PretrainedConfig:
         """transformers' config object, read when first asked for (the engine needs only `model_config`; the
@@ -58,10 +71,17 @@ class ModelSource:
         return _hf_config(self.name, self.model_dir)
 
 
-def resolve_model(model: str, memo: Memo | None = None) -> ModelSource:
-    """The model's source and config. With a `memo`, the resolved config is read from it when kept for these config
-    files, else resolved through transformers and kept there (one that cannot be read is resolved again)."""
-    model_dir = checked_model_dir(model)
+def resolve_model(
+    model: str,
+    memo: Memo | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
+) -> ModelSource:
+    """The model's source and config (a Hub model is downloaded, a GGUF file's directory prepared, when not yet).
+    With a `memo`, the resolved config is read from it when kept for these config files, else resolved through
+    transformers and kept there (one that cannot be read is resolved again)."""
+    model_dir = checked_model_dir(model, revision, download_dir, gguf_file)
     name = f"{_memo_key(model, model_dir)}.json" if memo is not None else None
     if memo is not None and (kept := _from_memo(memo.read(name))) is not None:
         return ModelSource(model, model_dir, *kept)

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine.config import EngineConfig, ServerConfig
-from kiln.engine.models.model_dir import generation_defaults, model_dir
+from kiln.engine.models.model_dir import generation_defaults, model_dir_of
 from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
 from kiln.engine.serving.completion import (
     ServerState,
@@ -41,7 +41,7 @@ from kiln.engine.serving.responses import ServerShutdown
 from kiln.engine.serving.responses_api import ResponseShape
 from kiln.engine.serving.responses_requests import in_responses_terms, parse_responses
 from kiln.engine.serving.tool_calls import tool_parser, tool_schema_checks
-from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir
+from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
 
 logger = logging.getLogger("kiln")
 
@@ -280,8 +280,8 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
     if keys is not None:  # NOTE: before the socket opens: SIGHUP's default action would kill the server
         loop.add_signal_handler(signal.SIGHUP, keys.reload_or_keep)
         logger.info("API keys: %d loaded from %s", len(keys), server.api_keys_file)
-    tokenizer_path = tokenizer_dir(config.model, config.tokenizer)
-    defaults = generation_defaults(model_dir(config.model)) if config.generation_config == "auto" else {}
+    tokenizer_path = tokenizer_dir_of(config)
+    defaults = generation_defaults(model_dir_of(config)) if config.generation_config == "auto" else {}
     check_port_free(server.host, server.port)  # (a port in use is said now, not after minutes of start-up)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

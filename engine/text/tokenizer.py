@@ -11,10 +11,12 @@ import random
 import string
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kiln.engine.models import hub
+from kiln.engine.models.gguf_dir import gguf_model_dir
 from kiln.engine.models.model_dir import model_dir
 
 if TYPE_CHECKING:  # (transformers is imported when a tokenizer is made: an engine that never makes one skips it)
@@ -91,13 +93,30 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def tokenizer_dir(model: str, tokenizer: str | None = None) -> Path | None:
-    """Where a model's tokenizer is read from: `tokenizer` if given, else the model's directory; None for a preset
-    without one (the built-in tokenizer). Checked: a directory without tokenizer files is an error."""
-    path = Path(tokenizer).expanduser() if tokenizer else model_dir(model)
+def tokenizer_dir(
+    model: str,
+    tokenizer: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
+) -> Path | None:
+    """Where a model's tokenizer is read from: `tokenizer` if given (a directory, a GGUF file, or a Hub id whose
+    tokenizer files alone are fetched), else the model's directory (`model_dir`); None for a preset without one (the
+    built-in tokenizer). Checked: a directory without tokenizer files is an error."""
+    if tokenizer is None:
+        path = model_dir(model, revision, download_dir, gguf_file)
+    elif (local := Path(tokenizer).expanduser()).exists() or not hub.looks_like_repo_id(tokenizer):
+        path = gguf_model_dir(local) if local.suffix == ".gguf" and local.is_file() else local
+    else:
+        path = hub.download(tokenizer, download_dir=download_dir, weights=False)
     if path is not None:
         _check_tokenizer_files(path)
     return path
+
+
+def tokenizer_dir_of(config: Any) -> Path | None:
+    """`tokenizer_dir` of an `EngineConfig`."""
+    return tokenizer_dir(config.model, config.tokenizer, config.revision, config.download_dir, config.gguf_file)
 
 
 def _check_tokenizer_files(path: Path) -> None:
