@@ -330,6 +330,7 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
         reasoning_parser=server.reasoning_parser,
         parse_special_tokens=server.parse_special_tokens_in_messages,
     )
+    state.special_text  # noqa: B018 (built now, not by the first chat request's thread: it copies the tokenizer)
     raise_open_files_limit(server.limit_concurrency)
     runner = Runner(
         build_app(state, keys),

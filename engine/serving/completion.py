@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from kiln.engine.serving.reasoning import ChatReply
 from kiln.engine.serving.responses import Choice, collect, final_body, stream_response
 from kiln.engine.serving.tool_calls import ToolCallStream
 from kiln.engine.text.detokenizer import TextStream
+from kiln.engine.text.special_text import PromptTooLong, SpecialText
 
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
@@ -66,11 +66,8 @@ class ServerState:
     token_texts: dict[int, str] = field(default_factory=dict)
 
     @functools.cached_property
-    def special_pattern(self) -> re.Pattern | None:
-        """The tokenizer's special tokens' texts, longest first, as one pattern (None: it has none)."""
-        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-        specials = sorted((t.content for t in decoder.values() if t.special), key=len)[::-1]
-        return re.compile("|".join(map(re.escape, specials))) if specials else None
+    def special_text(self) -> SpecialText:
+        return SpecialText(self.tokenizer)
 
 
 # ---- tokenization (off the event loop) -----------------------------------------------------------------
@@ -113,45 +110,36 @@ def context_overflow(
 async def encode_chat(
     state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
+    """A chat's prompt token ids, rendered by the model's chat template (on a pool thread). Unless
+    --parse-special-tokens-in-messages, a special token's text anywhere in the request is its characters
+    (`special_text`): only the template's own special tokens are tokens."""
+
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
-        masked, plain = (messages, {}) if state.parse_special_tokens else _mask_special_text(state, messages)
+        nonce = None
+        if not state.parse_special_tokens:
+            try:
+                (hidden_messages, hidden_tools), nonce = state.special_text.hide((messages, tools))
+            except RecursionError:
+                raise APIError(400, "the messages or tools nest too deeply", "messages") from None
         try:
             text = state.tokenizer.apply_chat_template(
-                masked, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+                hidden_messages if nonce else messages,
+                tools=hidden_tools if nonce else tools,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as e:  # a template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        if not plain:
+        if nonce is None:
             return encode_within(state, text, "messages", False)
-        ids = []
-        for piece in re.split(f"({'|'.join(map(re.escape, plain))})", text):
-            if piece in plain:  # a special token's text that a message held: its characters, not the token
-                ids += state.tokenizer.encode(plain[piece], add_special_tokens=False, split_special_tokens=True)
-            elif piece:
-                ids += encode_within(state, piece, "messages", False)
-        return ids
+        try:
+            return state.special_text.encode(text, nonce, 32 * state.max_model_len, state.max_model_len + 16)
+        except PromptTooLong as e:
+            raise context_overflow(state, "messages", f"more than {e.num_tokens - 16}") from None
 
     return await asyncio.get_running_loop().run_in_executor(state.pool, render)
-
-
-def _mask_special_text(state: ServerState, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict]:
-    """The messages with every special token's text in their content (`<|im_end|>`, ...) swapped for a placeholder
-    no one can type, and what each placeholder stands for: a user who writes a special token's text must not open
-    or close turns. (The text around a placeholder tokenizes as it would around the token: the tokenizer splits
-    at special tokens either way.)"""
-    pattern = state.special_pattern
-    if pattern is None or not any(pattern.search(m["content"]) for m in messages):
-        return messages, {}
-    nonce = uuid.uuid4().hex
-    plain: dict[str, str] = {}
-
-    def placeholder(match: re.Match) -> str:
-        key = f"\ue000{nonce}{len(plain)}\ue001"
-        plain[key] = match.group(0)
-        return key
-
-    return [{**m, "content": pattern.sub(placeholder, m["content"])} for m in messages], plain
 
 
 async def check_structured_output(

@@ -162,10 +162,23 @@ class AsyncEngineClient:
                     q.put(failure)
 
     async def _watchdog(self) -> None:
+        """Kill an engine core that has said nothing for `engine_timeout` seconds of this loop's running time.
+
+        NOTE: the silence counts only while this event loop runs: a loop stalled by the API server's own work has
+        read nothing either, and the engine's heartbeats wait in the socket meanwhile. A stall is forgiven (and
+        logged), so the server never blames a healthy engine for its own stall."""
         loop = asyncio.get_running_loop()
+        interval = min(1.0, self.engine_timeout / 4)
         while self.alive:
-            await asyncio.sleep(min(1.0, self.engine_timeout / 4))
-            if loop.time() - self.last_heard > self.engine_timeout:
+            asleep = loop.time()
+            await asyncio.sleep(interval)
+            now = loop.time()
+            stalled = now - asleep - interval
+            if stalled > interval:
+                logger.warning("the API server's event loop stalled for %.1f s", stalled)
+                self.last_heard += stalled  # (the output loop reads what waited in the socket next)
+                continue
+            if now - self.last_heard > self.engine_timeout:
                 logger.error("the engine core has not answered for %.0f s; killing it", self.engine_timeout)
                 self.death = f"the engine core stopped answering for {self.engine_timeout:g} s and was killed"
                 self.process.kill()  # its wait then fails every open request

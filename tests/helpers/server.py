@@ -34,8 +34,9 @@ def free_port() -> int:
 
 class Server:
     """`kiln serve MODEL_DIR --enforce-eager --max-model-len 128` on a free port, started and healthy. `fault_token`: a
-    step of the engine core fails when a prompt holds this token id; `slow_token`: such a step first sleeps
-    (TEST_SLOW_SECONDS in `env`, default 5) (`fault_injection/sitecustomize.py`)."""
+        step of the engine core fails when a prompt holds this token id; `slow_token`: such a step first sleeps
+        (TEST_SLOW_SECONDS in `env`, default 5); `stall_seconds`: POST /tokenize with an `X-Test-Stall` header blocks the
+    API server's event loop that long (`fault_injection/sitecustomize.py`)."""
 
     def __init__(
         self,
@@ -45,15 +46,18 @@ class Server:
         env: dict[str, str] | None = None,
         fault_token: int | None = None,
         slow_token: int | None = None,
+        stall_seconds: float | None = None,
     ) -> None:
         env = dict(env or {})
-        if fault_token is not None or slow_token is not None:
+        if fault_token is not None or slow_token is not None or stall_seconds is not None:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = str(FAULT_INJECTION) + (os.pathsep + path if path else "")
         if fault_token is not None:
             env["TEST_FAULT_TOKEN"] = str(fault_token)
         if slow_token is not None:
             env["TEST_SLOW_TOKEN"] = str(slow_token)
+        if stall_seconds is not None:
+            env["TEST_STALL_SECONDS"] = str(stall_seconds)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -190,3 +191,33 @@ def test_a_constrained_stream_opens_only_after_the_engines_first_word():
         assert len(await internal.take_all()) == 1
 
     asyncio.run(run())
+
+
+def test_the_watchdog_counts_an_engines_silence_only_while_the_loop_runs():
+    """A stall of the API server's own event loop (here 1.5 s against a 0.4 s engine timeout, with no word from the
+    engine) is not the engine's silence: the watchdog forgives it; silence in a running loop past the timeout
+    still kills the engine."""
+    from kiln.engine.serving.engine_client import AsyncEngineClient
+
+    class Process:
+        killed_at: float | None = None
+
+        def kill(self) -> None:
+            self.killed_at = time.monotonic()
+
+    async def scenario() -> tuple[float, float | None]:
+        client = AsyncEngineClient.__new__(AsyncEngineClient)
+        client.engine_timeout, client.alive, client.death, client.process = 0.4, True, None, Process()
+        client.last_heard = asyncio.get_running_loop().time()
+        watchdog = asyncio.create_task(client._watchdog())
+        await asyncio.sleep(0.05)
+        time.sleep(1.5)  # NOTE: blocks the loop, as a handler doing heavy work on it would
+        stalled_until = time.monotonic()
+        await asyncio.sleep(0.2)
+        assert client.process.killed_at is None  # the stall was forgiven
+        await asyncio.wait_for(watchdog, 5)  # the engine stays silent: it is killed, a timeout later
+        return stalled_until, client.process.killed_at
+
+    stalled_until, killed_at = asyncio.run(scenario())
+    # the silence before the stall (0.05 s) counts, the stall does not
+    assert killed_at is not None and killed_at - stalled_until >= 0.3

@@ -1,10 +1,12 @@
 """Test-only fault injection for processes the tests cannot monkeypatch (a server's engine core): with
 TEST_FAULT_TOKEN=N set and this folder on PYTHONPATH (`helpers.server.Server(fault_token=N)`), Python loads this
 module at start-up in every process, and a model-runner step fails when a request's prompt holds token id N; with
-TEST_SLOW_TOKEN=M (`slow_token=M`), a step holding token id M first sleeps TEST_SLOW_SECONDS (a long prefill).
+TEST_SLOW_TOKEN=M (`slow_token=M`), a step holding token id M first sleeps TEST_SLOW_SECONDS (a long prefill); with
+TEST_STALL_SECONDS=S (`stall_seconds=S`), the API server's POST /tokenize with an `X-Test-Stall` header sleeps S seconds
+on its event loop (a stall of the server's own).
 
-The patch is made when `kiln.engine.worker.model_runner` is first imported (never before: the API-server process,
-which never imports it, stays as it is)."""
+Each patch is made when its module is first imported (never before: the API-server process, which never imports the
+model runner, stays as it is, and the engine core never imports the API server)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import os
 import sys
 import time
 
-TARGET = "kiln.engine.worker.model_runner"
+RUNNER = "kiln.engine.worker.model_runner"
+API_SERVER = "kiln.engine.serving.api_server"
 
 
 def failing_launch(launch, token: int):
@@ -39,7 +42,21 @@ def slow_launch(launch, token: int, seconds: float):
     return launch_slowly
 
 
+def stalling_tokenize(tokenize, seconds: float):
+    """The API server's `_tokenize` handler, first blocking its event loop `seconds` for a request marked so."""
+
+    async def tokenize_or_stall(request):
+        if request.headers.get("X-Test-Stall"):
+            time.sleep(seconds)  # NOTE: on the event loop, on purpose: nothing else in the server runs meanwhile
+        return await tokenize(request)
+
+    return tokenize_or_stall
+
+
 def _patch(module) -> None:
+    if module.__name__ == API_SERVER:
+        module._tokenize = stalling_tokenize(module._tokenize, float(os.environ["TEST_STALL_SECONDS"]))
+        return
     if os.environ.get("TEST_FAULT_TOKEN"):
         module.ModelRunner.launch = failing_launch(module.ModelRunner.launch, int(os.environ["TEST_FAULT_TOKEN"]))
     if os.environ.get("TEST_SLOW_TOKEN"):
@@ -48,8 +65,11 @@ def _patch(module) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)  # find the real module below this finder, once
         spec = importlib.util.find_spec(name)
@@ -64,4 +84,6 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 if os.environ.get("TEST_FAULT_TOKEN") or os.environ.get("TEST_SLOW_TOKEN"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.meta_path.insert(0, _PatchOnImport(RUNNER))
+if os.environ.get("TEST_STALL_SECONDS"):
+    sys.meta_path.insert(0, _PatchOnImport(API_SERVER))
