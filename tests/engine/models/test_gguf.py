@@ -1,0 +1,88 @@
+"""GGUF files of several tensor types and layouts, written with the `gguf` package's writer (tests/helpers/gguf_files),
+load equal to transformers' own load of the same file: greedy tokens and log-probabilities in float32.
+
+A float32 Llama file is also compared with the Hugging Face model it was written from, which checks the names and the
+undoing of llama.cpp's q/k row order against the original rather than against another reader of the file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+
+from helpers.gguf_files import T, make_hf_model, write_gguf
+from helpers.models import assert_greedy_matches_hf
+
+MAX_TOKENS = 8
+TOL = 1e-3
+PROMPTS = [[1, 17, 250, 33, 9, 101, 77, 5, 300, 2, 41, 42, 43], [500, 3, 3, 3, 64, 128, 256, 9]]
+
+CASES = {
+    "llama-F32": ("llama", {}, T.F32),
+    "llama-F16": ("llama", {}, T.F16),
+    "llama-Q8_0": ("llama", {}, T.Q8_0),
+    "llama-Q4_K-Q6_K": ("llama", {"ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q8_0}, T.Q4_K),
+    "qwen3-Q8_0-Q4_K": ("qwen3", {"ffn": T.Q4_K}, T.Q8_0),
+    "gemma3-Q6_K-F16": ("gemma3", {"attn": T.F16}, T.Q6_K),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return {arch: make_hf_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen3", "gemma3")}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, hf_dirs, tmp_path_factory):
+    arch, types, default = CASES[request.param]
+    out = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
+    return arch, hf_dirs[arch], write_gguf(hf_dirs[arch], out, arch, types, default)
+
+
+def generate(path, **kwargs):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    with LLM(str(path), max_model_len=128, num_kv_blocks=32, **kwargs) as llm:
+        return llm.generate(PROMPTS, params, use_tqdm=False), llm
+
+
+def test_loads_equal_to_transformers_load_of_the_file(case):
+    arch, _, path = case
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    outputs, llm = generate(path, enforce_eager=True)
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, TOL)
+    assert llm.engine.startup_stats["model_source"] == f"gguf {path.name}"
+
+
+def test_float32_llama_file_equals_the_model_it_was_written_from(hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs["llama"], tmp_path / "tiny.gguf", "llama", {}, T.F32)
+    original = AutoModelForCausalLM.from_pretrained(hf_dirs["llama"], dtype=torch.float32).eval()
+    outputs, _ = generate(path, enforce_eager=True)
+    assert_greedy_matches_hf(original, PROMPTS, outputs, MAX_TOKENS, TOL)
+
+
+def test_compiled_and_fp8(case):
+    """The compiled path reads the same weights; `--quantization fp8` quantizes the dequantized tensors at load."""
+    arch, _, path = case
+    if arch != "llama" or "Q4_K" not in path.name:
+        pytest.skip("one file is enough for the compiled and FP8 paths")
+    eager, _ = generate(path, enforce_eager=True)
+    compiled, _ = generate(path)
+    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+    fp8, llm = generate(path, enforce_eager=True, quantization="fp8")
+    assert llm.engine.startup_stats["quantization"] is not None
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in fp8)
+
+
+def test_an_architecture_kiln_does_not_serve_is_named(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'bloom' is not one Kiln serves"):
+        LLM(str(tmp_path / "bloom.gguf"))
