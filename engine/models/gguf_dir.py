@@ -37,6 +37,12 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
 }
 _MISTRAL = "MistralForCausalLM"
+# Sizes the metadata gives that transformers' reader leaves at its config class's default for some architectures
+_SIZES = {
+    "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
 
 
 def gguf_architecture(path: Path) -> str:
@@ -87,17 +93,17 @@ def gguf_file_of(model_dir: Path) -> Path | None:
 
 def _prepare(path: Path, out: Path) -> None:
     """Write the directory (in the child process): transformers' config and tokenizer of the file, the config's
-    class, and the head size where the metadata gives it (transformers keeps its config class's default for
-    some architectures)."""
+    class, and the sizes of `_SIZES` where the metadata gives them."""
     import gguf  # noqa: PLC0415
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
 
     arch = gguf_architecture(path)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config.architectures = [_MISTRAL if config.model_type == "mistral" else ARCHITECTURES[arch]]
-    key_length = gguf.GGUFReader(str(path)).fields.get(f"{arch}.attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length.contents())
+    fields = gguf.GGUFReader(str(path)).fields
+    for key, attribute in _SIZES.items():
+        if (field := fields.get(f"{arch}.{key}")) is not None:
+            setattr(config, attribute, int(field.contents()))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     staging = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

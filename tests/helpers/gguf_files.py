@@ -10,6 +10,7 @@ loads of one file, whatever the values).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -38,13 +39,30 @@ _GEMMA_LAYER = {
     "pre_feedforward_layernorm": M.FFN_NORM,
     "post_feedforward_layernorm": M.FFN_POST_NORM,
 }
+_LAYER |= {
+    "mlp.gate": M.FFN_GATE_INP,
+    "mlp.shared_expert.gate_proj": M.FFN_GATE_SHEXP,
+    "mlp.shared_expert.up_proj": M.FFN_UP_SHEXP,
+    "mlp.shared_expert.down_proj": M.FFN_DOWN_SHEXP,
+    "mlp.shared_expert_gate": M.FFN_GATE_INP_SHEXP,
+}
 _GLOBAL = {"model.embed_tokens": M.TOKEN_EMBD, "model.norm": M.OUTPUT_NORM, "lm_head": M.OUTPUT}
+_EXPERTS = {"gate_proj": M.FFN_GATE_EXP, "up_proj": M.FFN_UP_EXP, "down_proj": M.FFN_DOWN_EXP}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def tiny_config(arch: str):
     """A tiny config whose every field a GGUF file carries (or transformers' GGUF reader defaults to the same value):
     rows of 256 columns, the k-quants' block."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     shape = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, rms_norm_eps=1e-6)
     shape |= dict(max_position_embeddings=512, bos_token_id=0, eos_token_id=511, initializer_range=0.1)
@@ -54,6 +72,19 @@ def tiny_config(arch: str):
         return Qwen3Config(
             **shape, num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=True
         )
+    if arch == "qwen2":
+        return Qwen2Config(**shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    # (transformers reads no expert sizes from a file: its config classes' defaults are what it keeps)
+    if arch == "qwen3moe":
+        heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+        return Qwen3MoeConfig(**shape, **heads, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "qwen2moe":
+        return Qwen2MoeConfig(
+            **shape, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2
+        )
+    if arch == "gemma2":
+        heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256)
+        return Gemma2Config(**shape, **heads, sliding_window=8)
     if arch == "gemma3":
         return Gemma3TextConfig(
             **shape,
@@ -79,7 +110,11 @@ def make_hf_model(path: Path, arch: str) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(torch.randn_like(p) * 0.2 + (0.0 if arch == "gemma3" else 1.0))
+                p.copy_(torch.randn_like(p) * 0.2 + (0.0 if arch.startswith("gemma") else 1.0))
+            elif name.endswith("bias"):  # (zero at init)
+                p.normal_(0, 0.2)
+            elif name.endswith("mlp.gate.weight"):  # decisive routers: a near-tie says nothing about the loader
+                p.mul_(4.0)
     model.save_pretrained(path, safe_serialization=True)
     builtin_tokenizer(config.vocab_size).save_pretrained(path)
     return path
@@ -95,8 +130,12 @@ def write_gguf(model_dir: Path, out: Path, arch: str, types: dict[str, T], defau
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, arch, config)
     _write_tokenizer(writer, model_dir, config)
-    layer_names = _GEMMA_LAYER if arch == "gemma3" else _LAYER
+    layer_names = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
+        if match := _EXPERT.fullmatch(name):
+            experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = tensor.float().numpy()
+            continue
         base, _, suffix = name.rpartition(".")
         local = None
         if base.startswith("model.layers."):
@@ -108,15 +147,24 @@ def write_gguf(model_dir: Path, out: Path, arch: str, types: dict[str, T], defau
         if arch == "llama" and local in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config["num_attention_heads"] if local.endswith("q_proj") else config["num_key_value_heads"]
             data = _permute(data, heads)
-        if arch == "gemma3" and base.endswith("norm"):
+        if arch.startswith("gemma") and base.endswith("norm"):
             data = data + 1.0
-        kind = T.F32 if data.ndim == 1 else next((t for key, t in types.items() if key in gguf_name), default)
-        _add(writer, f"{gguf_name}.{suffix}", data, kind)
+        if base.endswith("shared_expert_gate"):
+            data = data[0]  # (llama.cpp writes the one row as a vector)
+        _add(writer, f"{gguf_name}.{suffix}", data, _type_of(gguf_name, data, types, default))
+    for (layer, proj), by_expert in sorted(experts.items()):  # stacked [experts, out, in], as llama.cpp stores them
+        gguf_name = gguf.TENSOR_NAMES[_EXPERTS[proj]].format(bid=layer)
+        data = np.stack([by_expert[e] for e in sorted(by_expert)])
+        _add(writer, f"{gguf_name}.weight", data, _type_of(gguf_name, data, types, default))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _type_of(gguf_name: str, data: np.ndarray, types: dict[str, T], default: T) -> T:
+    return T.F32 if data.ndim == 1 else next((t for key, t in types.items() if key in gguf_name), default)
 
 
 def _write_metadata(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
@@ -136,6 +184,17 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gemma2":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
+        writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
         local = (rope.get("sliding_attention") or {}).get("rope_theta")
@@ -186,12 +245,12 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, kind: T) -> None:
 def _random_kquant(shape: tuple[int, ...], kind: T) -> np.ndarray:
     """Random blocks of a k-quant with small finite float16 scales (d and dmin): weights of about 0.05."""
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    rows, columns = shape
-    rng = np.random.default_rng(rows * 7919 + columns * 31 + int(kind))
-    blocks = rng.integers(0, 256, size=(rows, columns // block_values, block_bytes), dtype=np.uint8)
+    *rows, columns = shape
+    rng = np.random.default_rng(sum(rows) * 7919 + columns * 31 + int(kind))
+    blocks = rng.integers(0, 256, size=(*rows, columns // block_values, block_bytes), dtype=np.uint8)
     if kind == T.Q4_K:  # d, dmin lead the block
         blocks[..., 0:2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
         blocks[..., 2:4] = np.frombuffer(np.float16(5e-5).tobytes(), np.uint8)
     else:  # Q6_K: d ends the block
         blocks[..., -2:] = np.frombuffer(np.float16(2e-5).tobytes(), np.uint8)
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(*rows, -1)

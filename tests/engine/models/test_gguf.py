@@ -26,12 +26,17 @@ CASES = {
     "llama-Q4_K-Q6_K": ("llama", {"ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q8_0}, T.Q4_K),
     "qwen3-Q8_0-Q4_K": ("qwen3", {"ffn": T.Q4_K}, T.Q8_0),
     "gemma3-Q6_K-F16": ("gemma3", {"attn": T.F16}, T.Q6_K),
+    "gemma2-Q8_0": ("gemma2", {}, T.Q8_0),
+    "qwen2-Q8_0": ("qwen2", {}, T.Q8_0),
+    "qwen3moe-Q8_0-Q4_K": ("qwen3moe", {"exps": T.Q4_K}, T.Q8_0),
+    "qwen2moe-F16-Q6_K": ("qwen2moe", {"shexp": T.Q6_K}, T.F16),
 }
+ARCHITECTURES = sorted({arch for arch, _, _ in CASES.values()})
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    return {arch: make_hf_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen3", "gemma3")}
+    return {arch: make_hf_model(tmp_path_factory.mktemp(arch), arch) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -62,11 +67,10 @@ def test_float32_llama_file_equals_the_model_it_was_written_from(hf_dirs, tmp_pa
     assert_greedy_matches_hf(original, PROMPTS, outputs, MAX_TOKENS, TOL)
 
 
-def test_compiled_and_fp8(case):
+def test_compiled_and_fp8(hf_dirs, tmp_path):
     """The compiled path reads the same weights; `--quantization fp8` quantizes the dequantized tensors at load."""
-    arch, _, path = case
-    if arch != "llama" or "Q4_K" not in path.name:
-        pytest.skip("one file is enough for the compiled and FP8 paths")
+    arch, types, default = CASES["llama-Q4_K-Q6_K"]
+    path = write_gguf(hf_dirs[arch], tmp_path / "tiny.gguf", arch, types, default)
     eager, _ = generate(path, enforce_eager=True)
     compiled, _ = generate(path)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
