@@ -64,7 +64,10 @@ def _check_float(name: str, value: Any, low: float, high: float, allowed: str) -
     """A finite real in [low, high]; callers with an open bound check it themselves."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         _fail(name, value, allowed)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past a float's range (JSON's `1` and 400 zeros)
+        _fail(name, value, allowed)
     if not math.isfinite(value) or not low <= value <= high:
         _fail(name, value, allowed)
     return value

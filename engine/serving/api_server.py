@@ -37,7 +37,7 @@ from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.reasoning import REASONING_PARSERS
 from kiln.engine.serving.request_body import MAX_BODY_BYTES, read_json
-from kiln.engine.serving.responses import ServerShutdown
+from kiln.engine.serving.responses import STREAM, ServerShutdown
 from kiln.engine.serving.responses_api import ResponseShape
 from kiln.engine.serving.responses_requests import in_responses_terms, parse_responses
 from kiln.engine.serving.tool_calls import tool_parser, tool_schema_checks
@@ -71,9 +71,13 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
+    """Errors as OpenAI error objects. NOTE: once a stream has begun (`responses.sse_response`, which ends it with
+    an error event itself) an error after it is only logged: a second response would land inside the stream."""
     try:
         return await handler(request)
     except APIError as e:
+        if (stream := request.get(STREAM)) is not None:
+            return stream
         return error_response(e)
     except web.HTTPRequestEntityTooLarge:
         return error_response(APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes"))
@@ -86,6 +90,8 @@ async def errors_middleware(request: web.Request, handler):
         raise
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
+        if (stream := request.get(STREAM)) is not None:
+            return stream
         return error_response(APIError(500, "internal server error", type_="internal_error"))
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from kiln.engine.serving.api_errors import APIError, check_field
+from kiln.engine.serving.request_body import nested_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's ("function": its old tool role)
 
@@ -48,8 +48,8 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)  # as templates render them: an object, not its JSON text
-        except (ValueError, RecursionError):
+            arguments = nested_json(arguments)  # as templates render them: an object, not its JSON text
+        except ValueError:
             arguments = None
     if not isinstance(name, str) or not isinstance(arguments, dict):
         raise APIError(

@@ -7,13 +7,13 @@ named, in OpenAI's error shape; nothing here may raise anything else on bad inpu
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from kiln.engine.serving.api_errors import APIError, check_field
 from kiln.engine.serving.chat_messages import chat_message, tools_and_choice
+from kiln.engine.serving.request_body import nested_json
 
 __all__ = ["APIError", "ParsedRequest", "parse_chat", "parse_completion"]
 
@@ -80,7 +80,7 @@ def _sampling_params(
         return SamplingParams(**kwargs), constraint_param
     except (ValueError, TypeError) as e:
         message = str(e)
-        param = message.split()[0].strip("'`:") if message else None
+        param = message.split()[0].strip("'`:").split("[")[0] if message else None  # (logit_bias[5]: logit_bias)
         raise APIError(400, message, param if param in kwargs else None) from None
 
 
@@ -112,8 +112,8 @@ def _structured_output(body: dict[str, Any]) -> tuple[StructuredOutputParams | N
     guided_json = check_field(body, "guided_json", (dict, str))
     if isinstance(guided_json, str):
         try:
-            guided_json = json.loads(guided_json)
-        except (ValueError, RecursionError):
+            guided_json = nested_json(guided_json)
+        except ValueError:
             guided_json = None
         if not isinstance(guided_json, dict):
             raise APIError(400, "'guided_json' must be a JSON schema: an object, or its JSON text", "guided_json")

@@ -70,3 +70,19 @@ def _parsed(raw: bytes) -> Any:
         except (UnicodeEncodeError, RecursionError):
             raise APIError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
     return body
+
+
+def nested_json(text: str) -> Any:
+    """JSON held in one of the body's strings (a past tool call's arguments, `guided_json`), held to the body's own
+    rules. Raises ValueError when it is not JSON, nests past the parser's limit, or holds a lone UTF-16 surrogate
+    (`"\\ud800"` escaped inside the string: the body's check cannot see it, and the tokenizer cannot take it)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None
+    if "\\u" in text:  # (a surrogate can come only from an escape)
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except (UnicodeEncodeError, RecursionError):
+            raise ValueError("it holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from kiln.engine.text.detokenizer import TextStream
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
     from kiln.engine.serving.completion import ServerState
+
+logger = logging.getLogger("kiln")
+STREAM = "kiln.stream"  # a request's SSE response once it has begun: nothing else may be sent for it
 
 
 @dataclass
@@ -143,11 +147,13 @@ async def sse_response(
     error_frame: Callable[[APIError], bytes],
     last_frame: bytes = b"",
 ) -> web.StreamResponse:
-    """An SSE stream of `frames`; an APIError midway is sent as `error_frame(error)` and ends it, then `last_frame`.
+    """An SSE stream of `frames`; an error midway is sent as `error_frame(error)` and ends it (any exception but an
+    APIError as a 500: the stream has begun, so no second response can say it), then `last_frame`, always.
     NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout seconds it is
     dropped (and its request aborted) instead of holding a seat forever."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    request[STREAM] = response
     watch = WriteWatch(state.write_timeout)
     try:
         try:
@@ -155,6 +161,11 @@ async def sse_response(
                 await watch.run(response.write(frame))
         except APIError as e:
             await watch.run(response.write(error_frame(e)))
+        except (asyncio.CancelledError, TimeoutError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("unhandled error in the stream of %s %s", request.method, request.path)
+            await watch.run(response.write(error_frame(APIError(500, "internal server error", type_="internal_error"))))
         if last_frame:
             await watch.run(response.write(last_frame))
         await watch.run(response.write_eof())

@@ -32,6 +32,7 @@ def tool_parser(parsed: ParsedRequest, auto_parser: str | None) -> ToolParser | 
         if auto_parser is None:
             raise APIError(400, AUTO_NEEDS_FLAGS, "tool_choice")
         parser = PARSERS[auto_parser]()
+        parser.offered = frozenset(t["function"]["name"] for t in parsed.tools)
         if parser.needs_special_tokens:
             parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
         return parser
@@ -52,9 +53,17 @@ def tool_parser(parsed: ParsedRequest, auto_parser: str | None) -> ToolParser | 
     else:
         schema = _parameters(functions[parsed.tool_function])
         parser = NamedParser(parsed.tool_function)
-    parsed.params = dataclasses.replace(parsed.params, structured_output=StructuredOutputParams(json=schema))
+    parsed.params = dataclasses.replace(parsed.params, structured_output=_constraint(schema))
     parsed.constraint_param = "tools"
     return parser
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputParams:
+    """A tool schema as a constraint: one past the constraint size limit (or the like) is a 400 naming `tools`."""
+    try:
+        return StructuredOutputParams(json=schema)
+    except ValueError as e:
+        raise APIError(400, str(e).replace("structured_output.json", "a tool's parameters schema"), "tools") from None
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +84,7 @@ def tool_schema_checks(parsed: ParsedRequest) -> list[StructuredOutputParams]:
     if parsed.tools is None:
         return []
     schemas = [t["function"].get("parameters") for t in parsed.tools]
-    return [StructuredOutputParams(json=schema) for schema in schemas if schema is not None]
+    return [_constraint(schema) for schema in schemas if schema is not None]
 
 
 def call_id() -> str:

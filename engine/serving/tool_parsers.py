@@ -41,11 +41,19 @@ class ToolParser:
     name = ""
     # the markup holds special tokens, which a detokenizer skipping them would drop
     needs_special_tokens = False
+    offered: frozenset[str] | None = None  # the request's tools' names: a call to any other is not a call
 
     def scan(self, text: str, final: bool) -> Scan:
+        """What of `text` is content and which calls it holds. NOTE: the text is the model's, so anything at all:
+        markup this parser cannot take (a Python set or bytes as an argument, a name no tool has) is content,
+        never an error of the request."""
         try:
-            return self._scan(text, final)
-        except (Malformed, ValueError, RecursionError, SyntaxError):
+            scan = self._scan(text, final)
+            for call in scan.calls:
+                if call.name is not None and self.offered is not None and call.name not in self.offered:
+                    raise Malformed("a call to a tool that was not offered")
+            return scan
+        except (Malformed, ValueError, TypeError, RecursionError, SyntaxError, MemoryError):
             if final:
                 return Scan(text)
             return Scan(self._content_before_markup(text))
@@ -224,7 +232,8 @@ class PythonicParser(ToolParser):
         if not isinstance(node.func, ast.Name) or node.args:
             raise Malformed("a call by name with keyword arguments")
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
-        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False), True)
+        # (a set or bytes is a TypeError, an infinity a ValueError: JSON has neither)
+        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False), True)
 
     def _partial(self, body: str) -> list[PartialCall]:
         """The calls so far: each finished one whole, the one being written by its name."""

@@ -34,9 +34,10 @@ def free_port() -> int:
 
 class Server:
     """`kiln serve MODEL_DIR --enforce-eager --max-model-len 128` on a free port, started and healthy. `fault_token`: a
-        step of the engine core fails when a prompt holds this token id; `slow_token`: such a step first sleeps
-        (TEST_SLOW_SECONDS in `env`, default 5); `stall_seconds`: POST /tokenize with an `X-Test-Stall` header blocks the
-    API server's event loop that long (`fault_injection/sitecustomize.py`)."""
+    step of the engine core fails when a prompt holds this token id; `slow_token`: such a step first sleeps
+    (TEST_SLOW_SECONDS in `env`, default 5); `stall_seconds`: POST /tokenize with an `X-Test-Stall` header blocks the
+    API server's event loop that long; `server_fault_token`: the API server raises a bug of its own when a request is
+    handed that token id (`fault_injection/sitecustomize.py`)."""
 
     def __init__(
         self,
@@ -47,9 +48,11 @@ class Server:
         fault_token: int | None = None,
         slow_token: int | None = None,
         stall_seconds: float | None = None,
+        server_fault_token: int | None = None,
     ) -> None:
         env = dict(env or {})
-        if fault_token is not None or slow_token is not None or stall_seconds is not None:
+        hooks = (fault_token, slow_token, stall_seconds, server_fault_token)
+        if any(hook is not None for hook in hooks):
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = str(FAULT_INJECTION) + (os.pathsep + path if path else "")
         if fault_token is not None:
@@ -58,6 +61,8 @@ class Server:
             env["TEST_SLOW_TOKEN"] = str(slow_token)
         if stall_seconds is not None:
             env["TEST_STALL_SECONDS"] = str(stall_seconds)
+        if server_fault_token is not None:
+            env["TEST_SERVER_FAULT_TOKEN"] = str(server_fault_token)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)

@@ -3,7 +3,8 @@ TEST_FAULT_TOKEN=N set and this folder on PYTHONPATH (`helpers.server.Server(fau
 module at start-up in every process, and a model-runner step fails when a request's prompt holds token id N; with
 TEST_SLOW_TOKEN=M (`slow_token=M`), a step holding token id M first sleeps TEST_SLOW_SECONDS (a long prefill); with
 TEST_STALL_SECONDS=S (`stall_seconds=S`), the API server's POST /tokenize with an `X-Test-Stall` header sleeps S seconds
-on its event loop (a stall of the server's own).
+on its event loop (a stall of the server's own); with TEST_SERVER_FAULT_TOKEN=K (`server_fault_token=K`), the API server
+raises a plain exception (a bug of its own) when a request is handed token id K.
 
 Each patch is made when its module is first imported (never before: the API-server process, which never imports the
 model runner, stays as it is, and the engine core never imports the API server)."""
@@ -18,6 +19,7 @@ import time
 
 RUNNER = "kiln.engine.worker.model_runner"
 API_SERVER = "kiln.engine.serving.api_server"
+RESPONSES = "kiln.engine.serving.responses"
 
 
 def failing_launch(launch, token: int):
@@ -53,7 +55,21 @@ def stalling_tokenize(tokenize, seconds: float):
     return tokenize_or_stall
 
 
+def failing_apply_output(apply_output, token: int):
+    """The API server's `responses.apply_output`, raising a RuntimeError when an output holds `token`."""
+
+    def apply_or_fail(state, choice, out):
+        if token in out.new_token_ids:
+            raise RuntimeError("injected fault (TEST_SERVER_FAULT_TOKEN)")
+        return apply_output(state, choice, out)
+
+    return apply_or_fail
+
+
 def _patch(module) -> None:
+    if module.__name__ == RESPONSES:
+        module.apply_output = failing_apply_output(module.apply_output, int(os.environ["TEST_SERVER_FAULT_TOKEN"]))
+        return
     if module.__name__ == API_SERVER:
         module._tokenize = stalling_tokenize(module._tokenize, float(os.environ["TEST_STALL_SECONDS"]))
         return
@@ -87,3 +103,5 @@ if os.environ.get("TEST_FAULT_TOKEN") or os.environ.get("TEST_SLOW_TOKEN"):
     sys.meta_path.insert(0, _PatchOnImport(RUNNER))
 if os.environ.get("TEST_STALL_SECONDS"):
     sys.meta_path.insert(0, _PatchOnImport(API_SERVER))
+if os.environ.get("TEST_SERVER_FAULT_TOKEN"):
+    sys.meta_path.insert(0, _PatchOnImport(RESPONSES))
