@@ -257,12 +257,12 @@ async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: d
     key and the parsers its reply is read with. `max_tokens`: what the body asked for, as the key's cap sees it."""
     check_model(state, body)
     check_sequences(state, parsed)
-    parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
     key = request.get(KEY)
+    if key:
+        key.check_seat()  # (limits first: a key at its limits costs no schema check and no tokenizing)
+    parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
     for schema in tool_schema_checks(parsed):
         await check_structured_output(state, schema, "tools", key)
-    if key:
-        key.check_seat()  # (before tokenizing)
     prompt = await encode_chat(state, parsed.messages, parsed.tools)
     if key:
         key.apply_max_tokens(parsed, {"max_tokens": max_tokens}, room=state.max_model_len - len(prompt))

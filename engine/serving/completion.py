@@ -237,6 +237,10 @@ async def run_request(
             state, params.structured_output, parsed.constraint_param or "response_format", key
         )
 
+    if key is not None:
+        room = state.max_model_len - max(len(ids) for ids in prompts)
+        key.fit_max_tokens(parsed, sum(len(p) for p in prompts) * params.n, len(prompts) * params.n, room)
+        params = parsed.params
     base = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     queue = Inbox()
