@@ -45,7 +45,8 @@ _LAYER = {
 _GEMMA_LAYER = {**_LAYER, T.FFN_NORM: "pre_feedforward_layernorm"}
 # stacked experts [num_experts, out, in], split into the per-expert tensors Kiln's loader takes
 _EXPERTS = {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj", T.FFN_DOWN_EXP: "down_proj"}
-_PERMUTED = ("llama",)  # the architectures whose q and k rows llama.cpp permutes
+_PERMUTED = ("llama",)
+_CHUNK_ROWS = 1024  # rows dequantized at once  # the architectures whose q and k rows llama.cpp permutes
 
 
 def hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -72,7 +73,7 @@ def gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
         hf = names[base]
         if hf is None:
             continue
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = _dequantize(tensor)
         if arch in _PERMUTED and hf.endswith(("q_proj", "k_proj")):
             heads = config.num_heads if hf.endswith("q_proj") else config.num_kv_heads
             weights = _unpermute(weights, heads)
@@ -80,12 +81,29 @@ def gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.T
             weights = weights - 1.0
         if hf.endswith("shared_expert_gate") and weights.ndim == 1:
             weights = weights[None, :]  # (GGUF drops the one output row)
-        data = torch.from_numpy(np.array(weights, dtype=np.float32))  # (a copy: the file's map is read-only)
+        data = torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))  # (a copy if read-only: the file's map)
         if "*" in hf:
             for expert, part in enumerate(data):
                 yield f"{hf.replace('*', str(expert))}.{suffix}", part
         else:
             yield f"{hf}.{suffix}", data
+        del weights, data  # NOTE: before the next tensor is made, so that one tensor is held at a time
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """The tensor as float32, a few rows at a time into one array (the dequantizer's temporaries are several times
+    what they dequantize: a whole embedding, or a layer's stacked experts, at once would hold several copies)."""
+    data, kind = tensor.data, tensor.tensor_type
+    if data.ndim < 2 or kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return gguf.quants.dequantize(data, kind)
+    rows = data.reshape(-1, data.shape[-1])
+    out = None
+    for start in range(0, rows.shape[0], _CHUNK_ROWS):
+        chunk = gguf.quants.dequantize(rows[start : start + _CHUNK_ROWS], kind)
+        if out is None:
+            out = np.empty((rows.shape[0], chunk.shape[-1]), np.float32)
+        out[start : start + len(chunk)] = chunk
+    return out.reshape(*data.shape[:-1], out.shape[-1])
 
 
 def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:

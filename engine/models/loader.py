@@ -172,6 +172,7 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
             raise WeightLoadError(f"{file_name}: tensor {name!r} is {_dtype_name(source)}, expected F8_E4M3")
         load_part(module, param_name, source, shard)
         filled.add((target, shard))
+        del source  # NOTE: a dequantized GGUF tensor is freed before the next one is made
     missing = [_describe(target, shard) for target, shard in _expected_parts(model) if (target, shard) not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -51,7 +51,7 @@ _EXPERTS = {"gate_proj": M.FFN_GATE_EXP, "up_proj": M.FFN_UP_EXP, "down_proj": M
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, num_layers: int = 2):
     """A tiny config whose every field a GGUF file carries (or transformers' GGUF reader defaults to the same value):
     rows of 256 columns, the k-quants' block."""
     from transformers import (
@@ -64,7 +64,8 @@ def tiny_config(arch: str):
         Qwen3MoeConfig,
     )
 
-    shape = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, rms_norm_eps=1e-6)
+    shape = dict(vocab_size=512, hidden_size=256, intermediate_size=256, rms_norm_eps=1e-6)
+    shape |= dict(num_hidden_layers=num_layers)
     shape |= dict(max_position_embeddings=512, bos_token_id=0, eos_token_id=511, initializer_range=0.1)
     if arch == "llama":
         return LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -98,14 +99,14 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def make_hf_model(path: Path, arch: str) -> Path:
+def make_hf_model(path: Path, arch: str, num_layers: int = 2) -> Path:
     """The tiny model, random weights (norms too, so Gemma's 1 + w matters), saved with a tokenizer."""
     from transformers import AutoModelForCausalLM
 
     from kiln.engine.text.tokenizer import builtin_tokenizer
 
     torch.manual_seed(0)
-    config = tiny_config(arch)
+    config = tiny_config(arch, num_layers)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

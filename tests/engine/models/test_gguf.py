@@ -6,6 +6,8 @@ undoing of llama.cpp's q/k row order against the original rather than against an
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -90,3 +92,26 @@ def test_an_architecture_kiln_does_not_serve_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="GGUF architecture 'bloom' is not one Kiln serves"):
         LLM(str(tmp_path / "bloom.gguf"))
+
+
+def test_tensors_are_read_one_at_a_time(tmp_path):
+    """Host memory while the tensors stream holds the reader's metadata and about one dequantized tensor (a layer's
+    stacked experts here), not the file's worth (tracemalloc sees numpy's allocations)."""
+    import gguf
+
+    from kiln.engine.models.gguf_weights import gguf_tensors
+    from kiln.engine.models.source import resolve_model
+
+    model_dir = make_hf_model(tmp_path / "hf", "qwen3moe", num_layers=6)
+    path = write_gguf(model_dir, tmp_path / "tiny.gguf", "qwen3moe", {}, T.Q8_0)
+    config = resolve_model(str(path)).model_config
+    tracemalloc.start()
+    try:
+        gguf.GGUFReader(str(path))
+        reader_bytes = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        total = sum(tensor.numel() * 4 for _, tensor in gguf_tensors(path, config))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < reader_bytes + total / 3, (peak, reader_bytes, total)
