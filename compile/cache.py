@@ -1,8 +1,10 @@
-"""The on-disk compile cache: one folder per (kiln, torch, triton, device, model, dtype, settings, source).
+"""The on-disk compile cache: one folder per (kiln, torch, triton, device, model, dtype, settings, source); the
+settings name the tensor-parallel rank, so each rank has a folder of its own.
 
     ~/.cache/kiln/compile/<key>/
         key.json          what the key was hashed from (also logged at start-up)
-        forward.json      the traced split graph as data (`saved_graph.py`): a warm start runs it, no Dynamo
+        forward.json      the traced split graph as data (`saved_graph.py`) and the key it was saved under: a warm
+                          start of that key runs it, no Dynamo
         split_graph.py    the split graph and its pieces, as readable code (for debugging)
         pieces/<hash>.bin Inductor artifacts, one per distinct compute piece
         kv_sizing.json    the KV sizing's measured peak, with its inputs (`kiln.engine.core.kv_sizing`)

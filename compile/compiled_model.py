@@ -16,7 +16,7 @@ from kiln.compile.backend import CompiledPiece, KilnBackend
 from kiln.compile.cache import CompileCache
 from kiln.compile.counters import CompileCounters
 from kiln.compile.cudagraph import weak_ref
-from kiln.compile.saved_graph import rebuild
+from kiln.compile.saved_graph import SavedForward, rebuild
 
 logger = logging.getLogger("kiln")
 
@@ -73,12 +73,31 @@ class CompiledModel:
         self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced or loaded
 
-    def load_saved(self) -> None:
+    def load_saved(self, every_rank: Callable[[bool], bool] | None = None) -> None:
         """A warm start: the split graph saved in the compile cache, rebuilt with its pieces' artifacts, if the cache
-        holds one (else, or if it cannot be rebuilt, the first call traces)."""
-        saved = self.backend.cache.read_json(SAVED_GRAPH)
-        if saved is not None:
-            self.run = self._load(saved)
+        holds one saved under this very key (else, or if it cannot be rebuilt, the first call traces).
+
+        With tensor-parallel ranks, `every_rank(found)` says whether every rank found its own: where one did not,
+        none runs its saved graph and every rank traces (its pieces still load from the cache). Rank 0's start-up
+        stats are the engine's, so "no trace, no compile" there then holds for every rank."""
+        cache = self.backend.cache
+        saved = cache.read_json(SAVED_GRAPH)
+        forward = None
+        if isinstance(saved, dict) and saved.get("cache_key") == cache.key:
+            forward = self._load(saved)
+        elif saved is not None:
+            # NOTE: a graph saved under another key (a folder copied from another rank's entry, say) was traced for
+            # another shard: its pieces would run with that rank's constants (its vocabulary range).
+            logger.warning("compile cache: %s was not saved under this key; tracing instead", SAVED_GRAPH)
+        if every_rank is not None and not every_rank(forward is not None):
+            forward = None
+        if forward is None:
+            return
+        self.run, self.backend.split = forward, forward.split
+        pieces = saved["pieces"].values()
+        self.counters.compute_pieces = sum("compute" in piece for piece in pieces)
+        self.counters.attention_ops = len(pieces) - self.counters.compute_pieces
+        self.counters.unique_pieces = self.counters.cache_hits = len({p["compute"] for p in pieces if "compute" in p})
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.run is None:
@@ -109,7 +128,7 @@ class CompiledModel:
                 lambda digest, single: CompiledPiece(self.backend.artifacts[digest], single, self.backend.graph_pool),
             )
             self.backend.split = self.run.split
-            self.backend.cache.write_text(SAVED_GRAPH, json.dumps(saved))
+            self.backend.cache.write_text(SAVED_GRAPH, json.dumps({**saved, "cache_key": self.backend.cache.key}))
         else:
             self.run = self._in_dynamo
         return out
@@ -118,9 +137,9 @@ class CompiledModel:
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._forward(input_ids, positions)
 
-    def _load(self, saved: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """The saved split graph rebuilt with its pieces' artifacts from the cache; None (and the first call
-        traces) if any is missing or the saved form is not one this code reads."""
+    def _load(self, saved: dict) -> SavedForward | None:
+        """The saved split graph rebuilt with its pieces' artifacts from the cache; None if any is missing or the
+        saved form is not one this code reads."""
         artifacts: dict[str, object] = {}
 
         def compute_piece(digest: str, single: bool) -> CompiledPiece:
@@ -132,16 +151,10 @@ class CompiledModel:
             return CompiledPiece(artifacts[digest], single, self.backend.graph_pool)
 
         try:
-            forward = rebuild(saved, self.model, compute_piece)
+            return rebuild(saved, self.model, compute_piece)
         except Exception as e:  # a stale or damaged cache entry is a miss, never a crash
             logger.warning("compile cache: cannot rebuild the saved forward (%s); tracing it instead", e)
             return None
-        self.backend.split = forward.split
-        pieces = saved["pieces"].values()
-        self.counters.compute_pieces = sum("compute" in piece for piece in pieces)
-        self.counters.attention_ops = len(pieces) - self.counters.compute_pieces
-        self.counters.unique_pieces = self.counters.cache_hits = len(artifacts)
-        return forward
 
     # ---- full CUDA graphs (decode-only batches) --------------------------------------------------------
 

@@ -197,7 +197,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     compiled = None
     if not config.enforce_eager:
         compiled = _compiled_model(
-            config, model, model_config, dtype, device, backend, max_model_len, counters, source.origin
+            config, model, model_config, dtype, device, backend, max_model_len, shard, counters, source.origin
         )
     tp_workers = None
     if shard.size > 1 and rank == 0:
@@ -213,8 +213,8 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
         # forms itself.
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
-        if compiled is not None:
-            compiled.load_saved()  # a warm start's split graph and artifacts
+        if compiled is not None:  # a warm start's split graph and artifacts, on every rank or on none
+            compiled.load_saved((lambda found: min_across_ranks(int(found)) == 1) if shard.size > 1 else None)
         # (a backend without windows runs every layer full, over a context capped at the window)
         windows = [
             model_config.window_of(layer) if backend.sliding_window else 0 for layer in range(model_config.num_layers)
@@ -367,6 +367,7 @@ def _compiled_model(
     device: torch.device,
     backend: AttentionBackend,
     max_model_len: int,
+    shard: TensorParallelShard,
     counters: CompileCounters,
     model_source: str,
 ) -> CompiledModel:
@@ -376,7 +377,9 @@ def _compiled_model(
         "capture_sizes": config.cudagraph_capture_sizes,
         "max_model_len": max_model_len,
         "attention_backend": backend.name,
-        "tensor_parallel_size": config.tensor_parallel_size,
+        # NOTE: the rank, not the size alone: a rank's pieces hold its own shard's constants (the vocabulary range its
+        # embedding looks up), and on the CPU nothing else in the key tells the ranks apart.
+        "tensor_parallel": dataclasses.asdict(shard),
         "model_source": model_source,  # (the key names where the weights came from, as start-up stats do)
     }
     key = cache_key_inputs(

@@ -2,21 +2,25 @@
 
 Greedy tokens with TP=2 equal TP=1 and Hugging Face on the tiny Llama (2 KV heads: split, one per rank), Qwen3 (1 KV
 head: replicated on both ranks), Qwen2 (QKV biases, tied embeddings, and an odd vocabulary that pads the last rank's
-shard), Gemma 2 and Gemma 3 (sliding windows, soft-caps, two RoPEs), eager and compiled; a killed worker fails the
-engine fast; shutdown, a failed start-up, and dropping the engine, leave no child process behind. Without processes:
-how the layers cut their weights for more ranks than the CPU tests start.
+shard), Gemma 2 and Gemma 3 (sliding windows, soft-caps, two RoPEs) and Qwen3-MoE (experts cut along their columns),
+eager, and compiled from a cold compile cache then from the warm one; a rank that lacks its own saved graph makes every
+rank trace; a killed worker fails the engine fast; shutdown, a failed start-up, and dropping the engine, leave no child
+process behind. Without processes: how the layers cut their weights for more ranks than the CPU tests start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,11 +50,12 @@ def qwen2_odd_vocab_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen2-odd-vocab"), "qwen2", vocab_size=509)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma2", "gemma3"])
-def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma2", "gemma3", "qwen3_moe"])
+def model_dir(request, tiny_llama_dir, tiny_model_dir_qwen3, qwen2_odd_vocab_dir, tiny_qwen3_moe_dir, tmp_path_factory):
     if request.param.startswith("gemma"):  # (windows of 8, soft-caps or two RoPEs, four norms a layer)
         return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
-    return {"llama": tiny_llama_dir, "qwen3": tiny_model_dir_qwen3, "qwen2": qwen2_odd_vocab_dir}[request.param]
+    made = {"llama": tiny_llama_dir, "qwen3": tiny_model_dir_qwen3, "qwen2": qwen2_odd_vocab_dir}
+    return {**made, "qwen3_moe": tiny_qwen3_moe_dir}[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +100,78 @@ def test_tiny_models_exercise_split_and_replicated_kv_heads(tiny_llama_dir, tiny
     assert qwen2.qkv_bias and qwen2.tie_word_embeddings and qwen2.vocab_size % 2 == 1
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_tp2_equals_tp1_and_hf(model_dir, reference, enforce_eager):
-    single, assert_matches_hf = reference
-    with LLM(str(model_dir), enforce_eager=enforce_eager, tensor_parallel_size=2, **ENGINE) as llm:
+def generate_tp2(model_dir, **kwargs) -> tuple[list, dict]:
+    """TP=2's greedy outputs of PROMPTS and its start-up stats; each rank holds its share of the heads, and the
+    workers exit when told to."""
+    with LLM(str(model_dir), tensor_parallel_size=2, **ENGINE, **kwargs) as llm:
         workers = llm.engine.executor.tp_workers.processes
         config = llm.engine.model_config
         assert llm.engine.executor.kv_spec.num_kv_heads == max(config.num_kv_heads // 2, 1)
         assert llm.engine.executor.model.model.layers[0].self_attn.num_heads == config.num_heads // 2
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        if not enforce_eager:
-            stats = llm.engine.startup_stats
-            assert stats["dynamo_traces"] == 1 and stats["compute_pieces"] == config.num_layers + 1
+        stats = llm.engine.startup_stats
     _assert_reaped(workers)
     assert all(p.exitcode == 0 for p in workers)  # told to stop, not killed
-    for prompt, got, want in zip(PROMPTS, outputs, single):
+    return outputs, stats
+
+
+def assert_equal_to_tp1_and_hf(outputs, reference) -> None:
+    single, assert_matches_hf = reference
+    for prompt, got, want in zip(PROMPTS, outputs, single, strict=True):
         got, want = got.outputs[0], want.outputs[0]
         assert got.token_ids == want.token_ids
         for lp_got, lp_want in zip(got.logprobs, want.logprobs):
             assert lp_got.keys() == lp_want.keys()
             assert all(math.isclose(lp_got[t].logprob, lp_want[t].logprob, abs_tol=1e-4) for t in lp_got)
         assert_matches_hf(prompt, got.token_ids)
+
+
+def cache_entries(root: Path) -> dict[int, Path]:
+    """The compile cache's entries under `root`, by the tensor-parallel rank their key names."""
+    keys = {path.parent: json.loads(path.read_text()) for path in root.glob("*/key.json")}
+    return {key["settings"]["tensor_parallel"]["rank"]: folder for folder, key in keys.items()}
+
+
+def test_tp2_eager_equals_tp1_and_hf(model_dir, reference):
+    outputs, _ = generate_tp2(model_dir, enforce_eager=True)
+    assert_equal_to_tp1_and_hf(outputs, reference)
+
+
+def test_tp2_compiled_cold_then_warm_equals_tp1_and_hf(model_dir, reference, tmp_path):
+    """A cold start traces and compiles; a second start from the same cache folder loads each rank's own saved graph
+    and pieces (a rank's pieces hold its shard's constants, the vocabulary range of its embedding: each rank keeps an
+    entry of its own) and neither traces nor compiles. Every rank loads or every rank traces, so rank 0's stats speak
+    for both."""
+    outputs, cold = generate_tp2(model_dir, compile_cache_dir=str(tmp_path))
+    num_layers = resolve_model(str(model_dir)).model_config.num_layers
+    assert cold["dynamo_traces"] == 1 and cold["compute_pieces"] == num_layers + 1
+    assert cold["inductor_compiles"] == cold["unique_pieces"] and cold["cache_hits"] == 0
+    assert sorted(cache_entries(tmp_path)) == [0, 1]
+    assert_equal_to_tp1_and_hf(outputs, reference)
+
+    outputs, warm = generate_tp2(model_dir, compile_cache_dir=str(tmp_path))
+    assert warm["dynamo_traces"] == 0 and warm["inductor_compiles"] == 0
+    assert warm["cache_hits"] == warm["unique_pieces"] == cold["unique_pieces"]
+    assert warm["compute_pieces"] == cold["compute_pieces"]
+    assert_equal_to_tp1_and_hf(outputs, reference)
+
+
+def test_a_rank_without_its_own_saved_graph_makes_every_rank_trace(tiny_llama_dir, tmp_path):
+    """Rank 1's entry holding rank 0's saved graph (what one entry shared by the ranks left behind): rank 1 refuses
+    it, and rank 0, which has its own, traces as well; the pieces still come from the cache, and the outputs are
+    TP=1's."""
+    single = LLM(str(tiny_llama_dir), enforce_eager=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    _, cold = generate_tp2(tiny_llama_dir, compile_cache_dir=str(tmp_path))
+    entries = cache_entries(tmp_path)
+    shutil.copy(entries[0] / "forward.json", entries[1] / "forward.json")
+    outputs, stats = generate_tp2(tiny_llama_dir, compile_cache_dir=str(tmp_path))
+    assert stats["dynamo_traces"] == 1 and stats["inductor_compiles"] == 0
+    assert stats["cache_hits"] == stats["unique_pieces"] == cold["unique_pieces"]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in single]
+    for got, want in zip(outputs, single):
+        for lp_got, lp_want in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert all(math.isclose(lp_got[t].logprob, lp_want[t].logprob, abs_tol=1e-4) for t in lp_got)
+    assert json.loads((entries[1] / "forward.json").read_text())["cache_key"] == entries[1].name  # its own again
 
 
 def test_dummy_weights_do_not_depend_on_tp_size(tiny_model_dir_qwen3):
