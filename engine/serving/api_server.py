@@ -36,7 +36,7 @@ from kiln.engine.serving.http_server import Runner, check_port_free, error_respo
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
 from kiln.engine.serving.reasoning import REASONING_PARSERS
-from kiln.engine.serving.request_body import MAX_BODY_BYTES, read_json
+from kiln.engine.serving.request_body import MAX_BODY_BYTES, checked, read_json
 from kiln.engine.serving.responses import STREAM, ServerShutdown
 from kiln.engine.serving.responses_api import ResponseShape
 from kiln.engine.serving.responses_requests import in_responses_terms, parse_responses
@@ -189,7 +189,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     if isinstance(body, dict) and isinstance(body.get("prompt"), str):
         ids = await encode_prompt(state, body["prompt"])
     elif isinstance(body, dict) and isinstance(body.get("messages"), list):
-        parsed = parse_chat({**body, "max_tokens": 1}, state.sampling_defaults)
+        parsed = await checked(request, parse_chat, {**body, "max_tokens": 1}, state.sampling_defaults)
         ids = await encode_chat(state, parsed.messages, parsed.tools)
     else:
         raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
@@ -206,6 +206,8 @@ async def _detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     tokens = body.get("tokens") if isinstance(body, dict) else None
     vocab = state.client.ready.vocab_size
+    if isinstance(tokens, list) and len(tokens) > state.max_model_len:  # (no prompt and completion is longer)
+        raise APIError(400, f"at most {state.max_model_len} token ids (--max-model-len) are detokenized", "tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise APIError(400, "'tokens' must be a list of token ids", "tokens")
     if any(not 0 <= t < vocab for t in tokens):
@@ -220,7 +222,7 @@ async def _detokenize(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     body = await read_json(request)
-    parsed = parse_completion(body, state.sampling_defaults)
+    parsed = await checked(request, parse_completion, body, state.sampling_defaults)
     check_model(state, body)
     check_sequences(state, parsed)
     if key := request.get(KEY):
@@ -234,7 +236,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     body = await read_json(request)
-    parsed = parse_chat(body, state.sampling_defaults)
+    parsed = await checked(request, parse_chat, body, state.sampling_defaults)
     asked = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
     prompt, key, parsers = await _chat_prompt(request, state, parsed, body, asked)
     return await run_request(request, state, parsed, [prompt], [None], True, key, **parsers)
@@ -243,7 +245,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def responses_create(request: web.Request) -> web.StreamResponse:
     """The Responses API: a chat request underneath (`responses_requests`), answered as a response object."""
     state: ServerState = request.app["state"]
-    parsed, body = parse_responses(await read_json(request), state.sampling_defaults)
+    body = await read_json(request)
+    parsed, body = await checked(request, parse_responses, body, state.sampling_defaults)
     try:
         prompt, key, parsers = await _chat_prompt(request, state, parsed, body, body.get("max_output_tokens"))
         shape = ResponseShape(body, parsed)

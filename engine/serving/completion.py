@@ -220,10 +220,10 @@ async def run_request(
         raise APIError(503, "too many requests are queued; retry later", type_="service_unavailable")
     where = "messages" if chat else "prompt"
     for ids in prompts:
+        if len(ids) > state.max_model_len:  # (first: the ids' check below is as long as the list)
+            raise context_overflow(state, where, len(ids))
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
-        if len(ids) > state.max_model_len:
-            raise context_overflow(state, where, len(ids))
         if params.max_tokens is None and len(ids) == state.max_model_len:  # no room for one token
             raise context_overflow(state, where, len(ids), 1)
         if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:

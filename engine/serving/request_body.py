@@ -6,14 +6,17 @@ import asyncio
 import json
 import re
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from kiln.engine.serving.api_errors import APIError
 
 MAX_BODY_BYTES = 16 << 20
-PARSE_ON_LOOP_BYTES = 256 << 10  # larger bodies are parsed on a thread
+PARSE_ON_LOOP_BYTES = 256 << 10  # larger bodies are parsed (and checked) on a thread
+LARGE_BODY = "kiln.large_body"  # on a request: its body is larger than that
+T = TypeVar("T")
 
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -49,9 +52,19 @@ async def read_json(request: web.Request) -> Any:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", type_="timeout") from None
     raw = _decoded(raw, request.headers.get("Content-Encoding", ""))
-    if len(raw) > PARSE_ON_LOOP_BYTES:  # (parsing megabytes takes a while: the other streams go on meanwhile)
+    request[LARGE_BODY] = len(raw) > PARSE_ON_LOOP_BYTES
+    if request[LARGE_BODY]:  # (parsing megabytes takes a while: the other streams go on meanwhile)
         return await asyncio.get_running_loop().run_in_executor(None, _parsed, raw)
     return _parsed(raw)
+
+
+async def checked(request: web.Request, check: Callable[..., T], *args: Any) -> T:
+    """`check(*args)` (a request parser), on a thread when the request's body was large: checking a body of millions
+    of token ids or messages, field by field, takes the best part of a second, which the event loop (every other
+    stream) must not wait."""
+    if request.get(LARGE_BODY):
+        return await asyncio.get_running_loop().run_in_executor(None, check, *args)
+    return check(*args)
 
 
 def _parsed(raw: bytes) -> Any:

@@ -117,3 +117,23 @@ def test_a_stall_of_the_servers_own_loop_is_not_blamed_on_the_engine(tiny_llama_
         assert_serving(server, engine)
     finally:
         server.stop()
+
+
+BIG_BODIES = [
+    ("/v1/completions", {"prompt": [1] * 5_000_000, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 300_000, "max_tokens": 1}, "messages"),
+    ("/detokenize", {"tokens": [1] * 5_000_000}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,payload,param", BIG_BODIES, ids=["token-ids", "messages", "detokenize"])
+def test_a_body_of_millions_of_items_is_checked_off_the_loop(server, path, payload, param):
+    """A 15 KB gzip body of 5 million token ids (or 300,000 messages): parsed and checked item by item on a thread,
+    the ids refused by their count first; /detokenize takes at most --max-model-len ids. Other requests wait no more
+    than a fraction of a second meanwhile."""
+    engine = server.engine_pid()
+    with HealthProbe(server) as probe:
+        code, raw = post_gzip(server, path, payload)
+    assert code == 400 and json.loads(raw)["error"]["param"] == param, raw[:300]
+    assert probe.slowest < 0.6, probe.slowest
+    assert_serving(server, engine)

@@ -151,3 +151,27 @@ def test_the_parsers_are_the_ones_the_server_offers():
     from kiln.engine.config import TOOL_CALL_PARSERS
 
     assert set(PARSERS) == set(TOOL_CALL_PARSERS)
+
+
+def test_a_long_streamed_call_is_scanned_a_bounded_number_of_times():
+    """A call of 8,000 tokens' arguments streamed token by token: its deltas join to what the whole reply's parse
+    says, and the text is scanned a few hundred times, not once a token (each scan reads it all)."""
+    parser = PARSERS["hermes"]()
+    scans = 0
+    scan = parser.scan
+
+    def counted(text, final):
+        nonlocal scans
+        scans += 1
+        return scan(text, final)
+
+    parser.scan = counted
+    stream = ToolCallStream(parser)
+    reply = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "ab " * 8000 + '"}}\n</tool_call>'
+    streamed, step = "", 3
+    for end in range(step, len(reply) + step, step):
+        _, deltas = stream.update(reply[:end], end >= len(reply))
+        streamed += "".join(d["function"]["arguments"] for d in deltas)
+    whole = PARSERS["hermes"]().scan(reply, True).calls[0]
+    assert json.loads(streamed) == json.loads(whole.arguments) == {"text": "ab " * 8000}
+    assert scans < 400, scans
