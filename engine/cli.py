@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the most sequences (prompts x n) one request may ask for; more is a 400",
     )
     srv.add_argument(
+        "--max-prompt-logprob-rows",
+        type=int,
+        default=d.max_prompt_logprob_rows,
+        help="the most prompt tokens (each sequence's) one request may ask log-probabilities of; more is a 400",
+    )
+    srv.add_argument(
         "--engine-timeout",
         type=float,
         default=d.engine_timeout,

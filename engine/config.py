@@ -127,6 +127,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds to drain in-flight requests after SIGTERM
     max_num_queued_requests: int | None = None  # requests admitted beyond max_num_seqs; more get 503 (None: no limit)
     max_sequences_per_request: int = 256  # prompts x n in one request; more is a 400 before any work
+    # prompt tokens whose log-probabilities one request may ask for (prompt_logprobs, or echo with logprobs), each
+    # sequence's counted: past it, a 400 (255 prompts x 511 tokens at k=20 once made 64 MB of JSON)
+    max_prompt_logprob_rows: int = 32768
     engine_timeout: float = 60.0  # seconds without a word from the engine core before it is declared stuck and killed
     stream_idle_timeout: float = 30.0  # seconds a stream may sit unread before its request is aborted
     # connections: an idle one (before its first request, or between requests) and one whose request head has not

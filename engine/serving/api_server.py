@@ -332,6 +332,7 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
         max_num_seqs=config.max_num_seqs,
         max_num_queued_requests=server.max_num_queued_requests,
         max_sequences_per_request=server.max_sequences_per_request,
+        max_prompt_logprob_rows=server.max_prompt_logprob_rows,
         write_timeout=server.stream_idle_timeout,
         body_timeout=server.timeout_request_body,
         sampling_defaults=defaults,

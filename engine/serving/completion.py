@@ -53,6 +53,7 @@ class ServerState:
     max_num_seqs: int = 256
     max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
     max_sequences_per_request: int = 256  # prompts x n
+    max_prompt_logprob_rows: int = 32768  # prompt tokens with log-probabilities a request, each sequence's counted
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served
     engine_requests: int = 0  # requests (choices) they have in the engine
@@ -228,6 +229,16 @@ async def run_request(
             raise context_overflow(state, where, len(ids), 1)
         if params.max_tokens is not None and len(ids) + params.max_tokens > state.max_model_len:
             raise context_overflow(state, where, len(ids), params.max_tokens, "max_tokens")
+    rows = sum(len(ids) for ids in prompts) * params.n
+    if params.prompt_logprobs is not None and rows > state.max_prompt_logprob_rows:
+        # NOTE: each row is k+1 entries of JSON (a token's text, its logprob, its rank): unbounded, a small request
+        # becomes tens of megabytes built on the event loop
+        raise APIError(
+            400,
+            f"this request asks for the log-probabilities of {rows} prompt tokens (prompts x n); at most "
+            f"{state.max_prompt_logprob_rows} are allowed (--max-prompt-logprob-rows)",
+            "prompt_logprobs" if parsed.prompt_logprobs is not None else "echo",
+        )
     try:
         params.verify_vocab(vocab)
     except ValueError as e:

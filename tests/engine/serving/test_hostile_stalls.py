@@ -137,3 +137,24 @@ def test_a_body_of_millions_of_items_is_checked_off_the_loop(server, path, paylo
     assert code == 400 and json.loads(raw)["error"]["param"] == param, raw[:300]
     assert probe.slowest < 0.6, probe.slowest
     assert_serving(server, engine)
+
+
+def test_prompt_logprobs_are_bounded_by_rows(tiny_llama_dir):
+    """Prompts x n x prompt tokens with log-probabilities past --max-prompt-logprob-rows (here 1,000) is a 400 naming
+    what asked for them (echo or prompt_logprobs), before the engine computes any; at the bound, a 200 with every
+    row (255 prompts x 511 tokens at k=20 once turned 0.5 MB into 64 MB of JSON and stalled every stream 4 s)."""
+    server = Server(tiny_llama_dir, "--max-prompt-logprob-rows", "1000")
+    try:
+        prompt = list(range(1, 101))
+        for extra, param in (({"echo": True, "logprobs": 20}, "echo"), ({"prompt_logprobs": 20}, "prompt_logprobs")):
+            body = {"prompt": [prompt] * 11, "max_tokens": 1, **extra}
+            code, raw = server.post("/v1/completions", body)
+            assert code == 400 and json.loads(raw)["error"]["param"] == param, raw[:300]
+            code, raw = server.post("/v1/completions", {**body, "prompt": [prompt] * 5, "n": 2})
+            assert code == 200, raw[:300]
+            choices = json.loads(raw)["choices"]
+            rows = [c["logprobs"]["tokens"] if param == "echo" else c["prompt_logprobs"] for c in choices]
+            assert len(choices) == 10 and all(len(r) >= 100 for r in rows)
+        assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "prompt_logprobs": 1})[0] == 200
+    finally:
+        server.stop()
