@@ -6,7 +6,7 @@ kernel switches change what is compiled, so they are part of the compile cache's
 object lives at the bottom of the package (backends), where every layer may import it; it imports nothing heavy.
 
     KILN_API_KEY=KEY                  `kiln serve` requires 'Authorization: Bearer KEY' (as --api-key)
-    KILN_CACHE_DIR=DIR                the compile cache under DIR/compile (default ~/.cache/kiln)
+    KILN_CACHE_DIR=DIR                Kiln's cache: compile/, models/ (the default model), gguf/ (default ~/.cache/kiln)
     KILN_DISABLE_COMPILE_CACHE=1      compile every start; read and write nothing
     KILN_PDL=0                        no programmatic dependent launch (Hopper on) for Kiln's and Inductor's kernels
     KILN_GEMV=0                       every matmul through cuBLAS, none through Kiln's one-row kernel

@@ -30,6 +30,7 @@ DEFAULT_PROMPTS = [
     "def fibonacci(n):",
     "Three facts about the moon:",
 ]
+DEFAULT_QUESTIONS = ["What is the capital of France?", "Write a haiku about a kiln.", "What is 12 times 7?"]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -131,17 +132,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kiln.engine import LLM, SamplingParams  # noqa: PLC0415  (keeps `kiln --help` fast)
 
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = args.prompt or (DEFAULT_QUESTIONS if args.chat else DEFAULT_PROMPTS)
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     if llm.uses_dummy_weights:
         print(f"NOTE: {args.model} runs with DUMMY (random) weights: the text below is noise, the speed is real.")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    inputs = prompts
+    if args.chat:  # each prompt a user's message, rendered by the model's chat template
+        if getattr(llm.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{args.model} has no chat template: leave out --chat")
+        inputs = [_chat_ids(llm.tokenizer, prompt) for prompt in prompts]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    for output in outputs:
-        prompt = output.prompt if output.prompt is not None else output.prompt_token_ids
+    for shown_prompt, output in zip(prompts, outputs):
+        prompt = shown_prompt if isinstance(shown_prompt, str) else output.prompt_token_ids
         completion = output.outputs[0]
         # NOTE: a preset's built-in tokenizer knows few of the model's ids; unknown ones decode to nothing.
         shown = repr(completion.text) if completion.text.strip() else f"(token ids) {completion.token_ids}"
@@ -151,6 +157,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"({llm.engine.device}, {str(llm.engine.dtype).removeprefix('torch.')})"
     )
     return 0
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(rendered["input_ids"])
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
@@ -204,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete prompts offline and report tokens/s")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four sample prompts")
+    gen.add_argument(
+        "--chat", action="store_true", help="each prompt is a user's message, rendered by the model's chat template"
+    )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")

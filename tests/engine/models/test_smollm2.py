@@ -116,3 +116,13 @@ def test_multiple_choice_picks_what_transformers_picks(llm, hf):
                 theirs.append(sum(logprobs[i - 1, p[i]].item() for i in range(len(stem), len(p))))
         assert ours == pytest.approx(theirs, abs=TOL * len(prompts[0]))
         assert max(range(len(choices)), key=ours.__getitem__) == max(range(len(choices)), key=theirs.__getitem__)
+
+
+def test_kiln_generate_chat_answers_a_question(capsys):
+    from kiln.engine.cli import main
+
+    question = "What is the capital of France?"
+    argv = ["generate", str(smollm2_gguf()), "--chat", "--enforce-eager", "--max-tokens", "16", "--prompt", question]
+    assert main([*argv, "--max-model-len", "256"]) == 0
+    printed = capsys.readouterr().out
+    assert f">>> {question!r}" in printed and "Paris" in printed.split(question)[1]
