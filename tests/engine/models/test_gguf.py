@@ -73,7 +73,7 @@ def test_compiled_and_fp8(hf_dirs, tmp_path):
     """The compiled path reads the same weights; `--quantization fp8` quantizes the dequantized tensors at load."""
     arch, types, default = CASES["llama-Q4_K-Q6_K"]
     path = write_gguf(hf_dirs[arch], tmp_path / "tiny.gguf", arch, types, default)
-    eager, _ = generate(path, enforce_eager=True)
+    eager, _ = generate(tmp_path, enforce_eager=True)  # (a directory holding one GGUF file is that file)
     compiled, _ = generate(path)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
     fp8, llm = generate(path, enforce_eager=True, quantization="fp8")
