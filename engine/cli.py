@@ -115,6 +115,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="threads the engine computes with on the CPU (default: OMP_NUM_THREADS, else the cores less one, so the "
         "API server and other processes are not fought for the cores)",
     )
+    parser.add_argument(
+        "--xgrammar-cache-mb",
+        type=int,
+        default=d.xgrammar_cache_mb,
+        help="MiB of compiled grammars (structured output) the engine keeps for reuse, least recently used dropped "
+        "first; one grammar may take a quarter of it, a larger one fails its request (vLLM: VLLM_XGRAMMAR_CACHE_MB)",
+    )
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument(
         "--cudagraph-capture-sizes",

@@ -57,6 +57,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
     generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
     cpu_threads: int | None = None  # threads a rank computes with on the CPU (default: the free cores less one)
+    # compiled grammars the engine keeps for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB); one may take a quarter
+    xgrammar_cache_mb: int = 512
 
     def __post_init__(self) -> None:
         for f in fields(self):  # None where a field has a value by default: that value (vLLM reads None so)
@@ -75,6 +77,7 @@ class EngineConfig:
             "kv_cache_memory_bytes",
             "tensor_parallel_size",
             "cpu_threads",
+            "xgrammar_cache_mb",
         ):
             positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):

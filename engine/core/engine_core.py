@@ -74,7 +74,10 @@ class EngineCore:
         )
         # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(
-            self._load_tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+            self._load_tokenizer,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            config.xgrammar_cache_mb << 20,
         )
         self.async_scheduling = config.async_scheduling
         self.in_flight: StepHandle | None = None  # the launched step whose tokens are not back yet

@@ -165,8 +165,9 @@ async def check_structured_output(
 
 
 async def _first_word(queue: Inbox, param: str) -> None:
-    """A constrained stream opens once the engine has said something of it: its grammar compiled (a token came)
-    or not (it failed, or took too long), which is then a 400 rather than an error event midway through a stream."""
+    """A constrained request is answered once the engine has said something of it: its grammar compiled (a token
+    came) or not (it failed, or took too long), which is then a 400 naming `param` (rather than an error event midway
+    through a stream)."""
     items = await queue.take_all()
     queue.items[:0] = items  # (back in order, for the stream)
     for item in items:
@@ -287,7 +288,7 @@ async def run_request(
             # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
             seed = None if params.seed is None else (params.seed + j) % 2**64
             state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
-        if (parsed.stream or shape is not None) and params.structured_output is not None:
+        if params.structured_output is not None:  # (a grammar that fails is a 400 naming its parameter)
             await _first_word(queue, parsed.constraint_param or "response_format")
         if shape is not None:
             return await shape.reply(request, state, next(iter(choices.values())), queue)

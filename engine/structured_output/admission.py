@@ -24,9 +24,12 @@ logger = logging.getLogger("kiln")
 
 
 class GrammarAdmission:
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int], cache_bytes: int
+    ) -> None:
         self._load_tokenizer = load_tokenizer  # the tokenizer grammars are compiled for, loaded when first needed
         self._vocab_size, self._eos_token_ids = vocab_size, eos_token_ids
+        self._cache_bytes = cache_bytes
         self._cache: GrammarCache | None = None
         self.waiting: dict[str, Request] = {}  # request id -> request whose grammar is compiling
 
@@ -35,7 +38,9 @@ class GrammarAdmission:
         if self._cache is None:
             from kiln.engine.structured_output.grammar import GrammarCache  # noqa: PLC0415  (xgrammar loads on first use)
 
-            self._cache = GrammarCache(self._load_tokenizer, self._vocab_size, self._eos_token_ids)
+            self._cache = GrammarCache(
+                self._load_tokenizer, self._vocab_size, self._eos_token_ids, max_bytes=self._cache_bytes
+            )
         return self._cache
 
     def add(self, request: Request) -> None:

@@ -46,11 +46,12 @@ class CompileProcess:
             self.kill()
             raise GrammarError("internal error: the grammar compiler's process did not start") from None
 
-    def compile(self, params: StructuredOutputParams, timeout_s: float) -> str:
+    def compile(self, params: StructuredOutputParams, timeout_s: float, max_bytes: int) -> str:
         """`params` compiled, as xgrammar's JSON of a `CompiledGrammar`. Raises `GrammarError` if the constraint
-        cannot be compiled, or if the compile runs past `timeout_s` (then this process is killed: start another)."""
+        cannot be compiled, if its JSON would be longer than `max_bytes`, or if the compile runs past `timeout_s` (then
+        this process is killed: start another)."""
         try:
-            self.conn.send(dataclasses.asdict(params))
+            self.conn.send((dataclasses.asdict(params), max_bytes))
             if not self.conn.poll(timeout_s):
                 self.kill()
                 raise GrammarError(f"compiling the {WHAT[params.kind]} took longer than {timeout_s:g} s")
@@ -94,13 +95,19 @@ def _serve(conn: Connection) -> None:
     conn.send_bytes(b"ready")
     while True:
         try:
-            params = StructuredOutputParams(**conn.recv())
+            fields, max_bytes = conn.recv()
+            params = StructuredOutputParams(**fields)
         except EOFError:  # the engine is gone
             return
         try:
             with xgrammar_errors(params):
-                compiled = compiler.compile_grammar(xgrammar_grammar(params))
-            conn.send((compiled.serialize_json(), None))
+                compiled = compiler.compile_grammar(xgrammar_grammar(params)).serialize_json()
+            if len(compiled) > max_bytes:  # NOTE: refused here, the engine never reads it back (a peak of several x)
+                raise GrammarError(
+                    f"the {WHAT[params.kind]} compiles to a grammar of {len(compiled) / 2**20:.0f} MiB; this server "
+                    f"takes at most {max_bytes / 2**20:.0f} MiB"
+                )
+            conn.send((compiled, None))
         except GrammarError as e:
             conn.send((None, str(e)))
         except Exception as e:  # a bug, not the constraint's fault: still only its requests fail

@@ -1,6 +1,7 @@
 """Structured output: a request's JSON schema, regex or EBNF grammar as a mask on its logits (xgrammar).
 
-    add_request ─► GrammarCache.get ─► Future[CompiledGrammar]       (LRU by (kind, spec); worker processes)
+    add_request ─► GrammarCache.get ─► Future[CompiledGrammar]       (LRU by (kind, spec), bounded by bytes;
+                      │                                                 worker processes)
                       │ each step: RequestGrammar.poll() until compiled, failed, or past its time limit
                       ▼
     runner:    enqueue forward + logits ─► GrammarBitmask.apply: fill rows on the host (the device is
@@ -15,6 +16,8 @@ request's logprobs are those of the masked distribution (as in vLLM).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import queue
 import threading
 import time
@@ -33,7 +36,9 @@ from kiln.engine.structured_output.constraints import WHAT, GrammarError, check_
 __all__ = ["GrammarBitmask", "GrammarCache", "GrammarError", "RequestGrammar", "check_grammar"]
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
-DEFAULT_MAX_CACHED_GRAMMARS = 128
+DEFAULT_MAX_CACHED_GRAMMARS = 128  # failed compiles are remembered too: they cost next to no memory
+DEFAULT_MAX_CACHED_BYTES = 512 << 20  # vLLM's VLLM_XGRAMMAR_CACHE_MB
+GRAMMARS_PER_BUDGET = 4  # one grammar may take a quarter of the budget: a larger one fails its request
 
 
 class RequestGrammar:
@@ -70,7 +75,13 @@ class RequestGrammar:
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, spec); beyond `max_entries` the least recently used is dropped.
+    """Compiled grammars by (kind, spec); beyond `max_bytes` of compiled grammars (or `max_entries` entries) the least
+    recently used are dropped.
+
+    NOTE: a grammar's size is its serialized form's, which is what it holds here once read back (xgrammar 0.2.9's
+    `memory_size_bytes` says 2.5 MB of a 600-property schema that holds 117 MB). One grammar larger than
+    `max_bytes / GRAMMARS_PER_BUDGET` fails its requests in the compile process, before it reaches this one (an
+    18 KB schema made 118 MB). Running requests keep their grammars after the cache has let go of them.
 
     The cache holds futures, so requests with one schema share one compile, finished or not, and a
     failed compile is remembered too (a bad schema sent again fails at once, a slow one too). The
@@ -90,13 +101,18 @@ class GrammarCache:
         max_entries: int = DEFAULT_MAX_CACHED_GRAMMARS,
         num_workers: int = 2,
         timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        max_bytes: int = DEFAULT_MAX_CACHED_BYTES,
     ) -> None:
         self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
         self.stop_token_ids = list(stop_token_ids)
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.sizes: dict[tuple[str, str], int] = {}  # the bytes of each compiled grammar in `entries`
+        self.cached_bytes = 0
+        self._lock = threading.Lock()  # `entries` and the sizes: the engine thread gets, workers add compiled ones
         self.num_compiles = 0
         self._jobs: queue.SimpleQueue[tuple[Future, StructuredOutputParams] | None] = queue.SimpleQueue()
         self._workers = [
@@ -110,17 +126,36 @@ class GrammarCache:
     def get(self, params: StructuredOutputParams) -> Future:
         """The compile of `params` (a `Future` of an xgrammar `CompiledGrammar`), started if not cached."""
         key = (params.kind, params.spec)
-        future = self.entries.get(key)
-        if future is not None:
-            self.entries.move_to_end(key)
-            return future
-        future = Future()
+        with self._lock:
+            future = self.entries.get(key)
+            if future is not None:
+                self.entries.move_to_end(key)
+                return future
+            future = Future()
+            self.num_compiles += 1
+            self.entries[key] = future
+            if len(self.entries) > self.max_entries:
+                self._drop(next(iter(self.entries)))  # a compile still running goes on for the requests waiting
         self._jobs.put((future, params))
-        self.num_compiles += 1
-        self.entries[key] = future
-        if len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)  # a compile still running goes on for the requests that wait on it
         return future
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        del self.entries[key]
+        self.cached_bytes -= self.sizes.pop(key, 0)
+
+    def _keep(self, key: tuple[str, str], future: Future, size: int) -> None:
+        """Count a compiled grammar's bytes (if it is still cached), then drop the least recently used others until
+        the cache is within `max_bytes`."""
+        with self._lock:
+            if self.entries.get(key) is not future:
+                return  # dropped while it compiled: only its requests hold it
+            self.sizes[key] = size
+            self.cached_bytes += size
+            for old in list(self.entries):
+                if self.cached_bytes <= self.max_bytes:
+                    break
+                if old != key:
+                    self._drop(old)
 
     def request_grammar(self, params: StructuredOutputParams) -> RequestGrammar:
         return RequestGrammar(params, self.get(params), self.timeout_s)
@@ -140,8 +175,13 @@ class GrammarCache:
                 info, info_json = self._xgrammar_tokenizer()
                 if process is None or not process.alive:
                     process = CompileProcess(info_json)
-                compiled = process.compile(params, self.timeout_s)
-                future.set_result(xgr.CompiledGrammar.deserialize_json(compiled, info))
+                compiled = process.compile(params, self.timeout_s, self.max_bytes // GRAMMARS_PER_BUDGET)
+                grammar = xgr.CompiledGrammar.deserialize_json(compiled, info)
+                size, compiled = len(compiled), None
+                self._keep((params.kind, params.spec), future, size)
+                future.set_result(grammar)
+                grammar = None
+                _give_back_freed_memory()
             except GrammarError as e:
                 future.set_exception(e)
             except Exception as e:  # a bug, not the schema's fault: still only its requests fail
@@ -164,6 +204,13 @@ class GrammarCache:
                     ) from None
                 self._tokenizer_info = info, info.serialize_json()
             return self._tokenizer_info
+
+
+def _give_back_freed_memory() -> None:
+    """glibc keeps the pages freed after reading a grammar back (its JSON parse peaks at several times the text) and
+    after the cache drops one: without this, the engine's resident memory stays at its peak long after."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class GrammarBitmask:
