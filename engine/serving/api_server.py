@@ -361,6 +361,8 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
     server_metrics.engine_started(ready.startup_stats)
     logger.info("serving %s on http://%s:%d (engine ready: %s)", name, server.host, server.port, ready.startup_stats)
     print(f"kiln: serving {name} on http://{server.host}:{server.port}", flush=True)
+    if str(ready.startup_stats.get("model_source", "")).startswith("preset"):
+        print(f"NOTE: {config.model} runs with DUMMY (random) weights: its text is noise.", flush=True)
 
     await stop.wait()  # NOTE: a dead engine does not stop the server: /health says 503 and requests fail fast
     state.draining = True  # new requests get 503 from here on
