@@ -136,7 +136,7 @@ class EngineCore:
         if self._unreported:
             self._unreported = [f for f in self._unreported if f.request_id not in request_ids]
         for request_id in request_ids:
-            self.grammar_admission.waiting.pop(request_id, None)
+            self.grammar_admission.abort(request_id)
             if uncache:
                 self.kv_cache_manager.uncache(request_id)
             self.scheduler.abort_request(request_id)

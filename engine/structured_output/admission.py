@@ -48,6 +48,12 @@ class GrammarAdmission:
         request.grammar = self.cache().request_grammar(request.sampling_params.structured_output)
         self.waiting[request.request_id] = request
 
+    def abort(self, request_id: str) -> None:
+        """A waiting request is gone: its compile is cancelled if nobody else waits for it."""
+        request = self.waiting.pop(request_id, None)
+        if request is not None:
+            self.cache().release(request.grammar)
+
     def admit(self, scheduler: Scheduler, idle: bool) -> list[RequestFailed]:
         """Requests whose grammar has compiled go to the scheduler; those whose compile failed or ran out of
         time are returned, failed. With nothing else to run (`idle`), wait a moment for a compile rather than
@@ -68,4 +74,5 @@ class GrammarAdmission:
                 logger.exception("request %s: its grammar could not be set up", request_id)
                 failed.append(RequestFailed(request_id, "internal error while setting up the grammar"))
             del self.waiting[request_id]
+            self.cache().release(request.grammar)
         return failed

@@ -17,12 +17,23 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
 
 from kiln.engine.sampling_params import StructuredOutputParams
 from kiln.engine.structured_output.constraints import WHAT, GrammarError
 
 START_TIMEOUT_S = 120.0
+CANCEL_POLL_S = 0.05  # how soon a cancelled compile's process is killed
+
+
+class CompileCancelled(Exception):
+    """Nobody waits for the compile any more; its process was killed."""
+
+
+class CompileTimedOut(GrammarError):
+    """The compile ran past its time limit; its process was killed."""
 
 
 class CompileProcess:
@@ -46,15 +57,23 @@ class CompileProcess:
             self.kill()
             raise GrammarError("internal error: the grammar compiler's process did not start") from None
 
-    def compile(self, params: StructuredOutputParams, timeout_s: float, max_bytes: int) -> str:
+    def compile(
+        self, params: StructuredOutputParams, timeout_s: float, max_bytes: int, cancelled: threading.Event
+    ) -> str:
         """`params` compiled, as xgrammar's JSON of a `CompiledGrammar`. Raises `GrammarError` if the constraint
-        cannot be compiled, if its JSON would be longer than `max_bytes`, or if the compile runs past `timeout_s` (then
-        this process is killed: start another)."""
+        cannot be compiled or its JSON would be longer than `max_bytes`, `CompileTimedOut` if the compile runs past
+        `timeout_s`, `CompileCancelled` once `cancelled` is set (in those two cases this process is killed: start
+        another)."""
+        deadline = time.monotonic() + timeout_s
         try:
             self.conn.send((dataclasses.asdict(params), max_bytes))
-            if not self.conn.poll(timeout_s):
-                self.kill()
-                raise GrammarError(f"compiling the {WHAT[params.kind]} took longer than {timeout_s:g} s")
+            while not self.conn.poll(min(CANCEL_POLL_S, max(deadline - time.monotonic(), 0.0))):
+                if cancelled.is_set():
+                    self.kill()
+                    raise CompileCancelled
+                if time.monotonic() >= deadline:
+                    self.kill()
+                    raise CompileTimedOut(f"compiling the {WHAT[params.kind]} took longer than {timeout_s:g} s")
             compiled, problem = self.conn.recv()
         except (EOFError, OSError):  # it died (out of memory, say): its request fails, and the next gets a new one
             self.kill()

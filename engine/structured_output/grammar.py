@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +29,8 @@ import torch
 import xgrammar as xgr
 
 from kiln.engine.sampling_params import StructuredOutputParams
-from kiln.engine.structured_output.compile_worker import CompileProcess
+from kiln.engine.structured_output.compile_queue import FIRST_TRY_S, CompileJob, CompileQueue
+from kiln.engine.structured_output.compile_worker import CompileCancelled, CompileProcess, CompileTimedOut
 from kiln.engine.structured_output.constraints import WHAT, GrammarError, check_grammar
 
 __all__ = ["GrammarBitmask", "GrammarCache", "GrammarError", "RequestGrammar", "check_grammar"]
@@ -43,14 +43,19 @@ GRAMMARS_PER_BUDGET = 4  # one grammar may take a quarter of the budget: a large
 
 class RequestGrammar:
     """One request's grammar: its compile (shared with other requests through the cache), then its own
-    matcher, which follows the request's tokens. The engine admits the request once `poll` says ready."""
+    matcher, which follows the request's tokens. The engine admits the request once `poll` says ready, and
+    hands it back to the cache (`GrammarCache.release`) when it stops waiting, admitted or not."""
 
-    def __init__(self, params: StructuredOutputParams, compiled: Future, timeout_s: float) -> None:
+    def __init__(
+        self, params: StructuredOutputParams, compiled: Future, timeout_s: float, job: CompileJob | None = None
+    ) -> None:
         self.params = params
         self.compiled = compiled
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.matcher: xgr.GrammarMatcher | None = None
+        self.job = job  # the compile it waits for, until released
+        self.timed_out = False
 
     def poll(self, now: float | None = None) -> bool:
         """True once compiled (the matcher exists from then on), False while compiling; raises
@@ -59,6 +64,7 @@ class RequestGrammar:
             return True
         if not self.compiled.done():
             if (time.monotonic() if now is None else now) >= self.deadline:
+                self.timed_out = True
                 raise GrammarError(f"compiling the {WHAT[self.params.kind]} took longer than {self.timeout_s:g} s")
             return False
         self.matcher = xgr.GrammarMatcher(self.compiled.result())  # result() re-raises a GrammarError
@@ -88,9 +94,10 @@ class GrammarCache:
     tokenizer is loaded, and xgrammar's view of it built, on the first compile. Call `get` from one
     thread (the engine's).
 
-    Each of the `num_workers` threads hands its compiles to a process of its own (compile_worker.py)
-    and waits; a compile past `timeout_s` gets its process killed, so the capacity it held comes back at
-    once, and the thread starts another process for its next compile.
+    Each of the `num_workers` threads of the general lanes, and one of the first-try lane, takes compiles from a
+    queue in a fair order (compile_queue.py), hands each to a process of its own (compile_worker.py) and waits; a
+    compile past its time limit, or one whose requests have all gone (`release`), gets its process killed, so the
+    capacity it held comes back at once, and the thread starts another process for its next compile.
     """
 
     def __init__(
@@ -114,9 +121,11 @@ class GrammarCache:
         self.cached_bytes = 0
         self._lock = threading.Lock()  # `entries` and the sizes: the engine thread gets, workers add compiled ones
         self.num_compiles = 0
-        self._jobs: queue.SimpleQueue[tuple[Future, StructuredOutputParams] | None] = queue.SimpleQueue()
+        self._compiling: dict[tuple[str, str], CompileJob] = {}  # by key, the compiles not finished
+        self._queue = CompileQueue(self._lock)
         self._workers = [
-            threading.Thread(target=self._work, name=f"kiln-grammar-{i}", daemon=True) for i in range(num_workers)
+            threading.Thread(target=self._work, args=(i == 0,), name=f"kiln-grammar-{i}", daemon=True)
+            for i in range(num_workers + 1)
         ]
         for worker in self._workers:
             worker.start()
@@ -134,20 +143,52 @@ class GrammarCache:
             future = Future()
             self.num_compiles += 1
             self.entries[key] = future
+            self._compiling[key] = job = CompileJob(params, future)
             if len(self.entries) > self.max_entries:
                 self._drop(next(iter(self.entries)))  # a compile still running goes on for the requests waiting
-        self._jobs.put((future, params))
+            self._queue.put(job)
         return future
+
+    def request_grammar(self, params: StructuredOutputParams) -> RequestGrammar:
+        """A request's grammar, counted as waiting for its compile until `release`d."""
+        future = self.get(params)
+        with self._lock:
+            job = self._compiling.get((params.kind, params.spec))
+            if job is None or job.future is not future or future.done():
+                job = None
+            else:
+                job.waiters += 1
+        return RequestGrammar(params, future, self.timeout_s, job)
+
+    def release(self, grammar: RequestGrammar) -> None:
+        """`grammar`'s request waits no more (admitted, failed or aborted). A compile left with nobody waiting is
+        cancelled: taken off the queue, or its process killed. One whose requests ran out of time is remembered as
+        failed (the same schema sent again fails at once); one they left is forgotten."""
+        job, grammar.job = grammar.job, None
+        if job is None:
+            return
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters > 0 or job.future.done():
+                return
+            self._compiling.pop(job.key, None)
+            job.timed_out = grammar.timed_out
+            job.cancelled.set()  # running: its worker kills its process
+            if not job.running:
+                job.future.cancel()
+            if (not job.running or not job.timed_out) and self.entries.get(job.key) is job.future:
+                self._drop(job.key)
 
     def _drop(self, key: tuple[str, str]) -> None:
         del self.entries[key]
         self.cached_bytes -= self.sizes.pop(key, 0)
 
-    def _keep(self, key: tuple[str, str], future: Future, size: int) -> None:
+    def _keep(self, job: CompileJob, size: int) -> None:
         """Count a compiled grammar's bytes (if it is still cached), then drop the least recently used others until
         the cache is within `max_bytes`."""
+        key = job.key
         with self._lock:
-            if self.entries.get(key) is not future:
+            if self.entries.get(key) is not job.future:
                 return  # dropped while it compiled: only its requests hold it
             self.sizes[key] = size
             self.cached_bytes += size
@@ -157,37 +198,44 @@ class GrammarCache:
                 if old != key:
                     self._drop(old)
 
-    def request_grammar(self, params: StructuredOutputParams) -> RequestGrammar:
-        return RequestGrammar(params, self.get(params), self.timeout_s)
-
     def shutdown(self) -> None:
-        """Stop the workers once the compiles queued so far are done (without waiting for them)."""
-        for _ in self._workers:
-            self._jobs.put(None)
+        """Stop the workers once their compiles are done (without waiting for them); those queued are cancelled."""
+        self._queue.close()
 
-    def _work(self) -> None:
+    def _work(self, first_try: bool) -> None:
         process: CompileProcess | None = None
-        while (job := self._jobs.get()) is not None:
-            future, params = job
-            if not future.set_running_or_notify_cancel():
-                continue
+        while (job := self._queue.take(first_try)) is not None:
+            future, params = job.future, job.params
             try:
                 info, info_json = self._xgrammar_tokenizer()
                 if process is None or not process.alive:
                     process = CompileProcess(info_json)
-                compiled = process.compile(params, self.timeout_s, self.max_bytes // GRAMMARS_PER_BUDGET)
+                limit = min(FIRST_TRY_S, self.timeout_s) if first_try else self.timeout_s
+                compiled = process.compile(params, limit, self.max_bytes // GRAMMARS_PER_BUDGET, job.cancelled)
                 grammar = xgr.CompiledGrammar.deserialize_json(compiled, info)
                 size, compiled = len(compiled), None
-                self._keep((params.kind, params.spec), future, size)
+                self._keep(job, size)
                 future.set_result(grammar)
                 grammar = None
                 _give_back_freed_memory()
+            except CompileCancelled:
+                what = WHAT[params.kind]
+                reason = f"took longer than {self.timeout_s:g} s" if job.timed_out else "was cancelled"
+                future.set_exception(GrammarError(f"compiling the {what} {reason}"))
+            except CompileTimedOut as e:
+                if first_try and limit < self.timeout_s and self._queue.demote(job):
+                    continue  # a general lane tries it again with the full time
+                future.set_exception(e)
             except GrammarError as e:
                 future.set_exception(e)
             except Exception as e:  # a bug, not the schema's fault: still only its requests fail
                 future.set_exception(
                     GrammarError(f"internal error while compiling the grammar: {type(e).__name__}: {e}")
                 )
+            finally:
+                with self._lock:
+                    if future.done() and self._compiling.get(job.key) is job:  # (not one gone back to the queue)
+                        del self._compiling[job.key]
         if process is not None:
             process.kill()
 

@@ -1,14 +1,20 @@
 """Constrained output under attack, on a real server: compiled grammars cost the engine core at most the bytes
---xgrammar-cache-mb says, however many large schemas come."""
+--xgrammar-cache-mb says, however many large schemas come, and slow schemas neither make another user's small one
+wait nor keep compiling once their requests are gone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers.server import Server
+from helpers.server import API_KEY, Server
 
 CACHE_MB = 64
 HI = [{"role": "user", "content": "hi"}]
@@ -61,3 +67,99 @@ def test_compiled_grammars_stay_within_the_cache_bound(server):
     assert server.engine_pid() == engine
     assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})[0] == 200
     assert constrained(server, optional_properties(3, "a"))[0] == 200  # a cached grammar still serves
+
+
+def slow_to_compile(tag: int) -> dict:
+    """25 KB that the API server's check parses in milliseconds and the engine's compile process takes 20 s or more
+    over (compiling and writing out a grammar of several hundred MiB), with the tiny tokenizer."""
+    item = {"type": "string", "pattern": "^[a-z]{3,9}$"}
+    return {"type": "object", "properties": {f"t{tag}_{i}": {"type": "array", "items": item} for i in range(300)}}
+
+
+def helpers_cpu_seconds(server: Server) -> float:
+    """CPU time of the server's helper processes alive now (constraint checks, grammar compiles), all but the
+    engine core."""
+    total = 0.0
+    for pid in set(server.descendants()) - {server.engine_pid()}:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def attack(server: Server, schemas: list[dict], give_up_s: float) -> list[threading.Thread]:
+    """One request a schema, each giving up after `give_up_s` (its connection closes and its request is aborted)."""
+
+    def send(schema: dict) -> None:
+        payload = json.dumps({"messages": HI, "max_tokens": 2, "response_format": json_schema(schema)}).encode()
+        request = urllib.request.Request(server.url + "/v1/chat/completions", payload, method="POST")
+        request.add_header("Content-Type", "application/json")
+        request.add_header("Authorization", f"Bearer {API_KEY}")
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(request, timeout=give_up_s).read()
+
+    threads = [threading.Thread(target=send, args=(schema,)) for schema in schemas]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def assert_quick_schema_served_beside(server: Server, attackers: list[threading.Thread]) -> None:
+    """A one-property schema sent while the attack runs is answered within seconds; once the attackers are gone,
+    no helper process goes on working for them, and the engine serves."""
+    engine = server.engine_pid()
+    time.sleep(1)
+    start = time.monotonic()
+    status, answer = constrained(
+        server, {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    waited = time.monotonic() - start
+    assert status == 200, answer
+    assert waited < 10, f"the one-property schema waited {waited:.1f} s behind the slow ones"
+    for thread in attackers:
+        thread.join()
+    # the aborts reach the engine, each compile's process is killed within 0.05 s of its request's going, and the
+    # check workers started in place of killed ones finish starting: then the helpers sit idle
+    settled_by = time.monotonic() + 6
+    while True:
+        used = helpers_cpu_seconds(server)
+        time.sleep(1)
+        if helpers_cpu_seconds(server) - used < 0.15:
+            break
+        assert time.monotonic() < settled_by, "checks or compiles went on after their requests had gone"
+    assert server.engine_pid() == engine
+    assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})[0] == 200
+
+
+def warm_up(server: Server) -> None:
+    """Three quick constraints at once: both general check workers and the first-try one started (a start takes
+    seconds on two busy cores), and the engine's compile processes."""
+    with ThreadPoolExecutor(3) as pool:
+        schemas = [{"type": "object", "properties": {f"w{i}": {"type": "integer"}}} for i in range(3)]
+        assert {status for status, _ in pool.map(lambda schema: constrained(server, schema), schemas)} == {200}
+
+
+def slow_to_parse(tag: int) -> dict:
+    """Under 300 bytes, and a minute or more of xgrammar's parse (strings of bounded length inside an object grow
+    its work with the bound; the API server's check runs it)."""
+    return {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "maxLength": 8000 + 10 * tag + i} for i in range(3)},
+    }
+
+
+def test_slow_checks_neither_hold_up_a_small_one_nor_outlive_their_requests(server):
+    warm_up(server)
+    assert_quick_schema_served_beside(server, attack(server, [slow_to_parse(tag) for tag in range(6)], 4))
+
+
+def test_slow_compiles_neither_hold_up_a_small_one_nor_outlive_their_requests(server):
+    warm_up(server)
+    assert_quick_schema_served_beside(server, attack(server, [slow_to_compile(tag) for tag in range(6)], 4))

@@ -243,8 +243,9 @@ def _slow_schema() -> dict:
 def test_a_compile_past_its_time_limit_is_killed_and_its_capacity_comes_back(tokenizer):
     grammars = GrammarCache(lambda: tokenizer, MODEL_VOCAB, [EOS], num_workers=1, timeout_s=3)
     try:
-        # the worker process is started and warm before the slow compile is timed
-        assert grammars.get(StructuredOutputParams(regex="a+")).result(timeout=60) is not None
+        # both lanes' processes (first try, general) are started and warm before the slow compile is timed
+        warm = [grammars.get(StructuredOutputParams(regex=r)) for r in ("a+", "b+")]
+        assert all(future.result(timeout=60) is not None for future in warm)
         grammars.timeout_s = 0.2
         slow = StructuredOutputParams(json=_slow_schema())
         start = time.monotonic()
@@ -425,9 +426,13 @@ def test_what_xgrammar_holds_output_to_is_let_through():
         check_grammar(StructuredOutputParams(json=schema))
 
 
+SLOW_TO_PARSE = {"type": "object", "properties": {"p": {"type": "string", "maxLength": 8000}}}  # ~20 s to parse
+
+
 def test_a_check_past_its_time_limit_kills_its_worker_and_frees_the_slot():
     """The worker processes' mechanism: an answer that does not come in time kills the process (a thread could
-    not be stopped), the next check starts another; a full pool is ChecksBusy, not a wait without end."""
+    not be stopped), the next check starts another; a full pool is ChecksBusy, not a wait without end; a check whose
+    request is gone is stopped; with the general workers busy, a quick check gets a first try of its own."""
     import asyncio
     import multiprocessing
 
@@ -437,31 +442,53 @@ def test_a_check_past_its_time_limit_kills_its_worker_and_frees_the_slot():
         return [p for p in multiprocessing.active_children() if p.name == "kiln-grammar-check"]
 
     async def run() -> None:
-        checks = GrammarChecks(workers=2, timeout=0.05)  # shorter than a worker's start: it cannot answer
+        checks = GrammarChecks(workers=2, timeout=60)
+        assert await checks.problem(StructuredOutputParams(regex="a+")) is None  # (a worker started, not timed)
+        checks.timeout = 0.5
+        start = time.monotonic()
         with pytest.raises(TimeoutError):
-            await checks.problem(StructuredOutputParams(regex="a+"))
-        assert not workers()  # killed and reaped
+            await checks.problem(StructuredOutputParams(json=SLOW_TO_PARSE))
+        assert time.monotonic() - start < 0.5 + 1.0
+        assert not workers()  # the one worker started (and timed out) was killed and reaped
         checks.timeout = 60
-        assert await checks.problem(StructuredOutputParams(regex="a+")) is None
         problem = await checks.problem(StructuredOutputParams(json={"type": "integer", "not": {"const": 3}}))
         assert "'not' (at #) is not supported" in problem
         assert "invalid regex" in await checks.problem(StructuredOutputParams(regex="(["))
         assert await checks.problem(StructuredOutputParams(regex="a+")) is None  # remembered: no worker asked
-        held = [await checks._slots.get() for _ in range(2)]  # both workers, taken
+        # both general workers busy with slow checks: a quick one is answered in the first-try lane (all started first:
+        # on two busy cores a start takes several seconds)
+        await asyncio.gather(*(checks.problem(StructuredOutputParams(regex=f"w{i}+")) for i in range(3)))
+        slow = [
+            asyncio.ensure_future(checks.problem(StructuredOutputParams(json={**SLOW_TO_PARSE, "title": str(i)})))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.5)
+        start = time.monotonic()
+        assert await checks.problem(StructuredOutputParams(regex="b+")) is None
+        assert time.monotonic() - start < 5
+        # requests gone: their checks are stopped, their workers killed
+        for task in slow:
+            task.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        await asyncio.sleep(1)
+        assert checks._general.free == [None, None] and len(checks._first_try.free) == 1
+        assert len(workers()) == 2  # the first-try lane's and its spare: the slow checks' were killed
+        held = [await checks._general.acquire(0, 0) for _ in range(2)] + [await checks._first_try.acquire(0, 0)]
         checks.timeout = 0.2
         with pytest.raises(ChecksBusy):
-            await checks.problem(StructuredOutputParams(regex="b+"))
+            await checks.problem(StructuredOutputParams(regex="c+"))
+        checks._first_try.release(held.pop())
         for worker in held:
-            checks._slots.put_nowait(worker)
+            checks._general.release(worker)
         # one check in flight per owner (an API key): its second is refused while the first runs, others go on
         checks.timeout = 60
-        first = asyncio.ensure_future(checks.problem(StructuredOutputParams(regex="c+"), owner="alice"))
+        first = asyncio.ensure_future(checks.problem(StructuredOutputParams(regex="d+"), owner="alice"))
         await asyncio.sleep(0)
         with pytest.raises(OwnerBusy):
-            await checks.problem(StructuredOutputParams(regex="d+"), owner="alice")
-        assert await checks.problem(StructuredOutputParams(regex="e+"), owner="bob") is None
+            await checks.problem(StructuredOutputParams(regex="e+"), owner="alice")
+        assert await checks.problem(StructuredOutputParams(regex="f+"), owner="bob") is None
         assert await first is None
-        assert await checks.problem(StructuredOutputParams(regex="f+"), owner="alice") is None
+        assert await checks.problem(StructuredOutputParams(regex="g+"), owner="alice") is None
         checks.close()
         assert not workers()
 
