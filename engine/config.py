@@ -148,6 +148,8 @@ class ServerConfig:
     parse_special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be a port number, 0 to 65535, not {self.port!r}")
         if self.api_key and self.api_keys_file:
             raise ValueError("give --api-key (or KILN_API_KEY) or --api-keys-file, not both")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

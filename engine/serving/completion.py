@@ -244,7 +244,9 @@ async def run_request(
         params.verify_vocab(vocab)
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    if params.structured_output is not None:
+    # NOTE: a tool_choice's constraint wraps the tools' schemas, each checked already (_chat_prompt): checked whole,
+    # the wrapper's three levels would count against a schema's depth (31 levels alone, refused under "required")
+    if params.structured_output is not None and parsed.constraint_param != "tools":
         await check_structured_output(
             state, params.structured_output, parsed.constraint_param or "response_format", key
         )

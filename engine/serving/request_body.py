@@ -40,6 +40,9 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
             continue
         if len(body) > MAX_BODY_BYTES or decoder.unconsumed_tail:
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes once decoded")
+        if decoder.eof and decoder.unused_data:  # NOTE: zlib stops at a member's end; what follows would be lost
+            what = "a second gzip member" if decoder.unused_data[:2] == b"\x1f\x8b" else "bytes"
+            raise APIError(400, f"the body is not valid {encoding} data: {what} after the end of its data")
         if decoder.eof:
             return body
     raise APIError(400, f"the body is not valid {encoding} data")

@@ -12,6 +12,8 @@ from kiln.engine.serving.openai_requests import APIError, ParsedRequest, parse_c
 # the chat request's parameter names as the Responses API calls them, for the errors parse_chat raises
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 _ROLES = ("user", "assistant", "system", "developer")
+# OpenAI's bounds on `metadata`, which the response echoes (three times in a stream)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def chat_body(body: Any) -> dict[str, Any]:
@@ -28,6 +30,7 @@ def chat_body(body: Any) -> dict[str, Any]:
         raise APIError(400, "background responses are not supported", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise APIError(400, "'truncation' must be 'disabled'", "truncation")
+    _check_metadata(body.get("metadata"))
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -63,6 +66,20 @@ def chat_body(body: Any) -> dict[str, Any]:
         if body.get(name) is not None:
             chat[name] = body[name]
     return chat
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    rule = (
+        f"'metadata' is an object of at most {MAX_METADATA_PAIRS} pairs, each key a string of at most "
+        f"{MAX_METADATA_KEY_CHARS} characters and each value a string of at most {MAX_METADATA_VALUE_CHARS}"
+    )
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, rule, "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(400, rule, "metadata")
 
 
 def _input_messages(items: Any) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ def tool_parser(parsed: ParsedRequest, auto_parser: str | None) -> ToolParser | 
     else:
         schema = _parameters(functions[parsed.tool_function])
         parser = NamedParser(parsed.tool_function)
+    parser.offered = frozenset(functions)  # (the constraint holds the reply to them: this holds the parse too)
     parsed.params = dataclasses.replace(parsed.params, structured_output=_constraint(schema))
     parsed.constraint_param = "tools"
     return parser
