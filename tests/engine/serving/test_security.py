@@ -174,13 +174,13 @@ def test_error_messages_leak_no_paths_or_addresses(server, tiny_llama_dir, metho
 
 
 def test_a_bad_model_path_fails_at_start_with_a_clear_message(tmp_path):
-    """Neither a directory nor a preset, a file, a directory without config.json: `kiln serve` exits 2
-    with one clear line, before any engine starts."""
+    """Neither a directory, a GGUF file, a Hub id nor a preset; a file; a directory without config.json: `kiln serve`
+    exits 2 with one clear line, before any engine starts."""
     (tmp_path / "file").write_text("{}")
     (tmp_path / "empty").mkdir()
     expected = {
-        "missing": "neither a local directory nor a built-in preset",
-        "file": "not a directory",
+        "missing": "neither a local directory or GGUF file, a Hub id",
+        "file": "a file but not a .gguf file",
         "empty": "no config.json",
     }
     start = time.monotonic()
