@@ -50,7 +50,8 @@ _CHUNK_ROWS = 1024  # rows dequantized at once  # the architectures whose q and 
 
 
 def hf_names(arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF base name (no .weight / .bias) -> Hugging Face base name; stacked experts map to "...mlp.experts"."""
+    """GGUF base name (no .weight / .bias) -> Hugging Face base name; a stacked experts tensor maps to
+    "...mlp.experts.*.PROJ", "*" standing for each expert."""
     layer_names = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
     names = {gguf.TENSOR_NAMES[kind]: hf for kind, hf in _GLOBAL.items()}
     for i in range(num_layers):
