@@ -1,7 +1,10 @@
 """Well-behaved clients' latency with abusive ones beside them, against a running `kiln serve`: the same steady load
 twice, alone and then with slow readers, slow writers (a body a byte at a time, a head that never ends), grammar
-bombs (schemas that are refused, or slow to parse and compile) and cancelled streams mixed in. Prints the good
-clients' p50/p99 request latency in each phase and their ratio (the goal: p99 within 2x), their errors (must be
+bombs (schemas that are refused, or slow to parse and compile) and cancelled streams mixed in, and the second red
+team's: schemas whose compiled grammars are large (bigschema) or slow to compile or parse (slowcompile, slowparse;
+their clients give up after 4 s), prompt-logprob amplifiers (echo), readers of n=16 top-20 log-probability streams at
+~20 KB/s (fatreader) and gzip bodies of 5 million token ids (ids). Prints the good clients' p50/p99 request latency
+in each phase and their ratio (the goal: p99 within 2x), their errors (must be 0), the 5xx any client got (must be
 0), and whether every KV block is back at the end.
 
     kiln serve MODEL --port 8000 &
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import random
 import statistics
@@ -43,6 +47,12 @@ class Phase:
         self.latencies: list[float] = []
         self.errors: list[str] = []
         self.abuse = {"slow_reader": 0, "slow_writer": 0, "slow_head": 0, "grammar": 0, "cancelled": 0}
+        self.server_errors: list[str] = []  # a 5xx any client got, the abusers' included
+
+    def answered(self, kind: str, status: int) -> None:
+        self.abuse[kind] = self.abuse.get(kind, 0) + 1
+        if status >= 500:
+            self.server_errors.append(f"{kind}: {status}")
 
 
 async def good_client(session: aiohttp.ClientSession, args, phase: Phase, stop: float, rng: random.Random) -> None:
@@ -57,6 +67,8 @@ async def good_client(session: aiohttp.ClientSession, args, phase: Phase, stop: 
         try:
             async with session.post(f"{args.url}/v1/completions", json=body, headers=args.headers) as r:
                 if r.status != 200:
+                    if r.status >= 500:
+                        phase.server_errors.append(f"good: {r.status}")
                     phase.errors.append(f"{r.status}: {(await r.text())[:200]}")
                     continue
                 async for line in r.content:
@@ -101,7 +113,7 @@ async def grammar_bomb(session, args, phase: Phase, rng: random.Random) -> None:
     }
     async with session.post(f"{args.url}/v1/chat/completions", json=body, headers=args.headers) as r:
         await r.read()
-    phase.abuse["grammar"] += 1
+        phase.answered("grammar", r.status)
 
 
 async def cancelled_stream(session, args, phase: Phase, rng: random.Random) -> None:
@@ -110,6 +122,59 @@ async def cancelled_stream(session, args, phase: Phase, rng: random.Random) -> N
         for _ in range(rng.randint(1, 5)):
             await r.content.readline()
     phase.abuse["cancelled"] += 1
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+async def constrained(session, args, phase: Phase, kind: str, schema: dict, give_up_s: float | None = None) -> None:
+    body = {"messages": [{"role": "user", "content": "json"}], "max_tokens": 8, "response_format": json_schema(schema)}
+    timeout = aiohttp.ClientTimeout(total=give_up_s) if give_up_s else None
+    try:
+        async with session.post(
+            f"{args.url}/v1/chat/completions", json=body, headers=args.headers, timeout=timeout
+        ) as r:
+            await r.read()
+            phase.answered(kind, r.status)
+    except asyncio.TimeoutError:
+        phase.answered(kind, 0)  # gave up: the server stops its check or compile
+
+
+async def second_round(session, args, phase: Phase, kind: str, rng: random.Random) -> None:
+    """The second red team's attacks (issue 60)."""
+    tag = rng.randrange(10**9)  # a new schema each time: nothing cached helps
+    if kind == "bigschema":  # 600 optional properties: a compiled grammar of ~118 MiB
+        props = {f"p{tag}_{i}": {"type": "string"} for i in range(600)}
+        await constrained(session, args, phase, kind, {"type": "object", "properties": props})
+    elif kind == "slowcompile":  # parsed in ms, compiled (and written out) for 20 s or more
+        item = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{3,9}$"}}
+        props = {f"t{tag}_{i}": item for i in range(300)}
+        await constrained(session, args, phase, kind, {"type": "object", "properties": props}, give_up_s=4)
+    elif kind == "slowparse":  # 300 bytes that take a minute to parse
+        props = {f"p{i}": {"type": "string", "maxLength": 8000 + tag % 1000 + i} for i in range(3)}
+        await constrained(session, args, phase, kind, {"type": "object", "properties": props}, give_up_s=4)
+    elif kind == "echo":  # 255 prompts x 400 tokens with echo and top-20: refused by --max-prompt-logprob-rows
+        body = {"prompt": [[7] * 400] * 255, "max_tokens": 1, "echo": True, "logprobs": 20}
+        async with session.post(f"{args.url}/v1/completions", json=body, headers=args.headers) as r:
+            await r.read()
+            phase.answered(kind, r.status)
+    elif kind == "fatreader":  # n=16 with top-20 log-probabilities, read at ~20 KB/s for 10 s
+        body = {"prompt": "slow", "max_tokens": 64, "ignore_eos": True, "stream": True, "n": 16, "logprobs": 20}
+        async with session.post(f"{args.url}/v1/completions", json=body, headers=args.headers) as r:
+            phase.answered(kind, r.status)
+            until = time.monotonic() + 10
+            while time.monotonic() < until and await r.content.read(2048):
+                await asyncio.sleep(0.1)
+    elif kind == "ids":  # 5 million token ids, ~15 KB gzipped
+        raw = gzip.compress(json.dumps({"prompt": [1] * 5_000_000, "max_tokens": 1}).encode())
+        headers = {**args.headers, "Content-Encoding": "gzip", "Content-Type": "application/json"}
+        async with session.post(f"{args.url}/v1/completions", data=raw, headers=headers) as r:
+            await r.read()
+            phase.answered(kind, r.status)
+
+
+SECOND_ROUND = ("bigschema", "slowcompile", "slowparse", "echo", "fatreader", "ids")
 
 
 async def abuser(session, args, phase: Phase, stop: float, rng: random.Random) -> None:
@@ -125,6 +190,8 @@ async def abuser(session, args, phase: Phase, stop: float, rng: random.Random) -
                 await slow_writer(args, phase, kind == "head")
             elif kind == "grammar":
                 await grammar_bomb(session, args, phase, rng)
+            elif kind in SECOND_ROUND:
+                await second_round(session, args, phase, kind, rng)
             else:
                 await cancelled_stream(session, args, phase, rng)
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -167,7 +234,8 @@ def main() -> None:
     p.add_argument(
         "--kinds",
         default="reader,writer,head,grammar,grammar,cancel,cancel",
-        help="the abusers' mix (reader, writer, head, grammar, cancel; repeat one to weigh it)",
+        help="the abusers' mix (reader, writer, head, grammar, cancel, " + ", ".join(SECOND_ROUND) + "; repeat one "
+        "to weigh it)",
     )
     p.add_argument("--json", help="append the results as one JSON line to this file")
     args = p.parse_args()
@@ -187,6 +255,8 @@ def main() -> None:
         print(f"{name:16}{len(phase.latencies):>10}{p50:>9.3f}{p99:>9.3f}{len(phase.errors):>8}")
     ratio = percentile(mixed.latencies, 99) / percentile(alone.latencies, 99)
     print(f"p99 ratio {ratio:.2f} (goal <= 2); abuse done: {mixed.abuse}")
+    server_errors = alone.server_errors + mixed.server_errors
+    print(f"5xx: {len(server_errors)} {server_errors[:5]}")
     back = "back" if free_after == free_before else "NOT back"
     print(f"KV free blocks {free_before:.0f} before, {free_after:.0f} after ({back})")
     for error in (alone.errors + mixed.errors)[:5]:
@@ -197,6 +267,7 @@ def main() -> None:
             row[name] = dict(requests=len(ph.latencies), errors=len(ph.errors))
             row[name].update(p50=percentile(ph.latencies, 50), p99=percentile(ph.latencies, 99))
         row.update(p99_ratio=ratio, abuse=mixed.abuse, kv_free_before=free_before, kv_free_after=free_after)
+        row.update(server_errors=len(server_errors))
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")
 
