@@ -2,9 +2,11 @@
 
 It owns HTTP, auth, tokenization (off the event loop), chat templates, detokenization and stop
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models (and
-/v1/models/{id}), POST /tokenize, POST /detokenize, GET /v1/usage (all under the API key when one is set), GET /health
-and GET /metrics (always open). With `--api-keys-file` the keys and their limits come from `api_keys.KeyStore`.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/messages (and
+/v1/messages/count_tokens: Anthropic's Messages API), GET /v1/models (and /v1/models/{id}), POST /tokenize,
+POST /detokenize, GET /v1/usage (all under the API key when one is set, given as `Authorization: Bearer KEY` or
+`x-api-key: KEY`), GET /health and GET /metrics (always open). With `--api-keys-file` the keys and their limits come
+from `api_keys.KeyStore`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from aiohttp import web
 
 from kiln.engine.config import EngineConfig, ServerConfig
 from kiln.engine.models.model_dir import generation_defaults, model_dir_of
+from kiln.engine.serving.anthropic_api import MessageShape, anthropic_error, is_anthropic_path
+from kiln.engine.serving.anthropic_requests import (
+    context_error,
+    in_anthropic_terms,
+    parse_count_tokens,
+    parse_messages,
+)
 from kiln.engine.serving.api_keys import KeyState, KeyStore, invalid_key_error
 from kiln.engine.serving.completion import (
     ServerState,
@@ -56,6 +65,8 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses_create)
+    app.router.add_post("/v1/messages", messages_create)
+    app.router.add_post("/v1/messages/count_tokens", messages_count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model_card)  # a served name may hold slashes (org/model)
     app.router.add_get("/v1/usage", usage)
@@ -69,22 +80,34 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
 # ---- middlewares ---------------------------------------------------------------------------------------
 
 
+def _path(request: web.Request) -> str:
+    return posixpath.normpath("/" + request.path.lstrip("/"))  # `//v1/x` and `/v1/../v1/x` are `/v1/x`
+
+
+def _error_response(request: web.Request, error: APIError) -> web.Response:
+    """`error` in the shape of the API its path belongs to: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if is_anthropic_path(_path(request)):
+        return error_response(error, *anthropic_error(error))
+    return error_response(error)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
-    """Errors as OpenAI error objects. NOTE: once a stream has begun (`responses.sse_response`, which ends it with
-    an error event itself) an error after it is only logged: a second response would land inside the stream."""
+    """Errors as OpenAI error objects (Anthropic's under its paths). NOTE: once a stream has begun
+    (`responses.sse_response`, which ends it with an error event itself) an error after it is only logged: a second
+    response would land inside the stream."""
     try:
         return await handler(request)
     except APIError as e:
         if (stream := request.get(STREAM)) is not None:
             return stream
-        return error_response(e)
+        return _error_response(request, e)
     except web.HTTPRequestEntityTooLarge:
-        return error_response(APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes"))
+        return _error_response(request, APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes"))
     except web.HTTPException as e:
         if e.status >= 400:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            return error_response(APIError(e.status, e.reason, type_=kind))
+            return _error_response(request, APIError(e.status, e.reason, type_=kind))
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -92,20 +115,16 @@ async def errors_middleware(request: web.Request, handler):
         logger.exception("unhandled error in %s %s", request.method, request.path)
         if (stream := request.get(STREAM)) is not None:
             return stream
-        return error_response(APIError(500, "internal server error", type_="internal_error"))
+        return _error_response(request, APIError(500, "internal server error", type_="internal_error"))
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     state: ServerState = request.app["state"]
     keys: KeyStore | None = request.app["keys"]
-    path = posixpath.normpath("/" + request.path.lstrip("/"))  # `//v1/x` and `/v1/../v1/x` are `/v1/x`
-    if path in OPEN_PATHS:
+    if _path(request) in OPEN_PATHS:
         return await handler(request)
-    given = request.headers.getall("Authorization", [""])
-    if len(given) > 1:  # which one a proxy in front checked is not known
-        raise APIError(400, "the request has more than one Authorization header")
-    given = given[0]
+    given = _authorization(request)
     if keys is not None:
         request[KEY] = keys.authenticate(given)
         valid = request[KEY] is not None
@@ -114,8 +133,22 @@ async def auth_middleware(request: web.Request, handler):
         # a header's non-UTF-8 bytes come as lone surrogates (aiohttp decodes it with surrogateescape)
         valid = not state.api_key or hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)
     if not valid:
-        return error_response(invalid_key_error())
+        return _error_response(request, invalid_key_error())
     return await handler(request)
+
+
+def _authorization(request: web.Request) -> str:
+    """The request's `Authorization` header, or `Bearer KEY` for an `x-api-key: KEY` header (Anthropic's clients)."""
+    # NOTE: with two keys given, which one a proxy in front checked is not known
+    given = request.headers.getall("Authorization", [])
+    api_key = request.headers.getall("x-api-key", [])
+    if len(given) > 1 or len(api_key) > 1:
+        raise APIError(400, "the request has more than one Authorization or x-api-key header")
+    if api_key:
+        if given and given[0] != f"Bearer {api_key[0]}":
+            raise APIError(400, "the request has both Authorization and x-api-key headers, with different keys")
+        return f"Bearer {api_key[0]}"
+    return given[0] if given else ""
 
 
 # ---- simple routes -------------------------------------------------------------------------------------
@@ -271,6 +304,38 @@ async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: d
         key.apply_max_tokens(parsed, {"max_tokens": max_tokens}, room=state.max_model_len - len(prompt))
     reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
     return prompt, key, {"tool_parser": parser, "reasoning_parser": reasoning}
+
+
+# ---- Anthropic's Messages API ----------------------------------------------------------------------------
+
+
+async def messages_create(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API: a chat request underneath (`anthropic_requests`), answered as a message."""
+    state: ServerState = request.app["state"]
+    body = await read_json(request)
+    try:
+        parsed = await checked(request, parse_messages, body, state.sampling_defaults)
+        prompt, key, parsers = await _chat_prompt(request, state, parsed, body, body.get("max_tokens"))
+        if error := context_error(len(prompt), parsed.params.max_tokens, state.max_model_len):
+            raise error
+        shape = MessageShape(parsed)
+        return await run_request(request, state, parsed, [prompt], [None], True, key, shape=shape, **parsers)
+    except APIError as e:
+        raise in_anthropic_terms(e) from None
+
+
+async def messages_count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a Messages request would take (its `usage.input_tokens`)."""
+    with _key_seat(request):
+        state: ServerState = request.app["state"]
+        body = await read_json(request)
+        try:
+            parsed = await checked(request, parse_count_tokens, body, state.sampling_defaults)
+            check_model(state, body)
+            ids = await encode_chat(state, parsed.messages, parsed.tools)
+        except APIError as e:
+            raise in_anthropic_terms(e) from None
+    return web.json_response({"input_tokens": len(ids)})
 
 
 # ---- process lifecycle ---------------------------------------------------------------------------------

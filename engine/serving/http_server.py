@@ -18,8 +18,10 @@ from kiln.engine.serving.api_errors import APIError
 logger = logging.getLogger("kiln")
 
 
-def error_response(error: APIError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status, headers=getattr(error, "headers", None))
+def error_response(error: APIError, status: int | None = None, body: dict[str, Any] | None = None) -> web.Response:
+    """`error` as an OpenAI error object, or as `status` and `body` when given (another API's shape of it)."""
+    status, body = status or error.status, body or error.body()
+    response = web.json_response(body, status=status, headers=getattr(error, "headers", None))
     if error.status == 408:  # the rest of a body that came too slowly is not waited for
         response.force_close()
     return response
