@@ -21,6 +21,15 @@ class Malformed(ValueError):
     """Markup that cannot be a tool call."""
 
 
+def _not_json(name: str) -> None:
+    raise Malformed(f"{name} is not JSON")
+
+
+def strict_json(text: str):
+    """`json.loads` without Python's NaN and Infinity, which no other JSON reader takes."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 def skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in WHITESPACE:
         i += 1
@@ -112,7 +121,7 @@ def object_call(text: str, i: int, final: bool, keys: tuple[str, ...] = ("argume
     call = PartialCall(None)
     start, name_end = fields.get("name", (0, None))
     if name_end is not None:
-        name = json.loads(text[start:name_end])
+        name = strict_json(text[start:name_end])
         if not isinstance(name, str):
             raise Malformed("a name")
         call.name = name
@@ -121,14 +130,14 @@ def object_call(text: str, i: int, final: bool, keys: tuple[str, ...] = ("argume
         start, args_end = fields[key]
         if text.startswith('"', start):  # arguments given as a JSON string: whole or not at all
             if args_end is not None:
-                call.arguments = json.loads(text[start:args_end])
+                call.arguments = strict_json(text[start:args_end])
         else:
             call.arguments = raw_value(text, start, args_end)
     if end is not None:
         if call.name is None:
             raise Malformed("a call without a name")
         call.arguments, call.done = call.arguments or "{}", True
-        if not isinstance(json.loads(call.arguments), dict):
+        if not isinstance(strict_json(call.arguments), dict):
             raise Malformed("arguments that are not an object")
     return call, end
 

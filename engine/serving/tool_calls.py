@@ -32,7 +32,7 @@ def tool_parser(parsed: ParsedRequest, auto_parser: str | None) -> ToolParser | 
         if auto_parser is None:
             raise APIError(400, AUTO_NEEDS_FLAGS, "tool_choice")
         parser = PARSERS[auto_parser]()
-        parser.offered = frozenset(t["function"]["name"] for t in parsed.tools)
+        parser.offer({t["function"]["name"]: t["function"] for t in parsed.tools})
         if parser.needs_special_tokens:
             parsed.params = dataclasses.replace(parsed.params, skip_special_tokens=False)
         return parser
@@ -53,7 +53,7 @@ def tool_parser(parsed: ParsedRequest, auto_parser: str | None) -> ToolParser | 
     else:
         schema = _parameters(functions[parsed.tool_function])
         parser = NamedParser(parsed.tool_function)
-    parser.offered = frozenset(functions)  # (the constraint holds the reply to them: this holds the parse too)
+    parser.offer(functions)  # (the constraint holds the reply to them: this holds the parse too)
     parsed.params = dataclasses.replace(parsed.params, structured_output=_constraint(schema))
     parsed.constraint_param = "tools"
     return parser

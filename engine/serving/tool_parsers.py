@@ -1,11 +1,5 @@
-"""Tool calls read out of a model's text, in the formats models write them (vLLM's parser names).
-
-A parser's `scan(text, final)` reads the whole text so far and says what of it is plain content and which calls it
-holds, each call's name once its name is complete and the raw JSON text of its arguments as far as it goes. Made
-for streaming: as the text grows, the content and each call's arguments only grow (what was said stays said), so
-the stream sends the differences (`tool_calls.ToolCallStream`) and ends with what a non-streamed reply holds. Text
-that could still turn into markup (a partial `<tool_call>`) is held back until it is clear. A reply whose markup
-does not parse at the end is content, whole.
+"""Tool calls read out of a model's text, in the formats models write them (vLLM's parser names); each parser reads
+the whole text so far as `tool_scan.ToolParser` says.
 """
 
 from __future__ import annotations
@@ -13,7 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass, field
 
 from kiln.engine.serving.partial_json import (
     WHITESPACE,
@@ -24,45 +17,11 @@ from kiln.engine.serving.partial_json import (
     object_call,
     raw_value,
     skip_ws,
+    strict_json,
     value_end,
 )
-
-
-@dataclass
-class Scan:
-    content: str
-    calls: list[PartialCall] = field(default_factory=list)
-
-
-# ---- the formats ------------------------------------------------------------------------------------------
-
-
-class ToolParser:
-    name = ""
-    # the markup holds special tokens, which a detokenizer skipping them would drop
-    needs_special_tokens = False
-    offered: frozenset[str] | None = None  # the request's tools' names: a call to any other is not a call
-
-    def scan(self, text: str, final: bool) -> Scan:
-        """What of `text` is content and which calls it holds. NOTE: the text is the model's, so anything at all:
-        markup this parser cannot take (a Python set or bytes as an argument, a name no tool has) is content,
-        never an error of the request."""
-        try:
-            scan = self._scan(text, final)
-            for call in scan.calls:
-                if call.name is not None and self.offered is not None and call.name not in self.offered:
-                    raise Malformed("a call to a tool that was not offered")
-            return scan
-        except (Malformed, ValueError, TypeError, RecursionError, SyntaxError, MemoryError):
-            if final:
-                return Scan(text)
-            return Scan(self._content_before_markup(text))
-
-    def _scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
-
-    def _content_before_markup(self, text: str) -> str:
-        return ""
+from kiln.engine.serving.qwen3_coder_parser import Qwen3CoderParser
+from kiln.engine.serving.tool_scan import Scan, ToolParser
 
 
 class MarkerParser(ToolParser):
@@ -149,7 +108,7 @@ class MistralParser(MarkerParser):
             if end is None:
                 return calls
             call.done = True
-            if not isinstance(json.loads(call.arguments), dict):
+            if not isinstance(strict_json(call.arguments), dict):
                 raise Malformed("arguments that are not an object")
             following = skip_ws(text, end)
             if not text.startswith(self.marker, following):
@@ -236,7 +195,8 @@ class PythonicParser(ToolParser):
         return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False), True)
 
     def _partial(self, body: str) -> list[PartialCall]:
-        """The calls so far: each finished one whole, the one being written by its name."""
+        """The calls finished so far. NOTE: a call is begun only once it is whole: its Python literals become JSON only
+        then, and one that JSON cannot carry (a set, bytes, an infinity) must not have been sent."""
         calls, depth, quote, start, j = [], 0, None, 1, 1
         while j < len(body):
             ch = body[j]
@@ -260,14 +220,11 @@ class PythonicParser(ToolParser):
                     calls.append(self._call(node))
                     start = j + 1
             j += 1
-        pending = re.match(r"[\s,]*([A-Za-z_]\w*)\s*\(", body[start:])
-        if pending:
-            calls.append(PartialCall(pending.group(1)))
         return calls
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)
 }
 
 
@@ -298,7 +255,7 @@ class NamedParser(ToolParser):
         end = value_end(text, i, final) if i < len(text) else None
         call = PartialCall(self.function, raw_value(text, i, end))
         if final:
-            if end is None or not isinstance(json.loads(call.arguments), dict):
+            if end is None or not isinstance(strict_json(call.arguments), dict):
                 raise Malformed("arguments that are not an object")
             call.done = True
         return Scan("", [call])
