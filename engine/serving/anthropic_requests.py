@@ -24,6 +24,7 @@ EXTRAS = (
     "min_tokens",
     "ignore_eos",
     "repetition_penalty",
+    "logit_bias",
     "guided_json",
     "guided_regex",
     "guided_choice",

@@ -16,9 +16,12 @@ import urllib.request
 import anthropic
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from helpers.server import API_KEY, Server
+from helpers.keys import DAVE, sha, toml_keys, write
+from helpers.server import API_KEY, LEAK, Server
 from helpers.templated import templated_model_dir
 
 # (small: the tiny model's context is 512 tokens, and its tokenizer spends ~270 on this tool rendered)
@@ -422,6 +425,51 @@ def test_bad_requests_are_the_clients_exceptions(server):
     assert c.messages.create(**base).usage.output_tokens >= 1  # still serving
 
 
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=30),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=15,
+)
+BLOCK = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "document"])},
+    optional={k: json_values for k in ("text", "id", "name", "input", "tool_use_id", "content", "thinking")},
+)
+FIELDS = {
+    "model": json_values,
+    "max_tokens": json_values | st.integers(-2, 600),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system"])},
+            optional={"content": st.text(max_size=8) | st.lists(BLOCK, max_size=3)},
+        ),
+        max_size=3,
+    )
+    | json_values,
+    "system": json_values | st.lists(BLOCK, max_size=2),
+    "tools": json_values | st.just([WEATHER]) | st.lists(st.fixed_dictionaries({}, optional={"name": json_values})),
+    "tool_choice": json_values | st.sampled_from([{"type": t} for t in ("auto", "any", "none", "tool")]),
+    **{name: json_values for name in ("stop_sequences", "temperature", "top_p", "top_k", "metadata", "thinking")},
+    "stream": st.booleans() | json_values,
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.fixed_dictionaries({}, optional=FIELDS))
+def test_fuzzed_bodies_are_answered_or_a_4xx_in_anthropics_shape(plain_server, changes):
+    body = {"model": plain_server.model, "max_tokens": 2, "messages": ASK, **changes}
+    status, raw = plain_server.post("/v1/messages", json.dumps(body, allow_nan=True).encode())
+    assert status < 500, (body, raw[:300])
+    if status >= 400:
+        error = json.loads(raw)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"  # (404: a model not served)
+        assert error["type"] == "error" and error["error"]["type"] == kind, error
+        assert error["error"]["message"] and not LEAK.search(error["error"]["message"]), error
+
+
 def test_a_client_that_hangs_up_mid_stream_aborts_its_request(server):
     baseline = server.metric("kiln_kv_cache_free_blocks")
     body = {"model": server.model, "max_tokens": 300, "messages": ASK, "stream": True, "ignore_eos": True}
@@ -438,3 +486,70 @@ def test_a_client_that_hangs_up_mid_stream_aborts_its_request(server):
         time.sleep(0.2)
     assert server.metric("kiln_num_requests_running") == 0
     assert server.metric("kiln_kv_cache_free_blocks") == baseline
+
+
+# ---- API keys, quotas, metrics, failures ---------------------------------------------------------------------
+
+FAULT_TOKEN = 300  # the gateway's API process fails on a request handed this token id (a test hook)
+LIMITED = "sk-test-limited-0123456789"
+KEYS = {
+    "limited": {"sha256": sha(LIMITED), "requests_per_minute": 2, "max_tokens": 8},
+    "dave": {"sha256": sha(DAVE)},
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    write(path, toml_keys(*({"name": name, **entry} for name, entry in KEYS.items())))
+    s = Server(
+        tiny_llama_dir, "--max-model-len", "512", auth=("--api-keys-file", str(path)), server_fault_token=FAULT_TOKEN
+    )
+    yield s
+    s.stop()
+
+
+def test_keys_and_their_limits_hold_for_messages(gateway):
+    """x-api-key (and a bearer token) name the key; its max_tokens cap and requests per minute hold; /v1/usage and
+    /metrics count the requests as chat ones."""
+    requests_before = gateway.metric("kiln_requests_total")
+    limited = client(gateway, api_key=LIMITED)
+    kw = dict(model=gateway.model, messages=ASK, extra_body=GREEDY)
+    expect_error(
+        anthropic.BadRequestError,
+        lambda: limited.messages.create(max_tokens=9, **kw),
+        "invalid_request_error",
+        "more than this API key allows (8)",
+    )
+    first = limited.messages.create(max_tokens=8, **kw)
+    counted = limited.messages.count_tokens(model=gateway.model, messages=ASK)
+    assert counted.input_tokens == first.usage.input_tokens
+    with pytest.raises(anthropic.RateLimitError) as caught:
+        limited.messages.create(max_tokens=8, **kw)  # the third request this minute (count_tokens is one)
+    assert caught.value.body["error"]["type"] == "rate_limit_error"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+    usage = json.loads(gateway.get("/v1/usage", key=LIMITED)[1])
+    assert usage["usage"]["requests"] == 2  # the message and the count (the refused ones took nothing)
+    assert usage["usage"]["prompt_tokens"] == first.usage.input_tokens
+    assert usage["usage"]["completion_tokens"] == first.usage.output_tokens == 8
+    dave = client(gateway, api_key=None, auth_token=DAVE)
+    assert dave.messages.create(max_tokens=3, **kw).usage.output_tokens == 3
+    assert gateway.metric("kiln_requests_total") == requests_before + 2  # the two messages served
+    assert gateway.metric("kiln_api_key_requests_total") >= 3
+
+
+def test_a_failure_midway_is_an_error_event_and_a_whole_failure_an_api_error(gateway):
+    """The API server raises (a test hook) on the first token, forced by logit_bias: streamed, the one response ends
+    with Anthropic's error event after message_start; whole, a 500 api_error; and the server serves on."""
+    body = {"model": gateway.model, "max_tokens": 4, "messages": ASK, "logit_bias": {str(FAULT_TOKEN): 100}}
+    status, raw = gateway.post("/v1/messages", {**body, "stream": True}, key=DAVE)
+    assert status == 200
+    frames = [frame.split("\n") for frame in raw.decode().split("\n\n") if frame]
+    assert [event for event, _ in frames] == ["event: message_start", "event: error"]
+    assert json.loads(frames[-1][1].removeprefix("data: "))["error"]["type"] == "api_error"
+    expect_error(
+        anthropic.InternalServerError,
+        lambda: client(gateway, api_key=DAVE).post("/v1/messages", body=body, cast_to=anthropic.types.Message),
+        "api_error",
+    )
+    assert client(gateway, api_key=DAVE).messages.create(model=gateway.model, max_tokens=2, messages=ASK).content
