@@ -81,7 +81,10 @@ class ResponseShape:
         for call in message.get("tool_calls", []):
             f = call["function"]
             output.append(_call_item(_item_id("fc"), call["id"], f["name"], f["arguments"], "completed"))
-        return self.response(state, _status(choice), output, choice)
+        status = _status(choice)
+        if output and status == "incomplete":
+            output[-1]["status"] = "incomplete"  # (the item being written when max_output_tokens cut it)
+        return self.response(state, status, output, choice)
 
     async def reply(self, request: web.Request, state: ServerState, choice: Choice, queue) -> web.StreamResponse:
         if not self.parsed.stream:
@@ -110,9 +113,9 @@ class ResponseShape:
         items: list[dict[str, Any]] = []  # every output item so far, the last one open
         open_kind: tuple[str, int] | None = None  # ("reasoning" | "message" | "call", call index)
 
-        def close():
+        def close(status: str = "completed"):
             item = items[-1]
-            item["status"] = "completed"
+            item["status"] = status
             index = len(items) - 1
             if item["type"] == "reasoning":
                 text = item["content"][0]["text"]
@@ -218,7 +221,7 @@ class ResponseShape:
             if finished:
                 break
         if open_kind is not None:
-            for event in close():
+            for event in close(_status(choice)):  # (the item being written when max_output_tokens cut it: incomplete)
                 yield event
         # NOTE: "completed" ends the stream either way (the status inside says "incomplete" when cut short): the
         # official client's stream helper knows no other last event
