@@ -7,9 +7,12 @@ from kiln.cache.groups import KVGroups, kv_groups
 from kiln.cache.hybrid import HybridKVCacheManager, make_kv_cache_manager
 from kiln.cache.kv_cache_manager import KVCacheManager
 from kiln.cache.sizing import KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
+from kiln.cache.state_cache import RecurrentStateCache, StateKVCacheManager
 
 __all__ = [
     "NULL_BLOCK_ID",
+    "RecurrentStateCache",
+    "StateKVCacheManager",
     "BlockHash",
     "BlockPool",
     "HybridKVCacheManager",

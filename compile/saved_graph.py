@@ -26,9 +26,14 @@ import torch
 from torch import nn
 
 from kiln.backends.attention.op import attend
+from kiln.backends.linear_attention.op import gated_delta_net
 
 VERSION = 1
-FUNCTIONS = {"_operator.getitem": operator.getitem, "kiln.backends.attention.op.attend": attend}
+FUNCTIONS = {
+    "_operator.getitem": operator.getitem,
+    "kiln.backends.attention.op.attend": attend,
+    "kiln.backends.linear_attention.op.gated_delta_net": gated_delta_net,
+}
 NAMES = {fn: name for name, fn in FUNCTIONS.items()}
 INPUTS = ("input_ids", "positions")  # the traced function's arguments; `model` is its closure
 

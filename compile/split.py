@@ -1,4 +1,4 @@
-"""Cut a Dynamo FX graph at every attention op.
+"""Cut a Dynamo FX graph at every attention op (and every linear-attention op: `kiln::gated_delta_net`).
 
     [embed, norm, qkv, rope] | attention 0 | [o_proj, norm, mlp, norm, qkv, rope] | attention 1 | ... | [o_proj, norm]
       compute piece 0                         compute piece 1                                      compute piece L
@@ -12,8 +12,16 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from kiln.backends.attention.op import attend  # (the module registers the op)
+from kiln.backends.linear_attention.op import gated_delta_net
 
-ATTENTION_OPS = (torch.ops.kiln.unified_attention, torch.ops.kiln.unified_attention.default)
+# each op the graph is split at, and the Python body its piece calls once compiled
+OP_BODIES = {
+    torch.ops.kiln.unified_attention: attend,
+    torch.ops.kiln.unified_attention.default: attend,
+    torch.ops.kiln.gated_delta_net: gated_delta_net,
+    torch.ops.kiln.gated_delta_net.default: gated_delta_net,
+}
+ATTENTION_OPS = tuple(OP_BODIES)
 
 
 def is_attention(node: torch.fx.Node) -> bool:
@@ -46,5 +54,5 @@ def call_attention_directly(split: torch.fx.GraphModule, attention: list[str]) -
         piece = getattr(split, name)
         for node in piece.graph.nodes:
             if is_attention(node):
-                node.target = attend
+                node.target = OP_BODIES[node.target]
         piece.recompile()

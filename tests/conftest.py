@@ -57,6 +57,18 @@ def tiny_moe_dir(request, tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
+@pytest.fixture(scope="session", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def tiny_hybrid_dir(request, tmp_path_factory) -> Path:
+    """The Gated DeltaNet hybrids: Qwen3.5 (dense, tied embeddings), Qwen3.5-MoE (every layer sparse, a shared
+    expert) and Qwen3-Next (its fused projections; a dense layer by mlp_only_layers)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")

@@ -45,6 +45,10 @@ class AttentionMetadata:
     # with several KV groups (kiln.cache.groups): each group's metadata, its own block table and slot mapping (the
     # first is this one); empty with one
     groups: tuple[AttentionMetadata, ...] = ()
+    # a model with recurrent layers (Gated DeltaNet): each request's row of their state tensors [B] int32 (padded
+    # requests: the scratch row 0), on the device and the host
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -70,6 +74,8 @@ class ForwardContext:
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer slides
     softcaps: tuple[float, ...] = ()  # each layer's attention score cap (0: none); empty: no layer caps
     layer_groups: tuple[int, ...] = ()  # each layer's KV group (attn_metadata.groups' index); empty: one group
+    # each recurrent layer's (conv_states [S, K - 1, D], ssm_states [S, Hv, Dk, Dv]), by its state index
+    recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 _forward_context: ForwardContext | None = None

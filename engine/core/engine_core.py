@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.cache import make_kv_cache_manager
+from kiln.cache import RecurrentStateCache, StateKVCacheManager, make_kv_cache_manager
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
 from kiln.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -69,6 +69,9 @@ class EngineCore:
         self.kv_cache_manager = make_kv_cache_manager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching, executor.kv_spec.groups
         )
+        if executor.state_rows is not None:  # recurrent layers: their state slots beside the KV blocks
+            states = RecurrentStateCache(*executor.state_rows)
+            self.kv_cache_manager = StateKVCacheManager(self.kv_cache_manager, states)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kiln.cache import KVCacheManager
+from kiln.cache import KVCacheManager, StateKVCacheManager
+from kiln.cache.state_cache import StateCopies
 from kiln.engine.core.request import Request, RequestStatus
 
 
@@ -32,6 +33,9 @@ class SchedulerOutput:
     samples: list[bool] = field(default_factory=list)
     # whether any unfinished request asks for prompt logprobs (else the runner looks for none)
     prompt_logprobs: bool = False
+    # a model with recurrent layers: each request's state slot, and the state rows to copy around this step's forward
+    state_slots: list[int] = field(default_factory=list)
+    state_copies: StateCopies = ((), ())
 
     @property
     def total_num_tokens(self) -> int:
@@ -51,14 +55,21 @@ class SchedulerOutput:
             [self.num_computed_tokens[i]],
             [self.samples[i]],
             self.prompt_logprobs,
+            self.state_slots[i : i + 1],
         )
 
 
 class Scheduler:
     def __init__(
-        self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        kv_cache_manager: KVCacheManager | StateKVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> None:
         self.kv = kv_cache_manager
+        # recurrent layers: steps end on block boundaries where they can (snapshots of the state are kept there)
+        self.states = kv_cache_manager if isinstance(kv_cache_manager, StateKVCacheManager) else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -122,6 +133,8 @@ class Scheduler:
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
+            if self.states is not None and n > 1:
+                n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
             fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
             if not fits and not self._preempt_for(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
@@ -139,6 +152,8 @@ class Scheduler:
             if not request.needs_prompt_logprobs:  # (a hit's positions would have no logprobs)
                 cached_blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
             n = min(request.num_tokens - num_cached, budget)
+            if self.states is not None and n > 1:
+                n = self.states.chunk_end(request.request_id, num_cached, n, request.num_tokens)
             if not self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, n, cached_blocks):
                 break
             self.waiting.popleft()
@@ -154,6 +169,8 @@ class Scheduler:
         computed = [r.num_computed_tokens for r in scheduled]
         samples = []
         for request, n in zip(scheduled, num_new):
+            if self.states is not None:
+                self.states.after_schedule(request.request_id, request.num_computed_tokens, n)
             num_computed_tokens = request.num_computed_tokens + n
             request.num_computed_tokens = num_computed_tokens
             sample = num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders
@@ -162,7 +179,12 @@ class Scheduler:
         block_ids = self.kv.block_ids
         block_table = [block_ids(r.request_id) for r in scheduled]
         wants = self.num_prompt_logprob_requests > 0
-        return SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
+        output = SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
+        if self.states is not None:
+            slot_of = self.states.states.slot_of
+            output.state_slots = [slot_of[r.request_id] for r in scheduled]
+            output.state_copies = self.states.states.copies()
+        return output
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int | None]

@@ -66,6 +66,8 @@ class ModelExecutor:
     counters: CompileCounters
     tp_workers: TensorParallelWorkers | None
     startup_stats: dict[str, Any]
+    # a model with recurrent layers: (request slots, snapshots) of their state tensors' rows (the scratch row besides)
+    state_rows: tuple[int, int] | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -216,11 +218,12 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         if compiled is not None:  # a warm start's split graph and artifacts, on every rank or on none
             compiled.load_saved((lambda found: min_across_ranks(int(found)) == 1) if shard.size > 1 else None)
         # (a backend without windows runs every layer full, over a context capped at the window)
-        windows = [
-            model_config.window_of(layer) if backend.sliding_window else 0 for layer in range(model_config.num_layers)
-        ]
+        kv_layers = model_config.attention_layers  # (a hybrid's recurrent layers keep states, not KV)
+        windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
+        # NOTE: allocated before the KV cache is sized, so its profile counts them as it counts the weights
+        recurrent_states, state_rows = _recurrent_states(config, model_config, shard, dtype, device)
         kv_spec = KVCacheSpec(
-            model_config.num_layers,
+            len(kv_layers),
             kv_heads_per_rank(model_config.num_kv_heads, shard.size),
             model_config.head_dim,
             config.block_size,
@@ -247,6 +250,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
                 sizes,
                 tp_workers,
                 kv_spec.groups,
+                recurrent_states,
             )
 
         cache = compiled.backend.cache if compiled is not None else None
@@ -308,7 +312,42 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         counters,
         tp_workers,
         stats,
+        state_rows,
     )
+
+
+def _recurrent_states(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    shard: TensorParallelShard,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], tuple[int, int] | None]:
+    """Each recurrent layer's state tensors (this rank's heads), zeroed, and their rows' (slots, snapshots): a slot
+    for each of max_num_seqs running requests, as many snapshots (none without prefix caching), and the scratch row.
+    The conv window is kept in the model's dtype, the delta rule's matrix in float32 (backends/linear_attention)."""
+    if not model_config.linear_layers:
+        return (), None
+    slots = config.max_num_seqs
+    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    rows = 1 + slots + snapshots
+    key_dim = model_config.linear_num_key_heads * model_config.linear_key_head_dim // shard.size
+    value_heads = model_config.linear_num_value_heads // shard.size
+    conv_dim = 2 * key_dim + value_heads * model_config.linear_value_head_dim
+    conv_shape = (rows, model_config.linear_conv_kernel_dim - 1, conv_dim)
+    ssm_shape = (rows, value_heads, model_config.linear_key_head_dim, model_config.linear_value_head_dim)
+    conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in model_config.linear_layers]
+    ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in model_config.linear_layers]
+    states = tuple(zip(conv, ssm))
+    nbytes = sum(t.numel() * t.element_size() for pair in states for t in pair)
+    logger.info(
+        "recurrent state of %d layers: %d request slots and %d prefix snapshots, %.2f GiB",
+        len(states),
+        slots,
+        snapshots,
+        nbytes / (1 << 30),
+    )
+    return states, (slots, snapshots)
 
 
 def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:

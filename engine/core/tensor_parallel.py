@@ -89,6 +89,7 @@ class StepHeader:
     seq_lens: list[int]
     logits_indices: list[int] | None
     prompt_logit_rows: list[list[int]]  # the hidden-row slices [start, end) prompt logprobs run the LM head on
+    state_copies: list[list[list[int]]]  # recurrent-state rows to copy before and after the forward: [from, to] pairs
 
     def encode(self) -> bytes:
         return msgpack.packb(list(astuple(self)), use_bin_type=True)
@@ -102,7 +103,7 @@ class StepHeader:
 
 
 def _shutdown_header() -> StepHeader:
-    return StepHeader(SHUTDOWN, 0, 0, 0, 0, 0, 0, [], [], None, [])
+    return StepHeader(SHUTDOWN, 0, 0, 0, 0, 0, 0, [], [], None, [], [[], []])
 
 
 def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
@@ -116,6 +117,7 @@ def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
         inputs.slot_mapping if several else inputs.slot_mapping[: header.num_actual_tokens],
         inputs.query_start_loc,
         inputs.seq_lens,
+        inputs.state_slots,
         inputs.block_table[: header.num_scheduled_reqs],
     ]
 
@@ -237,6 +239,7 @@ class TensorParallelWorkers:
         num_scheduled_reqs: int,
         sample_rows: list[int],
         prompt_logit_rows: list[tuple[int, int]] = (),
+        state_copies: tuple = ((), ()),
     ) -> None:
         """Announce the step rank 0 has just prepared and send its inputs; every rank then runs the forward."""
         self.check_alive()
@@ -255,6 +258,7 @@ class TensorParallelWorkers:
             metadata.seq_lens_cpu.tolist(),
             logits_indices,
             [list(r) for r in prompt_logit_rows],
+            [[list(pair) for pair in copies] for copies in state_copies],
         )
         frame = header.encode()
         for pipe in self.pipes:

@@ -87,10 +87,15 @@ def run_step(runner: ModelRunner, header: StepHeader) -> None:
         max_seq_len=header.max_seq_len,
         query_start_loc_cpu=torch.tensor(header.query_start_loc, dtype=torch.int32),
         seq_lens_cpu=torch.tensor(header.seq_lens, dtype=torch.int32),
+        state_slots=inputs.state_slots,
+        state_slots_cpu=inputs.state_slots.cpu(),
     )
     if runner.inputs.num_groups > 1:
         metadata = metadata.with_groups(inputs.block_table, metadata.slot_mapping)
+    before, after = header.state_copies
+    runner.copy_states([tuple(pair) for pair in before])
     hidden, head = runner.forward(metadata, GraphPlan(header.mode, header.num_tokens, header.num_reqs))
+    runner.copy_states([tuple(pair) for pair in after])
     if header.logits_indices is not None and head is None:  # a full graph ran the LM head (and its gather) itself
         rows = torch.tensor(header.logits_indices, dtype=torch.int64, device=runner.device)
         runner.model.compute_logits(hidden[rows])  # joins the LM head's all-gather; rank 0 samples

@@ -20,7 +20,18 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
+# Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# multimodal checkpoints served as their language model (the loader skips the vision tower; warned once)
+_LANGUAGE_MODEL_OF = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 # the attention of each mixture of experts is its dense sibling's
 _ATTENTION_OF = {
     "MixtralForCausalLM": "MistralForCausalLM",
@@ -71,15 +82,31 @@ class ModelConfig:
     local_rope_scaling: dict[str, Any] | None = None
     attn_softcap: float = 0.0  # Gemma 2: attention scores softcap * tanh(s / softcap) (0: none)
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
+    # Gated DeltaNet hybrids (Qwen3.5/3.6, Qwen3-Next): the layers in `linear_layers` are linear attention over a
+    # recurrent state (value heads of `linear_value_head_dim`, each reading key head h // (values / keys), a causal
+    # conv of `linear_conv_kernel_dim` taps before it); the others attend with an output gate (`attn_output_gate`:
+    # q_proj yields a sigmoid gate beside each head) and rotate only the first `rotary_dim` dims of a head
+    linear_layers: tuple[int, ...] = field(default=())
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False
+    rotary_dim: int = 0  # 0: the whole head
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
         """Build from a `transformers` config (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         archs = getattr(hf_config, "architectures", None) or []
         quantization = parse_checkpoint_quantization(getattr(hf_config, "quantization_config", None))
-        if "Gemma3ForConditionalGeneration" in archs:  # its language model (the loader skips the vision tower)
-            logger.warning("Gemma3ForConditionalGeneration: serving its language model; the vision tower is ignored")
-            hf_config, archs = hf_config.get_text_config(), ["Gemma3ForCausalLM"]
+        multimodal = next((a for a in archs if a in _LANGUAGE_MODEL_OF), None)
+        if multimodal is not None:  # its language model (the loader skips the vision tower)
+            logger.warning("%s: serving its language model; the vision tower is ignored", multimodal)
+            tied = getattr(hf_config, "tie_word_embeddings", None)
+            hf_config, archs = hf_config.get_text_config(), [_LANGUAGE_MODEL_OF[multimodal]]
+            if tied is not None:  # (the multimodal config's word, which transformers ties by)
+                hf_config.tie_word_embeddings = tied
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -115,7 +142,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0,  # (0: every layer sparse)
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
@@ -127,19 +154,31 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
             o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
-            qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or arch in HYBRID_ARCHITECTURES,
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
             sliding_layers=sliding,
             quantization=quantization,
             hidden_act=activation,
             **(_gemma(hf_config, local_rope) if gemma else {}),
+            **(_hybrid(hf_config, rope, head_dim) if arch in HYBRID_ARCHITECTURES else {}),
             **_experts(arch, hf_config),
         )
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.num_experts:
             raise ValueError("FP8 quantization of a mixture of experts is not supported yet: serve its 16-bit weights")
+        if self.quantization is not None and self.linear_layers:
+            raise ValueError(
+                f"FP8 quantization of {self.architecture} (a Gated DeltaNet hybrid) is not supported yet: serve its "
+                "16-bit weights"
+            )
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and have KV blocks): all but the recurrent ones."""
+        linear = set(self.linear_layers)
+        return tuple(layer for layer in range(self.num_layers) if layer not in linear)
 
     @property
     def is_moe(self) -> bool:
@@ -199,6 +238,31 @@ def _gemma(hf_config: Any, local_rope: dict[str, Any] | None) -> dict[str, Any]:
     )
 
 
+def _hybrid(hf_config: Any, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """A Gated DeltaNet hybrid's fields (see ModelConfig); its norms scale by 1 + weight, as Gemma's, and its q and k
+    are normed per head. Text positions only: mRoPE's three sections then rotate alike, as one RoPE."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types:
+        interval = getattr(hf_config, "full_attention_interval", 4)
+        kinds = ("linear_attention", "full_attention")
+        layer_types = [kinds[(i + 1) % interval == 0] for i in range(hf_config.num_hidden_layers)]
+    unknown = set(layer_types) - {"linear_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported: Kiln's hybrids have linear and full layers")
+    factor = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return dict(
+        linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        linear_num_key_heads=hf_config.linear_num_key_heads,
+        linear_num_value_heads=hf_config.linear_num_value_heads,
+        linear_key_head_dim=hf_config.linear_key_head_dim,
+        linear_value_head_dim=hf_config.linear_value_head_dim,
+        linear_conv_kernel_dim=hf_config.linear_conv_kernel_dim,
+        attn_output_gate=bool(getattr(hf_config, "attn_output_gate", True)),
+        rotary_dim=int(head_dim * float(factor)),
+        norm_weight_offset=1.0,
+    )
+
+
 def _refuse_gemma_variants(hf_config: Any) -> None:
     """What Kiln's Gemma does not compute, refused in one line rather than served wrong."""
     if getattr(hf_config, "use_bidirectional_attention", False):
@@ -207,7 +271,7 @@ def _refuse_gemma_variants(hf_config: Any) -> None:
 
 def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
     """The mixture-of-experts fields of `arch`'s config (none for a dense model)."""
-    if arch not in _ATTENTION_OF:
+    if arch not in _ATTENTION_OF and arch not in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         return {}
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
     if num_experts == 0:  # (Qwen's MoE configs allow it: every layer dense)
@@ -223,6 +287,16 @@ def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
             moe_layers=tuple(range(hf_config.num_hidden_layers)),
             norm_topk_prob=True,
         )
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
+    if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the top-k renormalised, a gated shared expert
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=hf_config.moe_intermediate_size,
+            moe_layers=tuple(range(hf_config.num_hidden_layers)),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=shared,
+        )
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
     layers = tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
@@ -232,7 +306,5 @@ def _experts(arch: str, hf_config: Any) -> dict[str, Any]:
         moe_intermediate_size=hf_config.moe_intermediate_size,
         moe_layers=layers,
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-        shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0)
-        if arch == "Qwen2MoeForCausalLM"
-        else 0,
+        shared_expert_intermediate_size=shared if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0,
     )

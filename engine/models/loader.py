@@ -4,6 +4,7 @@ a prepared directory stands for), or random ("dummy")."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -18,8 +19,12 @@ from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.gguf_dir import gguf_file_of
 from kiln.engine.models.gguf_weights import gguf_tensors
+from kiln.engine.models.layers import RMSNorm
 from kiln.engine.models.llama import LlamaForCausalLM
 from kiln.engine.models.parallel import ShardId, TensorParallelShard, checkpoint_parts, load_part
+from kiln.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -31,6 +36,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,
 }
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
@@ -43,11 +51,14 @@ _LANGUAGE_MODEL = {
     "language_model.lm_head.": "lm_head.",
 }
 _NOT_SERVED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_NOT_SERVED += ("model.visual.", "visual.")  # Qwen3.5's vision tower
+# Qwen3.5's and Qwen3-Next's multi-token-prediction layers: kept for speculative decoding, which Kiln does not run yet
+_MTP = ("mtp.", "model.mtp.")
 
 
 def _language_model_name(stored: str) -> str | None:
     """The tensor's name in Kiln's model (a multimodal checkpoint's language model unprefixed); None: skipped."""
-    if stored.startswith(_NOT_SERVED):
+    if stored.startswith(_NOT_SERVED + _MTP):
         return None
     for prefix, kiln in _LANGUAGE_MODEL.items():
         if stored.startswith(prefix):
@@ -151,7 +162,9 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
     """Copy every checkpoint tensor into its (possibly fused) parameter; every parameter must be filled."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, ShardId]] = set()
+    skipped_mtp = 0
     for file_name, stored, source in checkpoint_tensors(model_dir, model.config, load_format):
+        skipped_mtp += stored.startswith(_MTP)
         name = _language_model_name(stored)
         if name is None or name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -177,10 +190,14 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightLoadError(f"{model_dir}: checkpoint is missing {len(missing)} tensors: {shown}")
-    if model.config.norm_weight_offset:  # Gemma's norms scale by 1 + weight: the sum kept, so every norm is one
-        for name, param in params.items():
-            if name.endswith("norm.weight"):
-                param.add_(model.config.norm_weight_offset)
+    if skipped_mtp:
+        logger.info(
+            "the checkpoint's %d multi-token-prediction tensors are not loaded (no speculative decoding)", skipped_mtp
+        )
+    if model.config.norm_weight_offset:  # Gemma's and Qwen3.5's norms scale by 1 + weight: the sum kept
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_(model.config.norm_weight_offset)
 
 
 def _dtype_name(source: Any) -> str:

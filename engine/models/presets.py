@@ -310,3 +310,81 @@ PRESETS["gemma-2-9b"] = dict(
 )
 # Mistral-7B-v0.1: every layer slides (window 4,096) to 32k positions; v0.3's vocabulary is larger, its RoPE slower
 PRESETS["mistral-7b-v0.1"] = dict(PRESETS["mistral-7b"], vocab_size=32000, rope_theta=10000.0, sliding_window=4096)
+
+# The Gated DeltaNet hybrids (qwen3_5.py): three linear-attention layers to each full one (full_attention_interval 4),
+# linear layers of 16 key heads and 32 or 48 value heads of 128, a 4-tap conv; full attention of 256-dim heads with an
+# output gate, RoPE over a quarter of each head (base 10M); 262,144 positions
+_QWEN3_5 = dict(
+    vocab_size=248320,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    attn_output_gate=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+    eos_token_id=[248046, 248044],
+    torch_dtype="bfloat16",
+)
+_QWEN3_5_MOE = dict(moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=8)
+PRESETS["qwen3.6-35b-a3b"] = dict(
+    _QWEN3_5,
+    **_QWEN3_5_MOE,
+    architectures=["Qwen3_5MoeForCausalLM"],
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    num_experts=256,
+)
+PRESETS["qwen3.6-27b"] = dict(
+    _QWEN3_5,
+    architectures=["Qwen3_5ForCausalLM"],
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    linear_num_value_heads=48,
+)
+PRESETS["qwen3.5-9b"] = dict(
+    _QWEN3_5,
+    architectures=["Qwen3_5ForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+)
+PRESETS["qwen3.5-0.8b"] = dict(
+    _QWEN3_5,
+    architectures=["Qwen3_5ForCausalLM"],
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    linear_num_value_heads=16,
+    tie_word_embeddings=True,
+)
+PRESETS["qwen3-next-80b-a3b"] = dict(
+    _QWEN3_5,
+    **{**_QWEN3_5_MOE, "num_experts_per_tok": 10},
+    architectures=["Qwen3NextForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    num_experts=512,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    eos_token_id=[151645, 151643],
+)

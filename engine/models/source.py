@@ -184,6 +184,9 @@ def _model_type(architecture: str) -> str:
         "Qwen3MoeForCausalLM": "qwen3_moe",
         "Gemma2ForCausalLM": "gemma2",
         "Gemma3ForCausalLM": "gemma3_text",
+        "Qwen3_5ForCausalLM": "qwen3_5_text",
+        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+        "Qwen3NextForCausalLM": "qwen3_next",
     }[architecture]
 
 

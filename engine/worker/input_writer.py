@@ -83,7 +83,9 @@ class InputWriter:
         computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         carry = (carry_dst, carry_src)
-        return self.write(input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled)
+        return self.write(
+            input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled, batch.state_slots
+        )
 
     def write(
         self,
@@ -95,6 +97,7 @@ class InputWriter:
         sample_rows: list[int] = (),
         carry: tuple[list[int], list[int]] = ((), ()),
         prev_sampled: torch.Tensor | None = None,
+        state_slots: list[int] = (),
     ) -> tuple[AttentionMetadata, Rows]:
         """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over. `block_ids`:
         each request's block table, or with several KV groups its table in each (one table: the same in each).
@@ -154,6 +157,8 @@ class InputWriter:
             field[..., num_tokens:] = 0
         host.seq_lens[:num_reqs] = seq_lens
         host.seq_lens[num_reqs:] = 0
+        host.state_slots[: len(state_slots)] = state_slots
+        host.state_slots[len(state_slots) :] = 0  # (none: the scratch row, as padded requests)
         carry_dst, carry_src = carry
         k = len(carry_dst)
         # a decode batch in the previous step's order takes its tokens with a plain copy, others by index
@@ -191,6 +196,8 @@ class InputWriter:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=host_views.query_start_loc,
             seq_lens_cpu=host_views.seq_lens,
+            state_slots=inputs.state_slots,
+            state_slots_cpu=host_views.state_slots,
         )
         if self.num_groups > 1:
             metadata = metadata.with_groups(inputs.block_table, slot_mapping)

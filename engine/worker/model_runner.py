@@ -63,17 +63,21 @@ class ModelRunner:
         capture_sizes: list[int] | None = None,
         tp_workers: TensorParallelWorkers | None = None,
         kv_groups: KVGroups | None = None,
+        recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
     ) -> None:
         """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too.
-        `kv_groups`: the layers' KV groups (kiln.cache.groups), each with block tables of its own when several."""
+        `kv_groups`: the layers' KV groups (kiln.cache.groups), each with block tables of its own when several.
+        `recurrent_states`: each recurrent layer's (conv, delta-rule) state tensors, a row a slot
+        (kiln.cache.state_cache)."""
         self.model = model
         self.compiled = compiled
         self.kv_caches = kv_caches
         self.backend = backend
         # each layer's sliding window, for a backend that reads them (for the others start-up capped the context)
-        windows = tuple(getattr(layer.self_attn, "window", 0) for layer in model.model.layers)
+        attention = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]
+        windows = tuple(getattr(layer, "window", 0) for layer in attention)
         self.windows = windows if backend.sliding_window and any(windows) else ()
-        softcaps = tuple(getattr(layer.self_attn, "softcap", 0.0) for layer in model.model.layers)
+        softcaps = tuple(getattr(layer, "softcap", 0.0) for layer in attention)
         if any(softcaps) and not backend.logit_softcap:
             raise ValueError(f"the {backend.name} attention backend does not soft-cap scores, as this model needs")
         self.softcaps = softcaps if any(softcaps) else ()
@@ -81,6 +85,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.recurrent_states = recurrent_states
         self.sampler = Sampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
         self.tp_workers = tp_workers
@@ -117,8 +122,12 @@ class ModelRunner:
         prompt_spec = prompt_logprobs.prompt_rows(batch) if batch.prompt_logprobs else []
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
             slices = prompt_logprobs.logit_slices(prompt_spec)
-            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), handle.sample_rows, slices)
+            rows, copies = handle.sample_rows, batch.state_copies
+            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), rows, slices, copies)
+        before, after = batch.state_copies
+        self.copy_states(before)  # (a prefix hit's snapshot into its request's slot)
         hidden, head = self.forward(metadata, plan)
+        self.copy_states(after)  # (snapshots of states the step leaves on a block boundary)
         if handle.sample_rows:
             requests = batch.requests
             if len(handle.sample_rows) != len(requests):
@@ -237,8 +246,29 @@ class ModelRunner:
 
     def _context(self, metadata: AttentionMetadata, cudagraph_size: int | None = None) -> ForwardContext:
         return ForwardContext(
-            metadata, self.kv_caches, self.backend, cudagraph_size, self.windows, self.softcaps, self.layer_groups
+            metadata,
+            self.kv_caches,
+            self.backend,
+            cudagraph_size,
+            self.windows,
+            self.softcaps,
+            self.layer_groups,
+            self.recurrent_states,
         )
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy rows of every recurrent layer's state tensors, (from, to) pairs, in the step's stream order."""
+        if not copies:
+            return
+        if len({b for _, b in copies}) < len(copies):  # a row written twice: the later copy wins, so one at a time
+            for pair in copies:
+                self.copy_states([pair])
+            return
+        sources = torch.tensor([a for a, _ in copies], device=self.device)
+        targets = torch.tensor([b for _, b in copies], device=self.device)
+        for states in self.recurrent_states:
+            for tensor in states:
+                tensor.index_copy_(0, targets, tensor.index_select(0, sources))
 
     def head(self, hidden: torch.Tensor) -> Head:
         """What a full graph records after the forward: every row's logits and their argmax (a greedy batch's

@@ -116,7 +116,43 @@ def tiny_hf_config(kind: str):
             norm_topk_prob=False,
             rope_parameters=rope,
         )
+    if kind in HYBRIDS:
+        return tiny_hybrid_config(kind)
     raise ValueError(kind)
+
+
+# Gated DeltaNet hybrids: layers 0-2 linear, 3 full, 4 linear (a second period begun); two key heads of 16, four value
+# heads of 8 (each pair reading one key head), a 4-tap conv; attention of four 16-dim heads over two KV heads, a gate
+# each, RoPE over a quarter of each head
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+TINY_HYBRID = dict(
+    num_hidden_layers=5,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+)
+
+
+def tiny_hybrid_config(kind: str):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    shape = {**TINY, **TINY_HYBRID}
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if kind == "qwen3_5":
+        config = Qwen3_5TextConfig(**shape, tie_word_embeddings=True)
+    elif kind == "qwen3_5_moe":
+        config = Qwen3_5MoeTextConfig(**shape, **experts, tie_word_embeddings=False)
+    else:  # layer 1 dense (mlp_only_layers), the others sparse
+        config = Qwen3NextConfig(**shape, **experts, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False)
+    config.architectures = [
+        {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(kind, "Qwen3NextForCausalLM")
+    ]
+    return config
 
 
 def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | None = None) -> Path:
@@ -141,6 +177,15 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
+    if kind in HYBRIDS:  # norms (1 + 0 at init), the gated norm's (1) and the decays: all made to matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    p.normal_(0, 0.3)
+                elif name.endswith("A_log"):
+                    p.uniform_(-3.0, 1.0)
+                elif name.endswith("mlp.gate.weight"):
+                    p.mul_(4.0)
     if kind in ("gemma2", "gemma3"):  # HF initialises Gemma's norm weights to zero (a scale of 1 + 0); make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
