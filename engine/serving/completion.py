@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -109,18 +110,24 @@ def context_overflow(
 
 
 async def encode_chat(
-    state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """A chat's prompt token ids, rendered by the model's chat template (on a pool thread). Unless
-    --parse-special-tokens-in-messages, a special token's text anywhere in the request is its characters
-    (`special_text`): only the template's own special tokens are tokens."""
+    """A chat's prompt token ids, rendered by the model's chat template (on a pool thread), with `template_kwargs`
+    as the template's variables. Unless --parse-special-tokens-in-messages, a special token's text anywhere in the
+    request is its characters (`special_text`): only the template's own special tokens are tokens."""
 
     def render() -> list[int]:
         template = None if getattr(state.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+        variables = template_variables(state.tokenizer, template_kwargs)
         nonce = None
         if not state.parse_special_tokens:
             try:
-                (hidden_messages, hidden_tools), nonce = state.special_text.hide((messages, tools))
+                (hidden_messages, hidden_tools, hidden_variables), nonce = state.special_text.hide(
+                    (messages, tools, variables)
+                )
             except RecursionError:
                 raise APIError(400, "the messages or tools nest too deeply", "messages") from None
         try:
@@ -130,6 +137,7 @@ async def encode_chat(
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=True,
+                **(hidden_variables if nonce else variables),
             )
         except Exception as e:  # a template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
@@ -141,6 +149,15 @@ async def encode_chat(
             raise context_overflow(state, "messages", f"more than {e.num_tokens - 16}") from None
 
     return await asyncio.get_running_loop().run_in_executor(state.pool, render)
+
+
+def template_variables(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs less those that would set `apply_chat_template`'s own arguments (the
+    template itself, tokenizing): those are dropped, as vLLM drops them."""
+    if not kwargs:
+        return {}
+    own = inspect.signature(type(tokenizer).apply_chat_template).parameters
+    return {k: v for k, v in kwargs.items() if k not in own}
 
 
 async def check_structured_output(
@@ -259,6 +276,9 @@ async def run_request(
     created = int(time.time())
     queue = Inbox()
     choices: dict[str, Choice] = {}
+    if reasoning_parser is not None:  # (chat: one prompt) a template that opens <think> ends the prompt with it
+        tail = state.tokenizer.decode(prompts[0][-8:], skip_special_tokens=False)
+        reasoning_parser.read_request(tail, constrained=params.structured_output is not None)
     wire = {k: v for k, v in dataclasses.asdict(params).items() if k != "n"}  # plain data, as msgpack needs
     for i, ids in enumerate(prompts):
         for j in range(params.n):

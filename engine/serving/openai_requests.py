@@ -34,6 +34,8 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field asked for (echo's are in `logprobs`)
     prompt_only: bool = False  # completions' max_tokens 0 with echo: one token is generated and dropped
+    # chat: variables for the chat template (vLLM's chat_template_kwargs: {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _sampling_params(
@@ -249,6 +251,7 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
     if asked is not None:
         params = dataclasses.replace(params, prompt_logprobs=asked)
     check_field(body, "user", (str,))
+    template_kwargs = check_field(body, "chat_template_kwargs", (dict,))
     return ParsedRequest(
         None,
         messages,
@@ -263,6 +266,7 @@ def parse_chat(body: Any, defaults: dict[str, Any] | None = None) -> ParsedReque
         tool_function,
         parallel_tool_calls,
         prompt_logprobs=asked,
+        chat_template_kwargs=template_kwargs,
     )
 
 
