@@ -208,14 +208,40 @@ def _tool_use(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, A
 
 
 def _refuse(constant: str) -> None:
-    raise ValueError(constant)
+    raise ValueError(constant)  # NaN and Infinity: not JSON
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as a tool_use's input: the JSON object they are, or {} when they are not one (a call cut
-    short by max_tokens; a non-finite number, which JSON cannot hold)."""
+    """A call's arguments as a tool_use's input. Arguments cut short (max_tokens) give what Anthropic's clients make
+    of the same text streamed (jiter's partial mode): the members complete so far, a cut string or literal dropped."""
     try:
         value = json.loads(arguments, parse_constant=_refuse)
     except ValueError:
-        return {}
+        value = _complete_part(arguments)
     return value if isinstance(value, dict) else {}
+
+
+def _complete_part(text: str) -> Any:
+    """The JSON value a cut JSON text holds so far: the text (or its head up to one of its last 64 commas or opening
+    brackets) with the brackets still open closed, the longest that parses."""
+    closers: list[str] = []
+    cuts: list[tuple[int, str]] = []  # (where the text may be cut, the closers it then needs)
+    in_string = escaped = False
+    for i, c in enumerate(text):
+        if in_string:
+            in_string, escaped = escaped or c != '"', not escaped and c == "\\"
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            closers.append("}" if c == "{" else "]")
+            cuts.append((i + 1, "".join(reversed(closers))))
+        elif c in "}]" and closers:
+            closers.pop()
+        elif c == ",":
+            cuts.append((i, "".join(reversed(closers))))
+    for head, ending in [(text, "".join(reversed(closers))), *((text[:i], e) for i, e in reversed(cuts[-64:]))]:
+        try:
+            return json.loads(head + ending, parse_constant=_refuse)
+        except ValueError:
+            continue
+    return None

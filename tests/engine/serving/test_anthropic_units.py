@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jiter import from_json
 
 from kiln.engine.serving.anthropic_api import BlockStream, anthropic_error, content_blocks
 from kiln.engine.serving.anthropic_requests import chat_body, in_anthropic_terms, parse_messages
@@ -238,6 +239,11 @@ REPLIES = [  # (reasoning parser, tool parser, the model's text)
     (None, "hermes", "Let me look.\n" + WEATHER_CALL),
     (None, "hermes", WEATHER_CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
     (None, "hermes", "<tool_call>\n{not json</tool_call>"),  # markup that does not parse is text
+    (
+        None,
+        "hermes",
+        WEATHER_CALL[: WEATHER_CALL.index("2}")],
+    ),  # a call cut short (max_tokens): its input as far as it is complete
 ]
 
 
@@ -261,8 +267,8 @@ def folded(events: list[dict]) -> list[dict]:
                 block[field] += delta[field]
         else:
             assert event == {"type": "content_block_stop", "index": open_index}
-            if content[open_index]["type"] == "tool_use":
-                content[open_index]["input"] = json.loads(arguments.get(open_index) or "{}")
+            if content[open_index]["type"] == "tool_use" and arguments.get(open_index):
+                content[open_index]["input"] = from_json(arguments[open_index].encode(), partial_mode=True)
             open_index = None
     assert open_index is None
     return content
@@ -322,6 +328,27 @@ def test_the_whole_blocks_of_replies():
         [{"type": "text", "text": "Let me look.\n"}, weather],
         [weather, {"type": "tool_use", "name": "get_time", "input": {}}],
         [{"type": "text", "text": "<tool_call>\n{not json</tool_call>"}],
+        [{**weather, "input": {"city": "Paris"}}],
     ]
+    assert REPLIES[-1][2].endswith('"days": ')
     ids = [b["id"] for b in streamed_and_whole(None, "hermes", [REPLIES[7][2]])[1]]
     assert all(i.startswith("toolu_") for i in ids) and len(set(ids)) == 2
+
+
+finite_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=6), finite_json, max_size=4))
+def test_cut_arguments_are_read_as_anthropics_clients_read_them(value):
+    """A call's arguments cut anywhere give the input jiter's partial mode (the client's reading of a stream) gives."""
+    text = json.dumps(value)
+    for end in range(len(text) + 1):
+        call = {"id": "call_1", "function": {"name": "f", "arguments": text[:end]}}
+        (block,) = content_blocks({"tool_calls": [call]})
+        expected = from_json(text[:end].encode(), partial_mode=True) if end else {}
+        assert block["input"] == expected, text[:end]
