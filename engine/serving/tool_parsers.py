@@ -21,7 +21,7 @@ from kiln.engine.serving.partial_json import (
     value_end,
 )
 from kiln.engine.serving.qwen3_coder_parser import Qwen3CoderParser
-from kiln.engine.serving.tool_scan import Scan, ToolParser
+from kiln.engine.serving.tool_scan import PARSE_ERRORS, Scan, ToolParser, longest_reading
 
 
 class MarkerParser(ToolParser):
@@ -38,8 +38,8 @@ class MarkerParser(ToolParser):
         if first < 0:
             return Scan(text if final else self._content_before_markup(text))
         calls = self._calls(text, first + len(self.marker), final)
-        if final and (not calls or not all(c.done for c in calls)):
-            raise Malformed("unfinished tool call")
+        if final and not calls:
+            raise Malformed("a marker without a call")
         return Scan(text[:first], calls)
 
     def _calls(self, text: str, i: int, final: bool) -> list[PartialCall]:
@@ -47,7 +47,8 @@ class MarkerParser(ToolParser):
 
 
 class HermesParser(MarkerParser):
-    """Qwen2.5, Qwen3, Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call."""
+    """Qwen2.5, Qwen3, Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block a call. A
+    block whose JSON breaks keeps its call as far as it went (none, before its name), and the blocks after it count."""
 
     name = "hermes"
     marker = "<tool_call>"
@@ -56,32 +57,47 @@ class HermesParser(MarkerParser):
     def _calls(self, text: str, i: int, final: bool) -> list[PartialCall]:
         calls = []
         while True:
-            i = skip_ws(text, i)
-            if i >= len(text):
-                return calls
-            if text[i] != "{":
-                raise Malformed("a JSON object after <tool_call>")
-            call, end = object_call(text, i, final)
-            calls.append(call)
-            if end is None:
-                return calls
-            close = text.find(self.end_marker, end)
-            if close < 0:  # not closed yet (or never: a reply may stop right after the object)
-                rest = text[end:].strip(WHITESPACE)
-                if rest and not self.end_marker.startswith(rest):
-                    raise Malformed("text after a call")
-                return calls
-            if text[end:close].strip(WHITESPACE):
-                raise Malformed("text between a call and </tool_call>")
-            following = text.find(self.marker, close)
-            if following < 0:
+            close = text.find(self.end_marker, i)
+            call = self._block_call(text[i : close if close >= 0 else len(text)], final or close >= 0)
+            if call is not None:
+                calls.append(call)
+            following = text.find(self.marker, close) if close >= 0 else -1
+            if following < 0:  # (text after the last block is passed over)
                 return calls
             i = following + len(self.marker)
 
+    def _block_call(self, block: str, whole: bool) -> PartialCall | None:
+        try:
+            return self._read_block(block, whole)
+        except PARSE_ERRORS:
+            call = longest_reading(lambda prefix: self._read_block(prefix, False), block)
+            return call if call is not None and call.name is not None else None
+
+    def _read_block(self, block: str, whole: bool) -> PartialCall | None:
+        """The call in one block's text (`whole`: the block has ended); None while it is only whitespace."""
+        i = skip_ws(block, 0)
+        if i >= len(block):
+            if whole:
+                raise Malformed("an empty <tool_call>")
+            return None
+        if block[i] != "{":
+            raise Malformed("a JSON object after <tool_call>")
+        call, end = object_call(block, i, whole)
+        if call.name is not None and self.offered is not None and call.name not in self.offered:
+            raise Malformed("a call to a tool that was not offered")
+        rest = block[end:].strip(WHITESPACE) if end is not None else ""
+        if rest and (whole or not self.end_marker.startswith(rest)):
+            raise Malformed("text after a call")
+        return call
+
+
+# where a Mistral call's name ends: at [ARGS], or at its arguments' brace (a reader skipping special tokens drops it)
+ARGUMENTS_START = re.compile(r"\[ARGS\]|(?=\{)")
+
 
 class MistralParser(MarkerParser):
-    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (newer tokenizers) one
-    `[TOOL_CALLS]name[ARGS]{...}` a call."""
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizers before v11), or one
+    `[TOOL_CALLS]name[ARGS]{...}` a call (v11 on; `[TOOL_CALLS]name{...}` once [ARGS] is dropped)."""
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
@@ -95,13 +111,13 @@ class MistralParser(MarkerParser):
             return json_list_calls(text, i, final, ("arguments", "parameters"))
         calls = []
         while True:
-            args_at = text.find("[ARGS]", i)
-            if args_at < 0:
+            name_end = ARGUMENTS_START.search(text, i)
+            if name_end is None:
                 return calls
-            name = text[i:args_at].strip()
+            name = text[i : name_end.start()].strip()
             if not re.fullmatch(r"[\w.\-]+", name):
                 raise Malformed("a tool name")
-            start = skip_ws(text, args_at + len("[ARGS]"))
+            start = skip_ws(text, name_end.end())
             end = value_end(text, start, final)
             call = PartialCall(name, raw_value(text, start, end))
             calls.append(call)
@@ -119,43 +135,54 @@ class MistralParser(MarkerParser):
 
 
 class Llama3JsonParser(ToolParser):
-    """Llama 3.1-3.3: the reply is `{"name": ..., "parameters": {...}}` (calls joined by `;`), maybe after
-    `<|python_tag|>`; a reply that starts otherwise is content."""
+    """Llama 3.1-3.3: calls as JSON objects `{"name": ..., "parameters": {...}}`, each after `<|python_tag|>` or not,
+    joined by `;` or a newline. Prose before the first call is content (a `{` opens one only if a call's object
+    follows it), prose after the last is passed over."""
 
     name = "llama3_json"
     tag = "<|python_tag|>"
     needs_special_tokens = True
 
+    def _start(self, text: str, final: bool) -> int:
+        """Where the calls begin: the first tag, or the first `{` before it that opens a call (or may yet); -1 if
+        none does."""
+        tag = text.find(self.tag)
+        limit = tag if tag >= 0 else len(text)
+        brace = text.find("{", 0, limit)
+        while brace >= 0:
+            try:
+                object_call(text, brace, final)
+                return brace
+            except PARSE_ERRORS:  # (prose: a brace of text, an object that is no call)
+                brace = text.find("{", brace + 1, limit)
+        return tag
+
+    def _content_before_markup(self, text: str) -> str:
+        start = self._start(text, False)
+        return text[:start] if start >= 0 else text[: len(text) - held_back(text, self.tag)]
+
     def _scan(self, text: str, final: bool) -> Scan:
-        i = skip_ws(text, 0)
-        rest = text[i:]
-        if not rest or (not final and self.tag.startswith(rest)):
-            return Scan("" if not final else text)
-        if rest.startswith(self.tag):
-            i = skip_ws(text, i + len(self.tag))
-            if i >= len(text):
-                if final:
-                    raise Malformed("a tag without a call")
-                return Scan("")
-        elif rest[0] != "{":
-            return Scan(text)
-        calls = []
+        start = self._start(text, final)
+        if start < 0:
+            return Scan(text if final else self._content_before_markup(text))
+        calls, i = [], start
         while True:
+            if text.startswith(self.tag, i):
+                i = skip_ws(text, i + len(self.tag))
+            if i >= len(text) or text[i] != "{":
+                if not calls and (final or i < len(text)):
+                    raise Malformed("a tag without a call")
+                break
             call, end = object_call(text, i, final)
             calls.append(call)
             if end is None:
                 break
             i = skip_ws(text, end)
-            if i < len(text) and text[i] == ";":
+            if text.startswith(";", i):
                 i = skip_ws(text, i + 1)
-                if i < len(text) and text[i] == "{":
-                    continue
-            if i < len(text) and final:
-                raise Malformed("text after the calls")
-            break
-        if final and not all(c.done for c in calls):
-            raise Malformed("unfinished tool call")
-        return Scan("", calls)
+            if not (text.startswith("{", i) or text.startswith(self.tag, i)):
+                break  # (prose after the calls, or a tag still coming)
+        return Scan(text[:start], calls)
 
 
 class PythonicParser(ToolParser):

@@ -9,8 +9,9 @@ whose markup breaks or stops later keeps the calls begun by then.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kiln.engine.serving.partial_json import Malformed, PartialCall
 
@@ -20,6 +21,8 @@ class Scan:
     content: str
     calls: list[PartialCall] = field(default_factory=list)
 
+
+T = TypeVar("T")
 
 # what reading the model's text may raise: markup this parser cannot take (a Python set or bytes as an argument, a
 # nesting past the recursion limit)
@@ -63,19 +66,9 @@ class ToolParser:
 
     def _cut_short(self, text: str) -> Scan:
         """A whole reply whose markup broke partway: the calls of the longest prefix that still reads as calls (each
-        with its arguments as written by then), and nothing after. NOTE: markup that cannot be calls stays so as the
-        text grows, so the prefixes that read are those below a bound, found by bisection in a few dozen scans."""
-        scan = self._checked(text, False)
-        if scan is None:
-            scan, good, bad = Scan(""), 0, len(text)
-            while bad - good > 1:
-                middle = (good + bad) // 2
-                found = self._checked(text[:middle], False)
-                if found is None:
-                    bad = middle
-                else:
-                    scan, good = found, middle
-        return self._begun(text, scan)
+        with its arguments as written by then), and nothing after."""
+        scan = longest_reading(lambda prefix: self._checked(prefix, False), text)
+        return self._begun(text, scan or Scan(""))
 
     @staticmethod
     def _begun(text: str, scan: Scan) -> Scan:
@@ -88,3 +81,28 @@ class ToolParser:
 
     def _content_before_markup(self, text: str) -> str:
         return ""
+
+
+def longest_reading(read: Callable[[str], T | None], text: str) -> T | None:
+    """`read` of the longest prefix of `text` it takes (None: it takes none; `read` returns None or raises for one it
+    does not). NOTE: markup that cannot be calls stays so as the text grows, so the prefixes read are those below a
+    bound, found by bisection in a few dozen reads."""
+
+    def attempt(prefix: str) -> T | None:
+        try:
+            return read(prefix)
+        except PARSE_ERRORS:
+            return None
+
+    found = attempt(text)
+    if found is not None:
+        return found
+    good, bad = -1, len(text)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        reading = attempt(text[:middle])
+        if reading is None:
+            bad = middle
+        else:
+            found, good = reading, middle
+    return found

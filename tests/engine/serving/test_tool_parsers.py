@@ -43,6 +43,15 @@ CASES = [
         None,
         [("get_weather", '{"city": }')],
     ),
+    (  # one broken block among good ones: the others are calls still, the broken one as far as it went
+        "hermes",
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"]}\n</tool_call>\n'
+        '<tool_call>\n{"oops"}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        None,
+        [TIME, ("get_weather", '{"city": "Paris"]'), WEATHER],
+    ),
     (  # broken before any name: content, whole
         "hermes",
         'Sure.<tool_call>\n{"name" get_weather}\n</tool_call>',
@@ -56,6 +65,19 @@ CASES = [
         '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
         None,
         [WEATHER, TIME],
+    ),
+    (  # calls on lines of their own, each after its own tag
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}\n'
+        '<|python_tag|>{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
+        None,
+        [WEATHER, TIME],
+    ),
+    (  # prose before (content) and after (passed over); a brace of prose and an object that is no call before
+        "llama3_json",
+        'In {short}, see {"a": 1}: {"name": "get_time", "parameters": {"tz": "Europe/Paris"}} I used {get_time}.',
+        'In {short}, see {"a": 1}: ',
+        [TIME],
     ),
     ("llama3_json", "Paris is sunny {mostly}.", "Paris is sunny {mostly}.", []),
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
@@ -71,6 +93,12 @@ CASES = [
         'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]'
         '{"tz": "Europe/Paris"}',
         "Sure. ",
+        [WEATHER, TIME],
+    ),
+    (  # v11 on, read with special tokens skipped: [ARGS] gone
+        "mistral",
+        '[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{"tz": "Europe/Paris"}',
+        None,
         [WEATHER, TIME],
     ),
     ("mistral", "A list [1, 2] of [TOOLS] things.", "A list [1, 2] of [TOOLS] things.", []),
