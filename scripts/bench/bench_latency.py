@@ -1,11 +1,20 @@
 """Decode latency: tokens/s and memory-bandwidth use at batch 1, 8, 64, in eager, compiled, and
 compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + compile) as the peer.
 
-Bandwidth use = (weight bytes + KV bytes read per step) / step time / 4.3 TB/s, counting what a step reads: every
-weight once, but of an untied input embedding only the batch's rows (`weight_bytes_read`).
+Bandwidth use = bytes a decode step moves / step time / 4.3 TB/s (the roofline: those bytes at 4.3 TB/s), counting
+what a step must move on one GPU (`step_bytes`): every weight once, but of an untied input embedding only the batch's
+rows and of a mixture of experts only the experts its tokens chose (`weight_bytes_read`); the attention layers' KV
+read; and, for a Gated DeltaNet hybrid (Qwen3.5/3.6, Qwen3-Next), each request's recurrent state read and written
+back by every linear layer (`recurrent_state_bytes`). A hybrid's linear layers cost the same at any context, its
+attention layers grow with it: with several `--prompt-lens`, the table ends with each point's tok/s against the
+shortest prompt's (decode at 32k against 2k).
 
     python scripts/bench/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
     python scripts/bench/bench_latency.py --model llama-3.1-8b --modes graphs --batches 1 --prompt-lens 32,2048,8192
+    python scripts/bench/bench_latency.py --model qwen3.6-35b-a3b --modes graphs --batches 1 --prompt-lens 2048,32768
+
+`--quantization fp8` on a model Kiln does not quantize yet (a hybrid, a mixture of experts) prints the one-line
+refusal where the table would be, and exits 0.
 
 `--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
 async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,
@@ -27,6 +36,7 @@ import time
 import torch
 
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import kv_heads_per_rank
 from kiln.engine.models.source import resolve_model
@@ -61,27 +71,49 @@ def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
     return weights
 
 
-def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> float:
-    weights = weight_bytes_read(llm.engine.executor.model, batch)
+def recurrent_state_bytes(config: ModelConfig, tp_size: int, conv_dtype_bytes: int) -> int:
+    """One request's recurrent state on one GPU, summed over the linear layers: the conv window [K-1, conv_dim] (this
+    rank's q, k and v channels) in the model's dtype and the delta rule's matrix a value head, [Dk, Dv], in float32
+    (backends/linear_attention). A decode step reads it and writes it back, so it moves twice this. 0 for a model
+    without linear layers."""
+    if not config.linear_layers:
+        return 0
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim // tp_size
+    value_heads = config.linear_num_value_heads // tp_size
+    conv_dim = 2 * key_dim + value_heads * config.linear_value_head_dim
+    conv = (config.linear_conv_kernel_dim - 1) * conv_dim * conv_dtype_bytes
+    delta_rule = value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return len(config.linear_layers) * (conv + delta_rule)
+
+
+def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN, decode_steps: int = DECODE_STEPS) -> dict[str, int]:
+    """The bytes one decode step of `batch` requests moves on one GPU (under TP, one rank's share), by kind: the
+    weights read, the recurrent states read and written (a hybrid's linear layers), the KV read (the attention
+    layers, at the decode's mean context)."""
+    executor = llm.engine.executor
     c = llm.engine.model_config
-    avg_context = prompt_len + DECODE_STEPS / 2
-    kv_heads = kv_heads_per_rank(c.num_kv_heads, llm.engine.executor.shard.size)  # under TP: what one GPU reads
-    kv_bytes = llm.engine.executor.kv_spec.dtype.itemsize
-    # a sliding layer reads only its window's keys
-    context = sum(min(avg_context, c.window_of(layer) or avg_context) for layer in range(c.num_layers))
+    weights = weight_bytes_read(executor.model, batch)
+    states = 2 * recurrent_state_bytes(c, executor.shard.size, executor.dtype.itemsize) * batch
+    avg_context = prompt_len + decode_steps / 2
+    kv_heads = kv_heads_per_rank(c.num_kv_heads, executor.shard.size)  # under TP: what one GPU reads
+    kv_bytes = executor.kv_spec.dtype.itemsize
+    # a sliding layer reads only its window's keys; a hybrid's linear layers keep no KV
+    context = sum(min(avg_context, c.window_of(layer) or avg_context) for layer in c.attention_layers)
     kv = 2 * kv_heads * c.head_dim * kv_bytes * context * batch
-    return weights + kv
+    return {"weights": weights, "states": states, "kv": int(kv)}
 
 
-def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> tuple[float, float]:
+def decode_tokens_per_s(
+    llm: LLM, batch: int, prompt_len: int = PROMPT_LEN, decode_steps: int = DECODE_STEPS
+) -> tuple[float, float]:
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(batch)]
 
     def timed(max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - start
 
     # Warm-up, twice: the second run hits the prefix cache like the timed ones, so its prefill shape
@@ -89,7 +121,7 @@ def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> t
     timed(4)
     timed(4)
     llm.engine.step_timing = type(llm.engine.step_timing)()
-    long = timed(DECODE_STEPS + 1)
+    long = timed(decode_steps + 1)
     t = llm.engine.step_timing
     print(
         f"batch {batch}: {t.steps} steps, host {t.host_seconds / t.steps * 1e3:.3f} ms/step, "
@@ -98,9 +130,9 @@ def decode_tokens_per_s(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN) -> t
     )
     # the prefill cancels out, in medians of three runs against their run-to-run noise; at long batched prompts
     # (64 x 8k) it does not quite (the 1-step runs' prefill costs more), and profile_step's GPU time is the figure
-    long = statistics.median([long, timed(DECODE_STEPS + 1), timed(DECODE_STEPS + 1)])
-    step = (long - statistics.median(timed(1) for _ in range(3))) / DECODE_STEPS
-    return batch / step, step_bytes(llm, batch, prompt_len) / step / PEAK_BYTES_PER_S
+    long = statistics.median([long, timed(decode_steps + 1), timed(decode_steps + 1)])
+    step = (long - statistics.median(timed(1) for _ in range(3))) / decode_steps
+    return batch / step, sum(step_bytes(llm, batch, prompt_len, decode_steps).values()) / step / PEAK_BYTES_PER_S
 
 
 def sync() -> None:
@@ -213,7 +245,7 @@ def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def hf_tokens_per_s(model_name: str, batch: int, cache: str = "static") -> float:
+def hf_tokens_per_s(model_name: str, batch: int, cache: str = "static", decode_steps: int = DECODE_STEPS) -> float:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     # NOTE: built on the GPU: the random initialisation of an 8B model on the CPU outlasted a device call's step
@@ -236,8 +268,8 @@ def hf_tokens_per_s(model_name: str, batch: int, cache: str = "static") -> float
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    timed(DECODE_STEPS + 1)  # warm-up: compiles the decode step
-    return batch * DECODE_STEPS / (timed(DECODE_STEPS + 1) - timed(1))
+    timed(decode_steps + 1)  # warm-up: compiles the decode step
+    return batch * decode_steps / (timed(decode_steps + 1) - timed(1))
 
 
 def main() -> None:
@@ -266,12 +298,15 @@ def main() -> None:
         help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
         "this much context and more; the model length grows to fit the longest)",
     )
+    p.add_argument(
+        "--decode-steps", type=int, default=DECODE_STEPS, help="decode steps a timed run (fewer for a CPU run)"
+    )
     p.add_argument("--breakdown", action="store_true", help="host vs GPU time per step, per batch size")
     p.add_argument("--plot", help="PNG path for the breakdown plot")
     p.add_argument("--from-json", help="plot an earlier --breakdown JSON instead of measuring")
     args = p.parse_args()
     prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
-    args.max_model_len = max(args.max_model_len, max(prompt_lens) + 2 * DECODE_STEPS + 16)
+    args.max_model_len = max(args.max_model_len, max(prompt_lens) + 2 * args.decode_steps + 16)
     batches = [int(b) for b in args.batches.split(",")]
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     if args.from_json:
@@ -291,7 +326,7 @@ def main() -> None:
             except ImportError:
                 print("matplotlib is missing: plot later with --from-json")
         return
-    rows = []
+    rows, roofline, refused, what = [], {}, None, []  # what: the dtype and the weights, once an engine has started
     for mode in args.modes.split(","):
         kwargs = dict(
             MODES[mode],
@@ -303,16 +338,31 @@ def main() -> None:
         )
         if mode == "graphs" and sizes:
             kwargs["cudagraph_capture_sizes"] = sizes
-        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+        try:
+            llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+        except ValueError as e:  # what the engine refuses to serve (FP8 of a hybrid): one line, and the next step runs
+            quantized = f" with --quantization {args.quantization}" if args.quantization else ""
+            refused = f"kiln refused {args.model}{quantized}: {e}"
+            print(refused, flush=True)
+            break  # (every mode would refuse it alike)
+        what = [
+            str(llm.engine.executor.dtype).removeprefix("torch."),
+            "dummy weights" if llm.uses_dummy_weights else "checkpoint weights",
+        ]
         for prompt_len in prompt_lens:
             for batch in batches:
-                tps, util = decode_tokens_per_s(llm, batch, prompt_len)
+                tps, util = decode_tokens_per_s(llm, batch, prompt_len, args.decode_steps)
+                moved = roofline[batch, prompt_len] = step_bytes(llm, batch, prompt_len, args.decode_steps)
                 rows.append(
                     {
                         "engine": f"kiln {mode}",
                         "batch": batch,
                         "prompt": prompt_len,
                         "tokens_per_s": tps,
+                        "roofline_tokens_per_s": batch * PEAK_BYTES_PER_S / sum(moved.values()),
+                        "weight_bytes": moved["weights"],
+                        "state_bytes": moved["states"],
+                        "kv_bytes": moved["kv"],
                         "bw_util": util,
                         "startup_s": llm.engine.startup_stats["total_seconds"],
                         "kv_blocks": llm.engine.num_kv_blocks,
@@ -320,38 +370,78 @@ def main() -> None:
                 )
         llm.close()  # its GPU memory back before the next mode's engine sizes its KV cache (`del` alone kept it)
         del llm
-    if args.hf:
+    if args.hf and refused is None:
         for batch in (int(b) for b in args.hf_batches.split(",")):
-            tps = hf_tokens_per_s(args.model, batch, args.hf_cache)
+            engine = "hf static+compile" if args.hf_cache == "static" else "hf eager"
+            try:
+                tps = hf_tokens_per_s(args.model, batch, args.hf_cache, args.decode_steps)
+            except Exception as e:  # (a peer that cannot run this model leaves Kiln's rows standing)
+                print(f"{engine} not timed at batch {batch}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
             rows.append(
                 {
-                    "engine": "hf static+compile" if args.hf_cache == "static" else "hf eager",
+                    "engine": engine,
                     "batch": batch,
                     "prompt": PROMPT_LEN,
                     "tokens_per_s": tps,
+                    "roofline_tokens_per_s": float("nan"),
                     "bw_util": float("nan"),
                     "startup_s": float("nan"),
                     "kv_blocks": 0,
                 }
             )
+    print_table(args, what, rows, roofline, refused)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)  # (none when refused)
+
+
+def print_table(args, what: list[str], rows: list[dict], roofline: dict, refused: str | None) -> None:
+    """The table (what gpu_check's summary keeps, from its first line), the roofline's bytes, and each longer
+    prompt's tok/s against the shortest's."""
+    what = [
+        *what,
+        *(["fp8 weights"] if args.quantization else []),
+        *(["fp8 KV"] if args.kv_cache_dtype != "auto" else []),
+    ]
     print(
-        f"\ndecode latency: {args.model}, bf16{' + fp8 weights' if args.quantization else ''}"
-        f"{' + fp8 KV' if args.kv_cache_dtype != 'auto' else ''}, dummy weights, "
-        f"{DECODE_STEPS} steps after the prompt, "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
-        f"(BW util: what one GPU reads)"
+        f"\ndecode latency: {', '.join([args.model, *what])}, {args.decode_steps} steps after the prompt, "
+        f"{device_name()}, torch {torch.__version__}, TP={args.tensor_parallel_size} "
+        f"(BW util: what one GPU moves, against {PEAK_BYTES_PER_S / 1e12:.1f} TB/s)"
     )
+    if refused:
+        print(refused)
+        return
     print(
-        f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'BW util':>8} {'startup s':>10} {'KV blocks':>10}"
+        f"{'engine':<20} {'batch':>5} {'prompt':>6} {'tokens/s':>10} {'roofline':>10} {'BW util':>8} "
+        f"{'startup s':>10} {'KV blocks':>10}"
     )
     for r in rows:
         print(
-            f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} "
-            f"{r['startup_s']:>10.1f} {r['kv_blocks'] or '':>10}"
+            f"{r['engine']:<20} {r['batch']:>5} {r['prompt']:>6} {r['tokens_per_s']:>10.0f} "
+            f"{r['roofline_tokens_per_s']:>10.0f} {r['bw_util']:>8.0%} {r['startup_s']:>10.1f} "
+            f"{r['kv_blocks'] or '':>10}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print("roofline: the bytes a decode step moves on one GPU (MB)")
+    print(f"{'batch':>5} {'prompt':>6} {'weights':>10} {'states':>10} {'KV':>10} {'total':>10}")
+    for (batch, prompt), moved in roofline.items():
+        print(
+            f"{batch:>5} {prompt:>6} {moved['weights'] / 1e6:>10.1f} {moved['states'] / 1e6:>10.1f} "
+            f"{moved['kv'] / 1e6:>10.1f} {sum(moved.values()) / 1e6:>10.1f}"
+        )
+    shortest: dict[tuple[str, int], dict] = {}  # (engine, batch) -> its row of the shortest prompt
+    for r in rows:
+        key = (r["engine"], r["batch"])
+        if key not in shortest or r["prompt"] < shortest[key]["prompt"]:
+            shortest[key] = r
+    for r in rows:
+        base = shortest[r["engine"], r["batch"]]
+        if r is not base:
+            print(
+                f"context {r['prompt']} against {base['prompt']}: {r['engine']} batch {r['batch']} "
+                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s "
+                f"(roofline {r['roofline_tokens_per_s'] / base['roofline_tokens_per_s']:.2f}x)"
+            )
 
 
 if __name__ == "__main__":

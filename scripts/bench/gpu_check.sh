@@ -6,6 +6,11 @@
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 #   | kv-capacity:MODEL (the KV cache's tokens against every layer global)
+#   | longctx:MODEL (decode at LONGCTX_PROMPTS=2048,32768 tokens of context, LONGCTX_BATCHES=1, LONGCTX_MODES=graphs;
+#     the table ends with each long point's tok/s and roofline against the short one's)
+#   | multiturn:MODEL (each turn's time to first token of a multi-turn chat, the prefix cache on and off, with the
+#     tokens a turn hit; MULTITURN_MODES=graphs, MULTITURN_ARGS="--turns 4 --first-len 6144 --user-len 512
+#     --answer-len 256" its sizes, the defaults: turn 4 follows ~8k tokens of history)
 #   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
@@ -13,7 +18,12 @@
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
 # LATENCY_HF=0 leaves Hugging Face out of a latency step (LATENCY_PROMPTS=32,2048,8192 its prompt lengths;
-# LATENCY_HF_CACHE=dynamic times HF eager, as a mixture of experts must run there),
+# LATENCY_HF_CACHE=dynamic times HF eager, as a mixture of experts must run there; a peer that cannot run the model
+# is named in one line and Kiln's rows stand; LATENCY_ARGS="--decode-steps 8" more arguments, of longctx too).
+# A Gated DeltaNet hybrid (qwen3.6-35b-a3b, qwen3.6-27b, qwen3.5-9b, qwen3-next-80b-a3b) runs the latency step as any
+# model; its roofline counts each request's recurrent state read and written by every linear layer. Its bf16/FP8
+# pair: latency:MODEL env:QUANT=fp8 latency:MODEL (a model Kiln does not quantize yet gets its one-line refusal where
+# the table would be, and the steps after it run).
 # kernel-tests runs the kernel tests (tests/backends) on the GPU, bf16 and fp16 too, each test's result on its own line
 # (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step (PROFILE_PROMPT=8192 its prompts' length, KV_DTYPE
@@ -23,9 +33,10 @@
 # Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
-# QUANT=fp8 / KV_DTYPE=fp8 run the latency and throughput-compiled steps with --quantization fp8 / --kv-cache-dtype fp8
-# (their logs' names carry them: set them with env:QUANT=fp8 between steps for a bf16/FP8 pair in one call).
-# TP=2 runs the latency, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
+# QUANT=fp8 / KV_DTYPE=fp8 run the latency, longctx and throughput-compiled steps with --quantization fp8 /
+# --kv-cache-dtype fp8 (their logs' names carry them: set them with env:QUANT=fp8 between steps for a bf16/FP8 pair in
+# one call, env:QUANT= to go back to bf16).
+# TP=2 runs the latency, longctx, multiturn, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
 # (e.g. on nvidia-h200-x2: TP=2 bash scripts/bench/gpu_check.sh gputests:tests/engine/core/test_gpu_tensor_parallel.py
 #  latency:llama-3.1-8b throughput-compiled:llama-3.1-8b profile:llama-3.1-8b:1).
 # A step past its time limit gets SIGABRT first: with PYTHONFAULTHANDLER set, its log ends with every thread's
@@ -120,12 +131,32 @@ for step in $steps; do
     latency:*)
       model=${step#latency:}
       hf="--hf --hf-cache ${LATENCY_HF_CACHE:-static}"; [ "${LATENCY_HF:-1}" = 0 ] && hf=
-      base=$(fresh "$OUT/latency_${model}_tp${TP:-1}$tag")
+      base=$(fresh "$OUT/latency_${model##*/}_tp${TP:-1}$tag")  # (a directory or Hub id: its last part)
       timeout -s ABRT -k 15 ${LATENCY_TIMEOUT:-300} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} ${QUANT:+--quantization $QUANT} \
         ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} --modes ${LATENCY_MODES:-eager,graphs} \
         --batches ${LATENCY_BATCHES:-1,8,64} \
-        --capture-sizes 1,2,4,8,16,32,64,128 ${LATENCY_PROMPTS:+--prompt-lens $LATENCY_PROMPTS} $hf --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
-      grep -A24 "^decode latency" "$base.log" >> "$summary" ;;
+        --capture-sizes 1,2,4,8,16,32,64,128 ${LATENCY_PROMPTS:+--prompt-lens $LATENCY_PROMPTS} $hf ${LATENCY_ARGS:-} \
+        --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
+      grep -A40 "^decode latency" "$base.log" >> "$summary" ;;
+    longctx:*)
+      # decode at a long context against a short one: a hybrid's linear layers cost the same at any length, its
+      # attention layers read more KV (issue 62's 32k within 10% of 2k)
+      model=${step#longctx:}
+      base=$(fresh "$OUT/longctx_${model##*/}_tp${TP:-1}$tag")
+      timeout -s ABRT -k 15 ${LONGCTX_TIMEOUT:-420} python3 scripts/bench/bench_latency.py --model "$model" -tp ${TP:-1} \
+        ${QUANT:+--quantization $QUANT} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} --modes ${LONGCTX_MODES:-graphs} \
+        --batches ${LONGCTX_BATCHES:-1} --prompt-lens ${LONGCTX_PROMPTS:-2048,32768} --capture-sizes 1,2,4,8,16,32,64,128 \
+        ${LATENCY_ARGS:-} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
+      echo "-- longctx:$model$tag" >> "$summary"
+      grep -A40 "^decode latency" "$base.log" >> "$summary" ;;
+    multiturn:*)
+      # each turn's time to first token, the prefix cache (a hybrid's state snapshots) on and off
+      model=${step#multiturn:}
+      base=$(fresh "$OUT/multiturn_${model##*/}_tp${TP:-1}$tag")
+      timeout -s ABRT -k 15 ${MULTITURN_TIMEOUT:-420} python3 scripts/bench/bench_multiturn.py --model "$model" -tp ${TP:-1} \
+        --modes ${MULTITURN_MODES:-graphs} ${MULTITURN_ARGS:-} --json "$base.json" 2>&1 | tee "$base.log" | tail -n 12
+      echo "-- multiturn:$model$tag" >> "$summary"
+      grep -A40 "^multi-turn time to first token" "$base.log" >> "$summary" ;;
     breakdown:*)
       model=${step#breakdown:}
       timeout -s ABRT -k 15 ${BREAKDOWN_TIMEOUT:-420} python3 scripts/bench/bench_latency.py --model "$model" --breakdown \
