@@ -142,8 +142,9 @@ def _authorization(request: web.Request) -> str:
     # NOTE: with two keys given, which one a proxy in front checked is not known
     given = request.headers.getall("Authorization", [])
     api_key = request.headers.getall("x-api-key", [])
-    if len(given) > 1 or len(api_key) > 1:
-        raise APIError(400, "the request has more than one Authorization or x-api-key header")
+    for name, values in (("Authorization", given), ("x-api-key", api_key)):
+        if len(values) > 1:
+            raise APIError(400, f"the request has more than one {name} header")
     if api_key:
         if given and given[0] != f"Bearer {api_key[0]}":
             raise APIError(400, "the request has both Authorization and x-api-key headers, with different keys")

@@ -7,6 +7,7 @@ is the client's exception class with Anthropic's error object."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -415,6 +416,16 @@ def test_bad_requests_are_the_clients_exceptions(server):
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(two_keys, timeout=60)
     assert caught.value.code == 400 and "x-api-key" in json.loads(caught.value.read())["error"]["message"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.putrequest("POST", "/v1/messages")
+    for key in (API_KEY, "sk-other"):
+        connection.putheader("x-api-key", key)
+    payload = json.dumps(base).encode()
+    connection.putheader("Content-Length", str(len(payload)))
+    connection.endheaders(payload)
+    response = connection.getresponse()
+    assert response.status == 400 and "more than one x-api-key" in json.loads(response.read())["error"]["message"]
+    connection.close()
     # what aiohttp answers itself, under these paths, is Anthropic's object too
     status, raw = server.request("GET", "/v1/messages")
     assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
