@@ -126,20 +126,33 @@ def object_call(text: str, i: int, final: bool, keys: tuple[str, ...] = ("argume
             raise Malformed("a name")
         call.name = name
     key = next((k for k in keys if k in fields), None)
+    as_string = False
     if key is not None:
         start, args_end = fields[key]
-        if text.startswith('"', start):  # arguments given as a JSON string: whole or not at all
+        as_string = text.startswith('"', start)
+        if as_string:  # arguments given as a JSON string: whole or not at all
             if args_end is not None:
-                call.arguments = strict_json(text[start:args_end])
+                call.arguments = _string_arguments(strict_json(text[start:args_end]))
         else:
             call.arguments = raw_value(text, start, args_end)
     if end is not None:
         if call.name is None:
             raise Malformed("a call without a name")
         call.arguments, call.done = call.arguments or "{}", True
-        if not isinstance(strict_json(call.arguments), dict):
+        if not as_string and not isinstance(strict_json(call.arguments), dict):
             raise Malformed("arguments that are not an object")
     return call, end
+
+
+def _string_arguments(value: str) -> str:
+    """Arguments a model wrote as a JSON string (Granite 4 does): the object that string holds, or else the string
+    itself as JSON, as vLLM reads them (the arguments are JSON either way)."""
+    try:
+        if isinstance(strict_json(value), dict):
+            return value
+    except ValueError:
+        pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 def held_back(text: str, marker: str) -> int:

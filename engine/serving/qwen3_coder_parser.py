@@ -56,7 +56,16 @@ class Qwen3CoderParser(ToolParser):
                 break  # the function's tag is still to come
             if not text.startswith("<function=", i):
                 raise Malformed("<function=NAME> after <tool_call>")
-            call, i = self._call(text, i + len("<function="), final)
+            start = i + len("<function=")
+            try:
+                name_end = _tag_end(text, start, final)
+            except Malformed:  # a name that is no name (none of it was sent): passed over, as vLLM does
+                i = self._first_opener(text, start)
+                continue
+            if name_end is None:
+                calls.append(PartialCall(None))
+                break
+            call, i = self._call(text, start, name_end, final)
             calls.append(call)
             if i is None:
                 break
@@ -65,11 +74,9 @@ class Qwen3CoderParser(ToolParser):
             raise Malformed("an opening tag without a call")
         return Scan(text[:first], calls)
 
-    def _call(self, text: str, i: int, final: bool) -> tuple[PartialCall, int | None]:
-        """The call whose name starts at `i`, and where the text after its end goes on (None while it goes on)."""
-        name_end = _tag_end(text, i, final)
-        if name_end is None:
-            return PartialCall(None), None
+    def _call(self, text: str, i: int, name_end: int, final: bool) -> tuple[PartialCall, int | None]:
+        """The call whose name lies in text[i:name_end], and where the text after its end goes on (None while it goes
+        on)."""
         call = PartialCall(text[i:name_end])
         schema = (self.schemas or {}).get(call.name)
         properties = schema.get("properties") if isinstance(schema, dict) else None
