@@ -122,6 +122,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="MiB of compiled grammars (structured output) the engine keeps for reuse, least recently used dropped "
         "first; one grammar may take a quarter of it, a larger one fails its request (vLLM: VLLM_XGRAMMAR_CACHE_MB)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (drafts from the request\'s own text, verified exactly)',
+    )
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument(
         "--cudagraph-capture-sizes",

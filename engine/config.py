@@ -10,6 +10,7 @@ import importlib.metadata
 from dataclasses import MISSING, dataclass, fields
 
 from kiln.engine.models.default_model import DEFAULT_MODEL
+from kiln.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = {
     "float32": "float32",
@@ -59,6 +60,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # threads a rank computes with on the CPU (default: the free cores less one)
     # compiled grammars the engine keeps for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB); one may take a quarter
     xgrammar_cache_mb: int = 512
+    # speculative decoding (vLLM's keys): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b}; a dict or its JSON text, read into a SpeculativeConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # None where a field has a value by default: that value (vLLM reads None so)
@@ -105,6 +109,7 @@ class EngineConfig:
             raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"unknown generation_config {self.generation_config!r}; choose auto or vllm")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 

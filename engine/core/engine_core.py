@@ -22,6 +22,8 @@ from kiln.engine.core.tensor_parallel import RanksOutOfStepError, WorkerDiedErro
 from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.ngram import NgramProposer
 from kiln.engine.structured_output.admission import GrammarAdmission
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
 from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle
@@ -73,7 +75,11 @@ class EngineCore:
             states = RecurrentStateCache(*executor.state_rows)
             self.kv_cache_manager = StateKVCacheManager(self.kv_cache_manager, states)
         self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv_cache_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self._drafter(config.speculative_config),
         )
         # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(
@@ -227,6 +233,17 @@ class EngineCore:
             else:
                 outputs += self._collect(launched, failed)
 
+    def _drafter(self, spec: SpeculativeConfig | None) -> NgramProposer | None:
+        """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses."""
+        if spec is None:
+            return None
+        if self.model_config.linear_layers:
+            raise ValueError(
+                f"speculative decoding of {self.model_config.architecture} is not supported yet: its recurrent layers "
+                "cannot take back the state of rejected drafts"
+            )
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""
         return load_tokenizer(self.tokenizer_dir, self.tokenizer_class)
@@ -275,20 +292,30 @@ class EngineCore:
         if result.prompt_logprobs:  # before the tokens: a request finishing now sends them with its last
             for row, (start, entries) in result.prompt_logprobs.items():
                 batch.requests[row].record_prompt_logprobs(start, entries)
-        new_tokens, finished = self.scheduler.update_from_output(batch, result.sampled_token_ids)
+        new_tokens, finished = self.scheduler.update_from_output(
+            batch, result.sampled_token_ids, result.accepted_token_ids
+        )
         logprobs_of = {}
         if result.logprobs.count(None) != len(result.logprobs):
-            logprobs_of = {r.request_id: lp for r, lp in zip(batch.requests, result.logprobs) if lp is not None}
+            logprobs_of = {r.request_id: [lp] for r, lp in zip(batch.requests, result.logprobs) if lp is not None}
+            if result.accepted_logprobs is not None:  # (a request's kept drafts' logprobs, then its sampled token's)
+                for r, kept in zip(batch.requests, result.accepted_logprobs):
+                    if kept and r.request_id in logprobs_of:
+                        logprobs_of[r.request_id] = [*kept, *logprobs_of[r.request_id]]
         outputs = []
+        last, lps = None, None
         for request, token in new_tokens:
             request_id = request.request_id
-            lp = logprobs_of.get(request_id) if logprobs_of else None
+            if last is not None and last.request_id == request_id:  # the tokens of a step with drafts: one output
+                last.new_token_ids.append(token)
+                if last.new_logprobs is not None:
+                    last.new_logprobs = lps[: len(last.new_token_ids)]
+                continue
+            lps = logprobs_of.get(request_id) if logprobs_of else None
+            lp = None if lps is None else lps[:1]
             # Positional (finish_reason and stop_reason None until below): the cheapest way to build one.
-            outputs.append(
-                EngineCoreOutput(
-                    request_id, [token], None if lp is None else [lp], None, None, max(request.num_cached_tokens, 0)
-                )
-            )
+            last = EngineCoreOutput(request_id, [token], lp, None, None, max(request.num_cached_tokens, 0))
+            outputs.append(last)
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 outputs[-1].prompt_logprobs = request.prompt_logprobs  # complete: its prefill is done
                 request.prompt_logprobs_sent = True

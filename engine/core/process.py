@@ -30,6 +30,7 @@ from kiln.engine.sampling_params import SamplingParams
 logger = logging.getLogger("kiln")
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+LOG_INTERVAL = 10.0  # seconds between the periodic lines
 
 
 def main() -> None:
@@ -91,8 +92,11 @@ def _remove_ipc_folder(*addresses: str) -> None:
 
 
 def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int) -> None:
-    last_sent = time.monotonic()
+    last_sent = last_logged = time.monotonic()
+    speculation = (0, 0, 0)
     while True:
+        if core.scheduler.drafter is not None and time.monotonic() - last_logged > LOG_INTERVAL:
+            speculation, last_logged = _log_speculation(core, speculation), time.monotonic()
         failed: list[messages.RequestFailed] = []
         handled = False
         block = not core.has_unfinished_requests()
@@ -143,7 +147,27 @@ def _stats(core: EngineCore) -> dict[str, float]:
         "prefix_queries": kv.prefix_cache_queries,
         "prefix_hits": kv.prefix_cache_hits,
         "preemptions": core.scheduler.num_preemptions,
+        # speculative decoding: request-steps that verified drafts, the drafts, those kept (0 without)
+        "spec_drafts": core.scheduler.num_spec_steps,
+        "spec_draft_tokens": core.scheduler.num_draft_tokens,
+        "spec_accepted_tokens": core.scheduler.num_accepted_tokens,
     }
+
+
+def _log_speculation(core: EngineCore, last: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The periodic line of speculative decoding since the last one: acceptance and mean accepted length."""
+    scheduler = core.scheduler
+    now = (scheduler.num_spec_steps, scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+    steps, drafted, accepted = (a - b for a, b in zip(now, last))
+    if steps:
+        logger.info(
+            "speculative decoding: %d drafts, %.1f%% of %d draft tokens accepted, mean accepted length %.2f",
+            steps,
+            100.0 * accepted / max(drafted, 1),
+            drafted,
+            1.0 + accepted / steps,
+        )
+    return now
 
 
 def _input_thread(context: zmq.Context, address: str, inputs: queue.Queue) -> None:

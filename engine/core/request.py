@@ -63,6 +63,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_logprobs: int = 0  # entries filled
     prompt_logprobs_sent: bool = False
+    # speculative decoding: the draft tokens its last step verified (after its input token), and of them accepted
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

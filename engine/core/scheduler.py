@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from kiln.cache import KVCacheManager, StateKVCacheManager
 from kiln.cache.state_cache import StateCopies
 from kiln.engine.core.request import Request, RequestStatus
+from kiln.engine.spec_decode.ngram import NgramProposer
 
 
 @dataclass
@@ -36,6 +37,8 @@ class SchedulerOutput:
     # a model with recurrent layers: each request's state slot, and the state rows to copy around this step's forward
     state_slots: list[int] = field(default_factory=list)
     state_copies: StateCopies = ((), ())
+    # speculative decoding: each request's draft tokens this step verifies after its input token (empty: none)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -56,6 +59,8 @@ class SchedulerOutput:
             [self.samples[i]],
             self.prompt_logprobs,
             self.state_slots[i : i + 1],
+            ((), ()),
+            self.spec_token_ids[i : i + 1],
         )
 
 
@@ -66,8 +71,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        drafter: NgramProposer | None = None,
     ) -> None:
+        """`drafter`: speculative decoding's, which proposes tokens a decoding request's next step verifies."""
         self.kv = kv_cache_manager
+        self.drafter = drafter
+        self.num_draft_tokens = 0  # proposed and verified, since start
+        self.num_accepted_tokens = 0  # of them, kept
+        self.num_spec_steps = 0  # request-steps that verified drafts
         # recurrent layers: steps end on block boundaries where they can (snapshots of the state are kept there)
         self.states = kv_cache_manager if isinstance(kv_cache_manager, StateKVCacheManager) else None
         self.max_num_seqs = max_num_seqs
@@ -133,9 +144,15 @@ class Scheduler:
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
+            if self.drafter is not None and n == 1 and not pending and not request.needs_sync:
+                request.spec_token_ids = self._draft(request, budget - 1)
+                n += len(request.spec_token_ids)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
             fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
+            if not fits and request.spec_token_ids:  # no room for the drafts: verify none
+                n, request.spec_token_ids = 1, []
+                fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
             if not fits and not self._preempt_for(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
@@ -173,13 +190,16 @@ class Scheduler:
                 self.states.after_schedule(request.request_id, request.num_computed_tokens, n)
             num_computed_tokens = request.num_computed_tokens + n
             request.num_computed_tokens = num_computed_tokens
-            sample = num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders
+            drafted = len(request.spec_token_ids)  # (past its known tokens: the drafts it verifies)
+            sample = num_computed_tokens - drafted == len(request.all_token_ids) + request.num_output_placeholders
             request.num_output_placeholders += sample
             samples.append(sample)
         block_ids = self.kv.block_ids
         block_table = [block_ids(r.request_id) for r in scheduled]
         wants = self.num_prompt_logprob_requests > 0
         output = SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
+        if self.drafter is not None:
+            output.spec_token_ids = [r.spec_token_ids if r.status == RequestStatus.RUNNING else [] for r in scheduled]
         if self.states is not None:
             slot_of = self.states.states.slot_of
             output.state_slots = [slot_of[r.request_id] for r in scheduled]
@@ -187,35 +207,64 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: list[int | None]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: list[int | None],
+        accepted_token_ids: list[list[int]] | None = None,
     ) -> tuple[list[tuple[Request, int]], list[Request]]:
         """Bring back a step's sampled tokens; returns (new tokens as (request, token), finished requests).
 
         `sampled_token_ids[i]` is None where the step sampled nothing for row i (a partial prefill).
+        `accepted_token_ids[i]`: the drafts row i's request kept, which come before its sampled token; the ones it did
+        not keep give back their computed positions (their KV is written over next step).
         A request that finished or was aborted after this step was scheduled drops its token.
         """
         new_tokens: list[tuple[Request, int]] = []
         finished: list[Request] = []
         live = (RequestStatus.RUNNING, RequestStatus.WAITING)
-        for request, token in zip(output.requests, sampled_token_ids):
+        for i, (request, token) in enumerate(zip(output.requests, sampled_token_ids)):
             if token is None or request.status not in live:
                 continue  # sampled nothing, or finished (aborted, stopped) after this step was scheduled
             request.num_output_placeholders -= 1
-            request.append_output_token(token)
-            new_tokens.append((request, token))
-            status = None if request.grammar is None else self._advance_grammar(request, token)
-            if status is None:
-                status = self._check_stop(request, token)
-            if status is not None:
-                # Preempted while its token was in flight, a request finishes from the waiting queue.
-                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-                self._finish(request, status)
-                finished.append(request)
+            tokens = [token]
+            drafts = output.spec_token_ids[i] if output.spec_token_ids else ()
+            if drafts:
+                accepted = accepted_token_ids[i]
+                self.num_spec_steps += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(accepted)
+                if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0 anyway)
+                    request.num_computed_tokens -= len(drafts) - len(accepted)
+                tokens = [*accepted, token]
+                request.spec_token_ids = []
+            for token in tokens:
+                request.append_output_token(token)
+                new_tokens.append((request, token))
+                status = None if request.grammar is None else self._advance_grammar(request, token)
+                if status is None:
+                    status = self._check_stop(request, token)
+                if status is not None:
+                    # Preempted while its token was in flight, a request finishes from the waiting queue.
+                    (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+                    self._finish(request, status)
+                    finished.append(request)
+                    break  # (tokens past a stop inside the drafts are dropped)
         return new_tokens, finished
 
     def needs_sync(self) -> bool:
-        """Whether the next step must see the previous step's tokens before it is scheduled."""
-        return self.num_sync_requests > 0
+        """Whether the next step must see the previous step's tokens before it is scheduled (drafts are made from
+        them, and how many a step keeps moves the next step's positions)."""
+        return self.num_sync_requests > 0 or self.drafter is not None
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request's next step, within the token budget and its length limits (the
+        step's own token, and the one it samples after the drafts, included)."""
+        room = min(
+            budget,
+            request.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - len(request.all_token_ids) - 1,
+        )
+        return self.drafter.propose(request.all_token_ids, room)
 
     # ---- helpers --------------------------------------------------------------------------------------
 
@@ -258,6 +307,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -293,6 +293,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
         "quantization": quantization.describe() if quantization is not None else None,
         "kv_cache_dtype": str(kv_spec.dtype).removeprefix("torch."),
+        "speculative": config.speculative_config.describe() if config.speculative_config is not None else None,
         "compile_cache_dir": cache_dir,
         **counters.as_dict(),
     }

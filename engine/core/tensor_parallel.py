@@ -240,11 +240,14 @@ class TensorParallelWorkers:
         sample_rows: list[int],
         prompt_logit_rows: list[tuple[int, int]] = (),
         state_copies: tuple = ((), ()),
+        logit_rows: list[int] | None = None,
     ) -> None:
         """Announce the step rank 0 has just prepared and send its inputs; every rank then runs the forward."""
         self.check_alive()
         logits_indices = None
-        if sample_rows:  # the last token of each sampled request
+        if logit_rows is not None:  # (speculative decoding: every row of the requests verifying drafts)
+            logits_indices = logit_rows
+        elif sample_rows:  # the last token of each sampled request
             logits_indices = (metadata.query_start_loc_cpu[1:][sample_rows] - 1).tolist()
         header = StepHeader(
             plan.mode,

@@ -105,6 +105,7 @@ def _from_memo(kept: Any) -> tuple[ModelConfig, str | None] | None:
         config = kept["model_config"]
         fields = {**config, "eos_token_ids": tuple(config["eos_token_ids"]), "moe_layers": tuple(config["moe_layers"])}
         fields["sliding_layers"] = tuple(config["sliding_layers"])
+        fields["linear_layers"] = tuple(config["linear_layers"])
         fields["quantization"] = quant_config.from_dict(config["quantization"])
         return ModelConfig(**fields), kept["checkpoint_dtype"]
     except (KeyError, TypeError) as e:  # of another shape: resolved again
@@ -187,6 +188,7 @@ def _model_type(architecture: str) -> str:
         "Qwen3_5ForCausalLM": "qwen3_5_text",
         "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
         "Qwen3NextForCausalLM": "qwen3_next",
+        "Gemma4ForCausalLM": "gemma4_text",
     }[architecture]
 
 

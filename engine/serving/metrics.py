@@ -33,6 +33,20 @@ class ServerMetrics:
         self.prefix_queries = gauge("prefix_cache_queries", "Prompt tokens the engine looked up in the prefix cache")
         self.prefix_hits = gauge("prefix_cache_hits", "Prompt tokens the engine found in the prefix cache")
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens received", labels, registry=r)
+        # speculative decoding, under Kiln's names (totals since start) and vLLM's (counters a router reads)
+        self.spec = {
+            key: (gauge(name, doc), Counter(f"vllm:{name}", doc, labels, registry=r))
+            for key, name, doc in (
+                ("spec_drafts", "spec_decode_num_drafts", "Request-steps that verified draft tokens"),
+                ("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified"),
+                ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens the model kept"),
+            )
+        }
+        self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Draft tokens kept over those verified (0-1)")
+        self.spec_mean_length = gauge(
+            "spec_decode_mean_accepted_length", "Tokens a verifying request-step yields on average (1 + kept drafts)"
+        )
+        self._spec_counted = dict.fromkeys(self.spec, 0)
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", labels, registry=r)
         self.requests = Counter("kiln_requests", "Requests finished", labels, registry=r)
         self.ttft = Histogram(
@@ -92,6 +106,16 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats.get("preemptions", 0))
         self.prefix_queries.labels(m).set(queries)
         self.prefix_hits.labels(m).set(stats.get("prefix_hits", 0))
+        for key, (total, counter) in self.spec.items():
+            value = stats.get(key, 0)
+            total.labels(m).set(value)
+            if value > self._spec_counted[key]:  # (the counter moves by what the engine counted since)
+                counter.labels(m).inc(value - self._spec_counted[key])
+                self._spec_counted[key] = value
+        drafts, drafted = stats.get("spec_drafts", 0), stats.get("spec_draft_tokens", 0)
+        accepted = stats.get("spec_accepted_tokens", 0)
+        self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
+        self.spec_mean_length.labels(m).set(1.0 + accepted / drafts if drafts else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

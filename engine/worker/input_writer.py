@@ -65,9 +65,14 @@ class InputWriter:
         (`prev_sampled`, the request's row there `prev_rows[request_id]`).
         """
         tokens, carry_dst, carry_src, end = [], [], [], 0
-        for r, c, n in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens):
+        drafts = batch.spec_token_ids or [()] * len(batch.requests)
+        for r, c, n, draft in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens, drafts):
             all_token_ids = r.all_token_ids
             end += n
+            if draft:  # speculative decoding: its input token, then the drafts to verify (synchronous steps)
+                tokens += all_token_ids[c : c + n - len(draft)]
+                tokens += draft
+                continue
             if c + n <= len(all_token_ids):
                 if n == 1:
                     tokens.append(all_token_ids[c])  # a decode whose input the host has

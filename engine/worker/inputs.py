@@ -23,6 +23,9 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
     # per scheduled request that asked: (the first prompt position scored, the entries of the tokens after it)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
+    # speculative decoding: per scheduled request, the drafts it kept (before its sampled token), and their logprobs
+    accepted_token_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[TokenLogprobs | None]] | None = None
 
 
 @dataclass
@@ -35,6 +38,10 @@ class StepHandle:
     sampled_cpu: torch.Tensor | None = None  # [S] int64, valid once `done` has fired
     logprobs_cpu: LogprobsTensors | None = None
     prompt_logprobs_cpu: list[tuple[int, int, LogprobsTensors]] | None = None  # (request, first position, tensors)
+    # speculative decoding: each sampled request's logit rows (first, count), and each row's verdict on its draft
+    draft_spans: list[tuple[int, int]] | None = None
+    accepted_cpu: torch.Tensor | None = None
+    logprob_requests: list[Request] | None = None  # each logit row's request (for its number of logprobs)
     done: torch.cuda.Event | None = None
 
 

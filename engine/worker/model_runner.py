@@ -19,6 +19,7 @@ from kiln.backends.attention import AttentionBackend, AttentionMetadata, Forward
 from kiln.compile import CompiledModel
 from kiln.engine.messages import TokenLogprobs
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker import input_writer, prompt_logprobs
 from kiln.engine.worker import inputs as runner_io
 from kiln.engine.worker.input_writer import InputWriter, Rows
@@ -28,6 +29,7 @@ from kiln.engine.worker.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    gather_logprobs,
     plain_greedy,
     row_argmax,
 )
@@ -120,15 +122,19 @@ class ModelRunner:
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
         prompt_spec = prompt_logprobs.prompt_rows(batch) if batch.prompt_logprobs else []
+        drafts = _draft_rows(batch, handle.sample_rows) if batch.spec_token_ids and any(batch.spec_token_ids) else None
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
             slices = prompt_logprobs.logit_slices(prompt_spec)
             rows, copies = handle.sample_rows, batch.state_copies
-            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), rows, slices, copies)
+            logit_rows = None if drafts is None else drafts[0]
+            self.tp_workers.broadcast_step(self, metadata, plan, len(batch.requests), rows, slices, copies, logit_rows)
         before, after = batch.state_copies
         self.copy_states(before)  # (a prefix hit's snapshot into its request's slot)
         hidden, head = self.forward(metadata, plan)
         self.copy_states(after)  # (snapshots of states the step leaves on a block boundary)
-        if handle.sample_rows:
+        if handle.sample_rows and drafts is not None:
+            self._verify_drafts(batch, handle, hidden, *drafts)
+        elif handle.sample_rows:
             requests = batch.requests
             if len(handle.sample_rows) != len(requests):
                 requests = [requests[i] for i in handle.sample_rows]
@@ -157,6 +163,47 @@ class ModelRunner:
             handle.done = torch.cuda.Event()
             handle.done.record()
         return handle
+
+    def _verify_drafts(
+        self,
+        batch: SchedulerOutput,
+        handle: StepHandle,
+        hidden: torch.Tensor,
+        rows: list[int],
+        row_drafts: list[int],
+        spans: list[tuple[int, int]],
+    ) -> None:
+        """Speculative decoding's sampling: every query row of a request with drafts is scored, and the rejection
+        sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them."""
+        row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
+        for (first, count), i in zip(spans, handle.sample_rows):
+            if count == 1:
+                grammars[first] = batch.requests[i].grammar
+        if any(g is not None for g in grammars):
+            self.grammar_bitmask().apply(logits, grammars)
+        self._sampling_cache = None
+        sampling = SamplingMetadata.build(
+            params=[r.sampling_params for r in row_requests],
+            prompt_token_ids=[r.prompt_token_ids for r in row_requests],
+            output_token_ids=[r.output_token_ids for r in row_requests],
+            generators=[r.generator for r in row_requests],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        drafts = torch.tensor(row_drafts, device=self.device)
+        accepted, token = verify(logits, drafts, sampling)
+        emitted = torch.where(accepted, drafts, token)
+        self._prev_sampled, self._prev_rows = None, {}  # (steps with drafts are synchronous: nothing to carry)
+        handle.draft_spans = spans
+        handle.sampled_cpu = emitted.to("cpu", non_blocking=True)
+        handle.accepted_cpu = accepted.to("cpu", non_blocking=True)
+        if sampling.max_num_logprobs is not None:
+            raw = logits.to(torch.float32).log_softmax(dim=-1)
+            handle.logprobs_cpu = _to_host(gather_logprobs(raw, emitted, sampling.max_num_logprobs))
+            handle.logprob_requests = row_requests
 
     def sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         """The sampling rows' metadata. When every row's parameters and generator are the ones of the
@@ -200,6 +247,8 @@ class ModelRunner:
             prompt = {i: (start, prompt_logprobs.entries(t)) for i, start, t in handle.prompt_logprobs_cpu}
         if not handle.sample_rows:
             return ModelRunnerOutput(sampled, logprobs, prompt)
+        if handle.draft_spans is not None:
+            return self._collect_drafts(handle, sampled, logprobs, prompt)
         token_ids = handle.sampled_cpu.tolist()
         row_logprobs = None
         if handle.logprobs_cpu is not None:
@@ -209,6 +258,26 @@ class ModelRunner:
             if row_logprobs is not None:
                 logprobs[row] = row_logprobs[j]
         return ModelRunnerOutput(sampled, logprobs, prompt)
+
+    def _collect_drafts(self, handle: StepHandle, sampled: list, logprobs: list, prompt) -> ModelRunnerOutput:
+        """Each request's kept drafts (up to its first row whose draft the model did not keep) and the token of that
+        row, with their logprobs."""
+        emitted, accepted = handle.sampled_cpu.tolist(), handle.accepted_cpu.tolist()
+        row_logprobs = None
+        if handle.logprobs_cpu is not None:
+            row_logprobs = logprob_lists(handle.logprobs_cpu, handle.logprob_requests)
+        kept_tokens: list[list[int]] = [[] for _ in sampled]
+        kept_logprobs: list[list] = [[] for _ in sampled]
+        for (first, count), row in zip(handle.draft_spans, handle.sample_rows):
+            kept = 0
+            while kept < count - 1 and accepted[first + kept]:
+                kept += 1
+            kept_tokens[row] = emitted[first : first + kept]
+            sampled[row] = emitted[first + kept]
+            if row_logprobs is not None:
+                kept_logprobs[row] = row_logprobs[first : first + kept]
+                logprobs[row] = row_logprobs[first + kept]
+        return ModelRunnerOutput(sampled, logprobs, prompt, kept_tokens, kept_logprobs)
 
     def grammar_bitmask(self) -> GrammarBitmask:
         """Structured output's token mask; xgrammar is loaded with it, on the first constrained batch."""
@@ -339,6 +408,19 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:
         self.forward(*self._dummy_metadata(num_tokens, decode, mode))
+
+
+def _draft_rows(batch: SchedulerOutput, sample_rows: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A step with drafts: the hidden rows to score (each sampled request's input token and drafts), each row's draft
+    (-1 on a request's last row), and each request's (first row, rows)."""
+    ends = np.cumsum(batch.num_new_tokens)
+    rows, row_drafts, spans = [], [], []
+    for i in sample_rows:
+        drafts = batch.spec_token_ids[i]
+        spans.append((len(rows), len(drafts) + 1))
+        rows += range(int(ends[i]) - 1 - len(drafts), int(ends[i]))
+        row_drafts += [*drafts, -1]
+    return rows, row_drafts, spans
 
 
 def _to_host(tensors: LogprobsTensors) -> LogprobsTensors:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers.models import assert_greedy_matches_hf, tiny_hybrid_config
+from kiln.compile.cache import JsonFolder
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.source import resolve_model
 
@@ -37,8 +38,11 @@ def assert_nothing_held(llm: LLM) -> None:
     assert not states.slot_of and len(states.free_slots) == states.num_slots
 
 
-def test_config_reads_the_layer_kinds(tiny_hybrid_dir):
+def test_config_reads_the_layer_kinds(tiny_hybrid_dir, tmp_path):
     config = resolve_model(str(tiny_hybrid_dir)).model_config
+    memo = JsonFolder(tmp_path / "memo")  # the engine keeps the resolved config; read back, it is the same
+    resolve_model(str(tiny_hybrid_dir), memo)
+    assert resolve_model(str(tiny_hybrid_dir), memo).model_config == config
     hf_config = json.loads((tiny_hybrid_dir / "config.json").read_text())
     assert config.linear_layers == (0, 1, 2, 4) and config.attention_layers == (3,)
     assert (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 4)

@@ -1,0 +1,61 @@
+"""`--speculative-config`: vLLM's JSON keys, checked at start-up."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)  # drafters Kiln has; eagle3 and mtp are refused with a reason (not yet)
+NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "draft_model", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # (n-gram) the shortest suffix of the text that may match earlier
+    prompt_lookup_max: int = 4  # (n-gram) the longest one tried first
+    model: str | None = None  # a draft model's directory or Hub id (EAGLE-3)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From the CLI's JSON text, `LLM(speculative_config=...)`'s dict, or itself; a wrong one is one ValueError."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; Kiln reads {sorted(known)}")
+        method = value.get("method")
+        if method in NOT_YET:
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; use 'ngram'")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; choose one of {list(METHODS)}")
+        config = cls(**{"num_speculative_tokens": None, **value})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def positive(name: str) -> None:
+            got = getattr(self, name)
+            if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {got!r}")
+
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            positive(name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+    def describe(self) -> str:
+        return f"{self.method}, k={self.num_speculative_tokens}"
