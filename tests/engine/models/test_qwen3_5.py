@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers.models import assert_greedy_matches_hf, tiny_hybrid_config
 from kiln.compile.cache import JsonFolder
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.source import resolve_model
+
+from helpers.models import assert_greedy_matches_hf, tiny_hybrid_config
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12], list(range(1, 18))]
 MAX_TOKENS = 12

@@ -15,12 +15,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.models import assert_greedy_matches_hf
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
 from kiln.engine.spec_decode.ngram import NgramProposer
 from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker.sampler import SamplingMetadata
+
+from helpers.models import assert_greedy_matches_hf
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
 MAX_TOKENS = 20
@@ -106,8 +107,8 @@ def test_ngram_drafts_match_hf_chunked_and_compiled(tiny_llama_dir, baseline, tm
 def test_preemption_and_prefix_hits_with_drafts(tiny_llama_dir, baseline):
     """Too few blocks for every request and its drafts: some are preempted and recomputed; a second round hits the
     prefix cache. Tokens as without drafts, and every block back."""
-    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=64, num_kv_blocks=17, block_size=4,
-              speculative_config=ngram(4))  # fmt: skip
+    kwargs = dict(max_model_len=64, num_kv_blocks=17, block_size=4, speculative_config=ngram(4))
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, **kwargs)
     with_oracle(llm, baseline, 4)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -165,7 +166,9 @@ def test_rejection_sampler_draws_the_targets_distribution():
     target /= target.sum()
     for draft in range(vocab):
         rows = logits.expand(draws, vocab).clone()
-        metadata = SamplingMetadata.build([params] * draws, [[0]] * draws, [[]] * draws, [None] * draws, (), vocab, "cpu")
+        metadata = SamplingMetadata.build(
+            [params] * draws, [[0]] * draws, [[]] * draws, [None] * draws, (), vocab, "cpu"
+        )
         accepted, token = verify(rows, torch.full((draws,), draft), metadata)
         first = torch.where(accepted, torch.full_like(token, draft), token)
         counts = torch.bincount(first, minlength=vocab).double()

@@ -1,0 +1,65 @@
+"""The Gated DeltaNet hybrids on the GPU: the Triton kernels (chunked delta rule, recurrent step, causal conv, gated
+norm) eager, and compiled with the linear-attention op inside the full decode CUDA graphs; float32 against
+transformers token for token, bf16 as close to transformers' float32 as its own bf16 run is; a next turn from a
+snapshot; speculative decoding's drafts verified in piecewise graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+
+from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 100)), [300, 12], list(range(1, 200, 2))]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraphs"])
+def test_float32_matches_hf(tiny_hybrid_dir, eager, tmp_path):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hybrid_dir, dtype=torch.float32).eval()
+    kwargs = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=48, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_hybrid_dir), enforce_eager=eager, **kwargs) as llm:
+        if not eager:
+            assert llm.engine.startup_stats["cudagraphs_captured"] > 0
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 2e-3, near_tie=True)
+
+
+def test_bf16_in_cuda_graphs_as_close_as_hf(tiny_hybrid_dir, tmp_path):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hybrid_dir, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(tiny_hybrid_dir, dtype=torch.bfloat16).cuda().eval()
+    with LLM(str(tiny_hybrid_dir), dtype="bfloat16", max_model_len=256, compile_cache_dir=str(tmp_path)) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_bf16_as_close_as_hf(hf, hf16, PROMPTS, outputs)
+
+
+def test_next_turn_from_a_snapshot_on_the_gpu(tiny_qwen3_5_dir, tmp_path):
+    first = list(range(30, 100))
+    kwargs = dict(dtype="float32", max_model_len=512, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_qwen3_5_dir), **kwargs) as llm:
+        answer = llm.generate([first], GREEDY, use_tqdm=False)[0]
+        second = first + answer.outputs[0].token_ids + [9, 8, 7]
+        hit = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 64
+    with LLM(str(tiny_qwen3_5_dir), enable_prefix_caching=False, **kwargs) as cold:
+        want = cold.generate([second], GREEDY, use_tqdm=False)[0]
+    assert hit.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_ngram_drafts_in_graphs_equal_no_drafts(tiny_llama_dir, tmp_path):
+    prompts = [[5, 17, 33, 2, 101, 45, 9] * 4, list(range(20, 60)) * 2]
+    kwargs = dict(max_model_len=256, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        want = llm.generate(prompts, GREEDY, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_draft_tokens > 0
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
