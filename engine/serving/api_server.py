@@ -224,7 +224,7 @@ async def _tokenize(request: web.Request) -> web.Response:
         ids = await encode_prompt(state, body["prompt"])
     elif isinstance(body, dict) and isinstance(body.get("messages"), list):
         parsed = await checked(request, parse_chat, {**body, "max_tokens": 1}, state.sampling_defaults)
-        ids = await encode_chat(state, parsed.messages, parsed.tools)
+        ids = await encode_chat(state, parsed.messages, parsed.tools, parsed.chat_template_kwargs)
     else:
         raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
@@ -300,7 +300,7 @@ async def _chat_prompt(request: web.Request, state: ServerState, parsed, body: d
     parser = tool_parser(parsed, state.auto_tool_parser)  # (sets the constraint of a required or named choice)
     for schema in tool_schema_checks(parsed):
         await check_structured_output(state, schema, "tools", key)
-    prompt = await encode_chat(state, parsed.messages, parsed.tools)
+    prompt = await encode_chat(state, parsed.messages, parsed.tools, parsed.chat_template_kwargs)
     if key:
         key.apply_max_tokens(parsed, {"max_tokens": max_tokens}, room=state.max_model_len - len(prompt))
     reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None

@@ -244,3 +244,33 @@ def test_a_constrained_reply_reaches_content_and_tool_calls_with_deepseek_r1(tin
             assert thought == "" and streamed_content == message.content
     finally:
         server.stop()
+
+
+def test_chat_template_kwargs_through_the_server(tiny_llama_dir, tmp_path):
+    """`chat_template_kwargs: {"enable_thinking": false}` reaches the template the server renders (/tokenize and a
+    chat), and the qwen3 parser then reads the whole reply as content."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    server = Server(model, "--max-model-len", "256", "--reasoning-parser", "qwen3")
+    try:
+        messages = [{"role": "user", "content": "Rain?"}]
+        counts = {}
+        for thinking in (True, False):
+            body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": thinking}}
+            status, reply = server.post("/tokenize", body)
+            assert status == 200
+            counts[thinking] = json.loads(reply)["count"]
+        assert counts[False] > counts[True]  # (the closed, empty <think></think> the template wrote)
+        reply = server.client().chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_tokens=8,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "guided_choice": ["No rain."]},
+        )
+        message = reply.choices[0].message
+        assert message.content == "No rain." and getattr(message, "reasoning_content", None) is None
+    finally:
+        server.stop()
