@@ -38,13 +38,14 @@ from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
 from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_routing
 from kiln.backends.kernels import fused as fused_kernels
+from kiln.backends.linear_attention import triton_conv, triton_delta_rule, triton_norm
 from kiln.compile import pin_triton_setup
 from kiln.engine.models.presets import PRESETS
 
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
 FAMILIES = ("decode", "prefill", "gemv", "qk_norm_rope", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant")
-FAMILIES += ("fp8_block", "moe_routing")
+FAMILIES += ("fp8_block", "moe_routing", "gated_delta_net")
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32",
@@ -55,7 +56,10 @@ POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "seq_lens_ptr": "*i32",
     "query_start_loc_ptr": "*i32",
 }
-FLOATS = {"qk_scale", "eps"}
+FLOATS = {"qk_scale", "eps", "scale"}
+# strides that are not multiples of 16 at run time (Triton's launcher then gives no alignment hint): the conv
+# weight's rows, K = 4 elements
+UNALIGNED = {"stride_w_d"}
 
 
 def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int = 3, pointers: dict | None = None):
@@ -79,6 +83,7 @@ def compile_for_h200(kernel, constexprs: dict, num_warps: int, num_stages: int =
     # 256-token steps). NOTE: without these hints Triton cannot prove its loads aligned and pipelines no loop (no
     # cp.async): the kernel compiled here was then not the one that runs.
     aligned = [n for n in names if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))]
+    aligned = [n for n in aligned if n not in UNALIGNED]
     source = ASTSource(
         fn=kernel,
         signature={n: arg_type(n) for n in names},
@@ -239,6 +244,30 @@ def moe_routing_variants(model: str):
     yield "place", moe_routing._place_kernel, place, 8, 3, ints
 
 
+def gated_delta_net_variants(model: str):
+    """Gated DeltaNet's kernels at Qwen3.6-35B-A3B's linear-attention layers (16 key heads, 32 value heads of
+    128, a conv of 8,192 channels and width 4, bf16; the model's shapes do not enter): the delta rule's chunked
+    prefill (the UT transform, the scan over chunks) and decode step, the conv's prefill (outputs, state) and decode
+    step, the gated norm."""
+    heads = dict(Q_PER_K=32 // 16, DK=128, DK_P=128)
+    chunk = dict(heads, CHUNK=triton_delta_rule.CHUNK, PRECISION="tf32")
+    pointers = {n: "*i32" for n in ("chunk_request_ptr", "first_chunk_ptr", "state_slots_ptr", "token_request_ptr")}
+    pointers |= {n: "*fp32" for n in ("states_ptr", "a_ptr", "scores_ptr", "norms_ptr", "g_ptr")}
+    yield "ut transform", triton_delta_rule._ut_transform_kernel, chunk, 4, 3, pointers
+    block_v, warps, stages = triton_delta_rule.SCAN_CONFIG
+    scan = dict(chunk, DV=128, BLOCK_V=block_v, SPLIT=True)
+    yield "chunk scan", triton_delta_rule._chunk_scan_kernel, scan, warps, stages, pointers
+    step = dict(heads, DV=128, BLOCK_V=triton_delta_rule.STEP_BLOCK_V)
+    yield "recurrent step", triton_delta_rule._recurrent_kernel, step, 4, 3, pointers
+    conv = dict(D=8192, K=4, BLOCK_D=triton_conv.BLOCK_D)
+    yield "conv", triton_conv._causal_conv1d_kernel, dict(conv, BLOCK_T=triton_conv.BLOCK_T), 4, 3, pointers
+    yield "conv state", triton_conv._conv_state_kernel, dict(conv, ROWS_P=4), 4, 3, pointers
+    yield "conv step", triton_conv._conv_update_kernel, dict(conv, ROWS_P=4), 4, 3, pointers
+    rows = triton_norm.ROW_ELEMENTS // 128
+    norm = dict(D=128, BLOCK_D=128, ROWS=rows, ROUND_PRODUCT=True)
+    yield "gated norm", triton_norm._gated_rms_norm_kernel, norm, 4, 3, pointers
+
+
 def fp8_gemv_variants(model: str):
     """The FP8 one-row matmul at the model's four layers, with the epilogues the models use (per-token activations):
     per-channel weights with dynamic per-token and static activations, and 128x128 blocks with per-group
@@ -349,6 +378,7 @@ def main() -> None:
         "fp8_quant": fp8_quant_variants,
         "fp8_block": fp8_block_variants,
         "moe_routing": moe_routing_variants,
+        "gated_delta_net": gated_delta_net_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
