@@ -31,6 +31,7 @@ class HybridKVCacheManager(PoolCounters):
                 window,
                 self.block_pool,
                 hashlib.sha256(f"kiln.cache.hybrid.group{g}".encode()).digest(),
+                groups.group_pages(g),
             )
             for g, window in enumerate(groups.windows)
         ]
@@ -84,9 +85,15 @@ class HybridKVCacheManager(PoolCounters):
         )
         if needed > self.num_free_blocks:
             return False
+        # NOTE: every group's hit blocks are taken first: one group's fresh blocks would otherwise evict another's hits
+        # from the free queue (each group then takes its own reference, and this one is dropped)
+        null = self.block_pool.null_block
+        held = [block for blocks in hits for block in blocks if block is not null]
+        self.block_pool.touch(held)
         for manager, blocks in zip(self.managers, hits):
             allocated = manager.allocate_slots(request_id, token_ids, num_computed_tokens, num_new_tokens, blocks)
             assert allocated, "a group's allocation failed after the pool was found to hold them all"
+        self.block_pool.free_blocks(held)
         if request_id not in self._tables:
             self._tables[request_id] = [manager.block_ids(request_id) for manager in self.managers]
         self._quiet[request_id] = self._quiet_limits(request_id)

@@ -82,9 +82,11 @@ class KVCacheManager(PoolCounters):
         sliding_window: int = 0,
         block_pool: BlockPool | None = None,
         hash_root: BlockHash | None = None,
+        pages_per_block: int = 1,
     ) -> None:
         """`block_pool`: a pool shared with other managers (hybrid.py's groups), each hashing its blocks from its
-        own `hash_root` (its blocks hold other layers' KV, so the same tokens must not hit another group's)."""
+        own `hash_root` (its blocks hold other layers' KV, so the same tokens must not hit another group's).
+        `pages_per_block`: k where the group's layers see each block as k pages (groups.py): its tables hold k * b."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -93,7 +95,8 @@ class KVCacheManager(PoolCounters):
         self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks, enable_prefix_caching)
         self.hash_root = hash_root
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as physical ids, kept in step
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as physical ids (pages), kept in step
+        self.pages_per_block = pages_per_block
         # Hash chain of each request's full blocks, so every block is hashed once.
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.sliding_window = sliding_window
@@ -203,7 +206,8 @@ class KVCacheManager(PoolCounters):
         new_blocks = [*new_computed_blocks, *self.block_pool.get_new_blocks(num_new_blocks)]
         blocks.extend(new_blocks)
         self.req_to_blocks[request_id] = blocks
-        self.req_to_block_ids.setdefault(request_id, []).extend(block.block_id for block in new_blocks)
+        pages = self.pages_per_block
+        self.req_to_block_ids.setdefault(request_id, []).extend(block.block_id * pages for block in new_blocks)
         self.req_to_block_hashes[request_id] = block_hashes
 
         if self.enable_prefix_caching:
@@ -249,7 +253,7 @@ class KVCacheManager(PoolCounters):
         # block handed out again from here
         self.block_pool.free_blocks(blocks[freed:behind])
         for i in range(freed, behind):
-            blocks[i], ids[i] = null, null.block_id
+            blocks[i], ids[i] = null, null.block_id * self.pages_per_block
         self.req_to_freed[request_id] = behind
 
     def quiet_limits(self, request_id: str) -> tuple[int, int]:
@@ -279,8 +283,9 @@ class KVCacheManager(PoolCounters):
         self.block_pool.uncache(self.req_to_blocks.get(request_id, [])[self.req_to_freed.get(request_id, 0) :])
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as physical block ids; [] for an unknown request. The list is the
-        manager's own (it grows as the request does): read it, never modify it."""
+        """The request's block table as physical block ids (times `pages_per_block`: the first page of each); []
+        for an unknown request. The list is the manager's own (it grows as the request does): read it, never
+        modify it."""
         return self.req_to_block_ids.get(request_id, [])
 
     def _cache_full_blocks(

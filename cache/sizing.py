@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     groups: KVGroups | None = None  # several: the layers share slot tensors (groups.py); None: one group
+    # each layer's (KV heads, head dim) where the layers differ (Gemma 4's full layers); empty: all of them
+    # num_kv_heads x head_dim
+    layer_shapes: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_slots(self) -> int:
@@ -31,15 +35,34 @@ class KVCacheSpec:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_shapes and len(self.layer_shapes) != self.num_layers:
+            raise ValueError(f"KVCacheSpec: {len(self.layer_shapes)} layer shapes for {self.num_layers} layers")
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """The layer's (KV heads, head dim)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_row(self) -> int:
+        """Elements a token takes in a slot's page, K or V: a layer's heads x dim, or with layers of several sizes their
+        least common multiple (Gemma 4's: the largest), into which the smaller are packed (groups.py)."""
+        if not self.layer_shapes:
+            return self.num_kv_heads * self.head_dim
+        return math.lcm(*(heads * dim for heads, dim in self.layer_shapes))
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all slots, K and V together."""
-        return 2 * self.num_slots * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_slots * self.block_size * self.page_row * self.dtype.itemsize
 
-    def shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
-        """Per-layer cache tensor shape: (K/V, block, slot in block, kv head, head dim)."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def shape(self, num_blocks: int, layer: int = 0) -> tuple[int, int, int, int, int]:
+        """The layer's cache tensor shape: (K/V, page, slot in page, kv head, head dim); a page a block, or k of them
+        where k layers share a block's page (groups.py)."""
+        heads, dim = self.layer_shape(layer)
+        return (2, self._pages(layer) * num_blocks, self.block_size, heads, dim)
+
+    def _pages(self, layer: int) -> int:
+        return self.groups.group_pages(self.groups.layer_group[layer]) if self.groups is not None else 1
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
@@ -76,13 +99,24 @@ def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, peak_us
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
-    """Each layer's ``spec.shape(num_blocks)`` cache tensor, zeroed: its own, or its slot's (shared by a layer of
-    each group).
+    """Each layer's ``spec.shape(num_blocks, layer)`` cache tensor, zeroed: its own, or a view of its slot's memory
+    (shared by a layer of each group), from its part of the first page where layers share a slot's pages
+    (groups.py).
 
     Zeroed so the reserved null block and never-written slots hold finite values: padded
     attention reads them under a mask, and NaN * 0 would still be NaN.
     """
-    slots = [torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_slots)]
     if spec.groups is None:
-        return slots
-    return [slots[slot] for slot in spec.groups.layer_slot]
+        return [torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    page = spec.block_size * spec.page_row
+    # NOTE: a page past the end where pages are shared: a layer of part j starts j of its pages in, and ends as far
+    # past the slot's 2 x num_blocks pages
+    spare = page if spec.groups.layer_part else 0
+    slots = [torch.zeros(2 * num_blocks * page + spare, dtype=spec.dtype, device=device) for _ in range(spec.num_slots)]
+    caches = []
+    for layer, slot in enumerate(spec.groups.layer_slot):
+        shape = spec.shape(num_blocks, layer)
+        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        offset = spec.groups.part_of(layer) * spec.block_size * shape[-2] * shape[-1]
+        caches.append(slots[slot].as_strided(shape, strides, offset))
+    return caches

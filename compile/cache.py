@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+import kiln.backends.attention.aux_hidden as aux_hidden_module
 import kiln.backends.attention.op as unified_attention_module
 import kiln.backends.kernels.collectives as collectives_module
 import kiln.backends.linear_attention.op as linear_attention_module
@@ -90,6 +91,7 @@ def source_hash(model: torch.nn.Module, input_sources: tuple[Path, ...] = ()) ->
     files |= set(Path(__file__).parent.glob("*.py"))
     files |= {Path(f) for f in input_sources}
     files.add(Path(inspect.getfile(unified_attention_module)))
+    files.add(Path(inspect.getfile(aux_hidden_module)))
     files.add(Path(inspect.getfile(linear_attention_module)))
     files.add(Path(inspect.getfile(collectives_module)))
     digest = hashlib.sha256()

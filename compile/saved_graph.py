@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.backends.attention.aux_hidden import save_hidden
 from kiln.backends.attention.op import attend
 from kiln.backends.linear_attention.op import gated_delta_net
 
@@ -33,6 +34,7 @@ FUNCTIONS = {
     "_operator.getitem": operator.getitem,
     "kiln.backends.attention.op.attend": attend,
     "kiln.backends.linear_attention.op.gated_delta_net": gated_delta_net,
+    "kiln.backends.attention.aux_hidden.save_hidden": save_hidden,
 }
 NAMES = {fn: name for name, fn in FUNCTIONS.items()}
 INPUTS = ("input_ids", "positions")  # the traced function's arguments; `model` is its closure

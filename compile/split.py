@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.split_module import split_module
 
+from kiln.backends.attention.aux_hidden import save_hidden
 from kiln.backends.attention.op import attend  # (the module registers the op)
 from kiln.backends.linear_attention.op import gated_delta_net
 
@@ -20,6 +21,8 @@ OP_BODIES = {
     torch.ops.kiln.unified_attention.default: attend,
     torch.ops.kiln.gated_delta_net: gated_delta_net,
     torch.ops.kiln.gated_delta_net.default: gated_delta_net,
+    torch.ops.kiln.save_hidden: save_hidden,
+    torch.ops.kiln.save_hidden.default: save_hidden,
 }
 ATTENTION_OPS = tuple(OP_BODIES)
 

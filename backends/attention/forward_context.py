@@ -76,6 +76,8 @@ class ForwardContext:
     layer_groups: tuple[int, ...] = ()  # each layer's KV group (attn_metadata.groups' index); empty: one group
     # each recurrent layer's (conv_states [S, K - 1, D], ssm_states [S, Hv, Dk, Dv]), by its state index
     recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # speculative decoding (EAGLE-3): where `kiln::save_hidden` copies the target layers' states [max_tokens, n * H]
+    aux_hidden: torch.Tensor | None = None
 
 
 _forward_context: ForwardContext | None = None

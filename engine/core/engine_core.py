@@ -23,6 +23,8 @@ from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.eagle3 import load_eagle3
+from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 from kiln.engine.spec_decode.ngram import NgramProposer
 from kiln.engine.structured_output.admission import GrammarAdmission
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
@@ -233,7 +235,7 @@ class EngineCore:
             else:
                 outputs += self._collect(launched, failed)
 
-    def _drafter(self, spec: SpeculativeConfig | None) -> NgramProposer | None:
+    def _drafter(self, spec: SpeculativeConfig | None) -> NgramProposer | EagleProposer | None:
         """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses."""
         if spec is None:
             return None
@@ -242,6 +244,12 @@ class EngineCore:
                 f"speculative decoding of {self.model_config.architecture} is not supported yet: its recurrent layers "
                 "cannot take back the state of rejected drafts"
             )
+        if spec.method == "eagle3":
+            executor = self.executor
+            draft = load_eagle3(executor.draft_dir, self.max_model_len, executor.dtype, executor.device)
+            if draft.embed_tokens is None:
+                draft.embed_tokens = executor.model.model.embed_tokens  # (the target's, as the draft was trained)
+            return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _load_tokenizer(self):
@@ -272,6 +280,8 @@ class EngineCore:
         timing.wait_seconds += time.perf_counter() - start
         start = time.perf_counter()
         outputs = self._update(handle.batch, result, failed)
+        if isinstance(self.scheduler.drafter, EagleProposer):  # the next step's drafts, from this step's states
+            self.scheduler.drafter.after_step(handle.batch, result)
         timing.host_seconds += time.perf_counter() - start
         timing.steps += 1
         return outputs

@@ -106,7 +106,7 @@ def profile_forward(
     decode_lens = [1] * min(config.max_num_seqs, budget)
     num_blocks = 1 + max(sum(-(-n // block_size) for n in prefill_lens), len(decode_lens))
     kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
-    kv_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in kv_caches}.values())  # (slots)
+    kv_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kv_caches}.values())
     runner = make_runner(kv_caches)
 
     torch.cuda.synchronize()

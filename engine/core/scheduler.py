@@ -144,15 +144,20 @@ class Scheduler:
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
-            if self.drafter is not None and n == 1 and not pending and not request.needs_sync:
-                request.spec_token_ids = self._draft(request, budget - 1)
+            if self.drafter is not None:  # a decode (its tokens all known, no history to sync) verifies drafts
+                drafting = n == 1 and not pending and not request.needs_sync
+                request.spec_token_ids = self._draft(request, budget - 1) if drafting else []
                 n += len(request.spec_token_ids)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
-            fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
+            fits = allocate_slots(
+                request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + n)
+            )
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
                 n, request.spec_token_ids = 1, []
-                fits = allocate_slots(request.request_id, all_token_ids, num_computed, n)
+                fits = allocate_slots(
+                    request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + 1)
+                )
             if not fits and not self._preempt_for(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
@@ -171,9 +176,13 @@ class Scheduler:
             n = min(request.num_tokens - num_cached, budget)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_cached, n, request.num_tokens)
-            if not self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, n, cached_blocks):
+            lookahead = self._lookahead(num_cached + n)
+            if not self.kv.allocate_slots(
+                request.request_id, request.all_token_ids, num_cached, n + lookahead, cached_blocks
+            ):
                 break
             self.waiting.popleft()
+            request.spec_token_ids = []  # (a prefill verifies no drafts)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -256,6 +265,10 @@ class Scheduler:
         them, and how many a step keeps moves the next step's positions)."""
         return self.num_sync_requests > 0 or self.drafter is not None
 
+    def _lookahead(self, end: int) -> int:
+        """Positions past a step's a drafter writes before the next (EAGLE-3's chain), within max_model_len."""
+        return max(min(getattr(self.drafter, "lookahead", 0), self.max_model_len - end), 0)
+
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request's next step, within the token budget and its length limits (the
         step's own token, and the one it samples after the drafts, included)."""
@@ -264,6 +277,8 @@ class Scheduler:
             request.max_tokens - len(request.output_token_ids) - 1,
             self.max_model_len - len(request.all_token_ids) - 1,
         )
+        if getattr(self.drafter, "drafts_after_step", False):  # (EAGLE-3 left them after the last step)
+            return request.spec_token_ids[: max(room, 0)]
         return self.drafter.propose(request.all_token_ids, room)
 
     # ---- helpers --------------------------------------------------------------------------------------

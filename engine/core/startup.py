@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
+from kiln.engine.models.model_dir import model_dir
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
 from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
@@ -68,6 +70,7 @@ class ModelExecutor:
     startup_stats: dict[str, Any]
     # a model with recurrent layers: (request slots, snapshots) of their state tensors' rows (the scratch row besides)
     state_rows: tuple[int, int] | None = None
+    draft_dir: Path | None = None  # speculative decoding with an EAGLE-3 draft: its directory
 
     @property
     def model_config(self) -> ModelConfig:
@@ -194,6 +197,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     torch.manual_seed(config.seed)
     shard = TensorParallelShard(rank, config.tensor_parallel_size)
     model = _build_on_device(model_config, dtype, device, max_model_len, shard, config)
+    draft_dir = _eagle_aux_layers(config, model)  # (before the trace: the target then saves those layers' states)
     cudagraph_mode = _cudagraph_mode(config, device, backend)
     counters = CompileCounters()
     compiled = None
@@ -268,6 +272,9 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         max_model_len = _fit_context(config, max_model_len, num_blocks, kv_spec.groups.windows)
         kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
+        if draft_dir is not None:  # where the target's layers leave their states for the draft
+            width = len(model.model.aux_layers) * model_config.hidden_size
+            runner.aux_hidden = torch.zeros(runner.inputs.max_tokens, width, dtype=dtype, device=device)
         counters.kv_sizing_seconds = time.perf_counter() - sizing_start
         if compiled is not None or device.type == "cuda":
             with counters.timed("warm_up_seconds"):
@@ -314,7 +321,36 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         tp_workers,
         stats,
         state_rows,
+        draft_dir,
     )
+
+
+def _eagle_aux_layers(config: EngineConfig, model: nn.Module) -> Path | None:
+    """With an EAGLE-3 draft: set the target layers whose input states it reads (its config's, else vLLM's choice of
+    layers 2, L/2 and L - 3) and return the draft's directory; else None. A target Kiln cannot feed refuses."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return None
+    from kiln.engine.spec_decode.eagle3 import Eagle3Config  # noqa: PLC0415
+
+    draft_dir = model_dir(spec.model, None, config.download_dir)
+    if draft_dir is None:
+        raise ValueError(f"speculative_config: the EAGLE-3 draft {spec.model!r} is a preset, not a checkpoint")
+    draft = Eagle3Config.read(draft_dir)
+    target = model.config
+    if not hasattr(model.model, "aux_layers") or target.linear_layers or target.sliding_layers:
+        raise ValueError(f"EAGLE-3 drafts for {target.architecture} are not supported yet: give a Llama-family model")
+    num_layers = target.num_layers
+    aux = draft.aux_layers or (2, num_layers // 2, num_layers - 3)
+    if len(aux) != 3 or not all(0 <= layer < num_layers for layer in aux):
+        raise ValueError(f"the EAGLE-3 draft reads layers {list(aux)}, which a {num_layers}-layer target does not have")
+    if draft.target_hidden_size != target.hidden_size or draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the EAGLE-3 draft {spec.model!r} was made for a target of hidden size {draft.target_hidden_size} and "
+            f"vocabulary {draft.vocab_size}, not this model's {target.hidden_size} and {target.vocab_size}"
+        )
+    model.model.aux_layers = tuple(aux)
+    return draft_dir
 
 
 def _recurrent_states(
@@ -421,6 +457,7 @@ def _compiled_model(
         # embedding looks up), and on the CPU nothing else in the key tells the ranks apart.
         "tensor_parallel": dataclasses.asdict(shard),
         "model_source": model_source,  # (the key names where the weights came from, as start-up stats do)
+        "aux_layers": list(getattr(model.model, "aux_layers", ())),  # (EAGLE-3: the states the graph saves)
     }
     key = cache_key_inputs(
         kiln_version(), model, dataclasses.asdict(model_config), dtype, device, settings, INPUT_SOURCES

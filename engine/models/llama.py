@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.backends.attention.aux_hidden import save_hidden
 from kiln.backends.attention.op import attend  # (the module registers torch.ops.kiln.unified_attention)
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, norm_linear, rms_norm
@@ -182,6 +183,8 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = config.embed_scale
+        # the layers whose input states a drafter reads (EAGLE-3: three of them), set before the model is traced
+        self.aux_layers: tuple[int, ...] = ()
 
     def _rotary_of(self, config: ModelConfig, layer: int) -> RotaryEmbedding:
         return self.local_rotary_emb if config.local_rope_of(layer) else self.rotary_emb
@@ -192,7 +195,13 @@ class DecoderModel(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
         local = self.local_rotary_emb.lookup(positions, hidden.dtype) if hasattr(self, "local_rotary_emb") else rope
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            for slot in (slot for slot, aux in enumerate(self.aux_layers) if aux == index):
+                state = hidden if residual is None else hidden + residual  # (the stream as the layer receives it)
+                if torch.compiler.is_compiling():
+                    torch.ops.kiln.save_hidden(state, slot)
+                else:
+                    save_hidden(state, slot)
             hidden, residual = layer(local if layer.local_rope else rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # drafters Kiln has; eagle3 and mtp are refused with a reason (not yet)
-NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "draft_model", "suffix")
+METHODS = ("ngram", "eagle3")  # drafters Kiln has; the others are refused with a reason (not yet)
+NOT_YET = ("eagle", "mtp", "medusa", "draft_model", "suffix")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown keys {unknown}; Kiln reads {sorted(known)}")
         method = value.get("method")
         if method in NOT_YET:
-            raise ValueError(f"speculative_config: method {method!r} is not supported yet; use 'ngram'")
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; use 'ngram' or 'eagle3'")
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; choose one of {list(METHODS)}")
         config = cls(**{"num_speculative_tokens": None, **value})
@@ -51,6 +51,8 @@ class SpeculativeConfig:
 
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             positive(name)
+        if self.method == "eagle3" and not self.model:
+            raise ValueError("speculative_config: method eagle3 needs the draft's 'model' (a directory or Hub id)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "

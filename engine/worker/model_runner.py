@@ -88,6 +88,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.recurrent_states = recurrent_states
+        self.aux_hidden: torch.Tensor | None = None  # EAGLE-3: the target layers' states a step leaves (startup.py)
         self.sampler = Sampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
         self.tp_workers = tp_workers
@@ -323,6 +324,7 @@ class ModelRunner:
             self.softcaps,
             self.layer_groups,
             self.recurrent_states,
+            self.aux_hidden,
         )
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:

@@ -141,3 +141,93 @@ def test_decode_steps_that_skip_the_groups_change_what_the_groups_would(windows,
         for rid in tokens:
             manager.free(rid)
         assert manager.num_free_blocks == 255
+
+
+def test_a_hit_in_one_group_survives_another_groups_fresh_blocks():
+    """The sliding groups' first blocks, freed as the window moved, sit at the free queue's head, whence the full
+    group takes its fresh blocks: every group's hits are taken before any group's fresh blocks, so none is evicted."""
+    manager = make(num_blocks=16)  # 15 usable
+    first = list(range(16))
+    assert manager.allocate_slots("a", first, 0, 16)  # 4 blocks a group
+    for token in range(4):  # to 20 tokens: a fifth block each, the sliding groups' first three freed
+        first.append(100 + token)
+        assert manager.allocate_slots("a", first, len(first) - 1, 1)
+    manager.free("a")
+    second = first[:8] + [500, 501, 502, 503, 504]
+    hits, computed = manager.get_computed_blocks(second)
+    assert computed == 8 and all(len(h) == 2 for h in hits)
+    assert manager.allocate_slots("b", second, computed, len(second) - computed, hits)
+    assert [table[:2] for table in manager.block_ids("b")] == [[b.block_id for b in h] for h in hits]
+    manager.free("b")
+    assert manager.num_free_blocks == 15
+
+
+# Gemma 4's layouts: 31B's sliding layers (16 KV heads of 256) with full ones of half their page (4 of 512), E4B's
+# sliding layers (2 of 256) with full ones of twice theirs (2 of 512)
+GEMMA4_31B = [(0, 4 * 512) if (i + 1) % 6 == 0 else (1024, 16 * 256) for i in range(60)]
+GEMMA4_E4B = [(0, 2 * 512) if i % 6 == 5 else (512, 2 * 256) for i in range(24)]  # (its 24 layers with KV)
+
+
+@pytest.mark.parametrize("layout", [GEMMA4_31B, GEMMA4_E4B], ids=["31b", "e4b"])
+def test_layers_of_smaller_pages_share_a_slots_page(layout):
+    """A kind whose page is 1/k of the largest packs k layers into a slot's page: every (group, slot, part) holds one
+    layer, and a block is the same bytes in every group (no gap)."""
+    windows, rows = zip(*layout)
+    groups = kv_groups(windows, rows)
+    page = max(rows)
+    for g in range(groups.num_groups):
+        layers = groups.group_layers(g)
+        k = groups.group_pages(g)
+        assert k == page // rows[layers[0]] and all(groups.windows[g] == windows[layer] for layer in layers)
+        assert len(layers) <= k * groups.num_slots
+    places = {(groups.layer_group[i], groups.layer_slot[i], groups.part_of(i)) for i in range(len(layout))}
+    assert len(places) == len(layout)
+    full = [g for g in range(groups.num_groups) if groups.windows[g] == 0]
+    if layout is GEMMA4_31B:  # 10 full layers in 5 slots, two to a page; 50 sliding layers, 10 groups of 5
+        assert groups.num_slots == 5 and len(full) == 1 and groups.group_pages(full[0]) == 2
+        assert groups.num_groups == 11
+    else:  # 4 full layers in 4 slots; 20 sliding layers, two to a page: 3 groups of 8 (the last of 4)
+        assert groups.num_slots == 4 and len(full) == 1 and groups.group_pages(full[0]) == 1
+        assert groups.num_groups == 4
+
+
+@pytest.mark.parametrize("sliding_row", [8, 2], ids=["smaller-full-pages", "smaller-sliding-pages"])
+def test_pages_of_different_sizes_never_overlap(sliding_row):
+    """Blocks handed to groups at random: each layer writes its own value into its K and V pages of each block its
+    group holds (through its cache tensor, at its table's index k * b), and every page reads back its own value."""
+    shapes = [(sliding_row // 2, 2)] * 4 + [(2, 2)] * 2  # four sliding layers, two full ones of 2 x 2 a token
+    windows = [WINDOW] * 4 + [0] * 2
+    groups = kv_groups(windows, [h * d for h, d in shapes])
+    spec = KVCacheSpec(6, *shapes[0], BLOCK_SIZE, torch.float32, groups, tuple(shapes))
+    num_blocks = 12
+    caches = allocate_kv_caches(spec, num_blocks, "cpu")
+    assert spec.bytes_per_block == 2 * groups.num_slots * BLOCK_SIZE * max(4, sliding_row) * 4
+    owner = torch.randint(0, groups.num_groups, (num_blocks,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def pages(layer: int):
+        k = groups.group_pages(groups.layer_group[layer])
+        return [(b, k * b) for b in range(1, num_blocks) if owner[b] == groups.layer_group[layer]]
+
+    for layer, cache in enumerate(caches):
+        assert cache.shape == spec.shape(num_blocks, layer) and cache.is_contiguous()
+        for b, index in pages(layer):
+            cache[0, index] = 1000 * layer + b
+            cache[1, index] = -1000 * layer - b
+    for layer, cache in enumerate(caches):
+        for b, index in pages(layer):
+            assert (cache[0, index] == 1000 * layer + b).all() and (cache[1, index] == -1000 * layer - b).all()
+
+
+def test_a_packed_groups_tables_hold_each_blocks_first_page():
+    groups = kv_groups([WINDOW] * 4 + [0] * 2, [4] * 4 + [8] * 2)  # the sliding layers two to a page
+    manager = HybridKVCacheManager(32, BLOCK_SIZE, True, groups)
+    tokens = list(range(20))
+    assert manager.allocate_slots("r", tokens, 0, 20)
+    sliding = [g for g in range(groups.num_groups) if groups.windows[g]]
+    for g, table in enumerate(manager.block_ids("r")):
+        k = groups.group_pages(g)
+        assert k == (2 if g in sliding else 1) and all(page % k == 0 for page in table)
+        pool_ids = [block.block_id for block in manager.managers[g].req_to_blocks["r"]]
+        assert table == [k * b for b in pool_ids]
+    manager.free("r")
+    assert manager.num_free_blocks == 31

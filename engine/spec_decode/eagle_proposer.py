@@ -1,0 +1,102 @@
+"""EAGLE-3 drafting: after each step, the draft head runs over what the target just computed, then k - 1 more times
+one token a request, and each decoding request's next step verifies what it proposed.
+
+For request i whose step covered positions c .. c + n - 1 and kept `valid` of them (a verifying step drops its
+rejected drafts' positions), the first pass reads, at each position p, the token at p + 1 and the target's states at
+p (three layers', from `kiln::save_hidden`), and writes the draft's KV there:
+
+    target step:   positions  c    c+1   ...  c+valid-1          (tokens t_c .. ; states s_c ..)
+    first pass:    tokens     t_c+1 ...        t_c+valid  (the newest)   ->  draft 1 (predicts t_c+valid+1)
+    pass j > 1:    token      draft j-1 at position c + valid + j - 2      ->  draft j
+
+The draft's KV cache is a tensor of its own over the target's blocks (the scheduler allocates k positions of
+lookahead, so the chain's positions have blocks). Drafts are greedy (the draft head's argmax), as vLLM's are; the
+rejection sampler keeps the output exact whatever they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kiln.backends.attention import ForwardContext, set_forward_context
+from kiln.engine.core.request import RequestStatus
+from kiln.engine.spec_decode.eagle3 import Eagle3Draft
+from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from kiln.engine.core.scheduler import SchedulerOutput
+    from kiln.engine.worker.model_runner import ModelRunner
+
+
+class EagleProposer:
+    drafts_after_step = True  # (the scheduler takes a request's drafts as this proposer left them)
+
+    def __init__(self, draft: Eagle3Draft, num_speculative_tokens: int, runner: ModelRunner, num_blocks: int) -> None:
+        self.draft, self.k, self.runner = draft, num_speculative_tokens, runner
+        config = draft.config
+        dtype = draft.qkv_proj.weight.dtype
+        shape = (2, num_blocks, runner.block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
+        self.lookahead = num_speculative_tokens  # positions the chain writes past a step's
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:  # (the n-gram drafter's call: unused)
+        return []
+
+    @torch.inference_mode()
+    def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Run the draft over the step's kept positions, then chain; leave each decoding request's drafts in
+        `spec_token_ids` for its next step."""
+        ends = np.cumsum(batch.num_new_tokens)
+        rows, ids, computed, num_new, tables, decoding = [], [], [], [], [], []
+        for i, request in enumerate(batch.requests):
+            if request.status != RequestStatus.RUNNING:
+                continue
+            c, n = batch.num_computed_tokens[i], batch.num_new_tokens[i]
+            drafted = len(batch.spec_token_ids[i]) if batch.spec_token_ids else 0
+            kept = len(result.accepted_token_ids[i]) if drafted and result.accepted_token_ids else 0
+            valid = n - (drafted - kept)
+            first = int(ends[i]) - n
+            rows += range(first, first + valid)
+            ids += request.all_token_ids[c + 1 : c + valid + 1]
+            computed.append(c)
+            num_new.append(valid)
+            tables.append(batch.block_ids[i])
+            if c + valid == len(request.all_token_ids) - 1:  # it sampled: it decodes next, from these drafts
+                decoding.append((len(num_new) - 1, request))
+        if not rows:
+            return
+        device = self.runner.device
+        states = self.runner.aux_hidden[torch.tensor(rows, device=device)]
+        hidden = self.draft.fc(states.to(self.draft.fc.weight.dtype))
+        normed, prenorm = self._pass(np.asarray(ids), np.asarray(computed), np.asarray(num_new), tables, hidden)
+        if not decoding:
+            return
+        lasts = np.cumsum(num_new) - 1
+        picks = torch.tensor([int(lasts[j]) for j, _ in decoding], device=device)
+        tokens = [self.draft.draft_tokens(normed[picks])]
+        hidden = prenorm[picks]
+        position = np.asarray([computed[j] + num_new[j] for j, _ in decoding])  # the chain's first position
+        chain_tables = [tables[j] for j, _ in decoding]
+        ones = np.ones(len(decoding), dtype=np.int64)
+        for step in range(1, self.k):
+            inputs = tokens[-1].cpu().numpy()
+            normed, hidden = self._pass(inputs, position + step - 1, ones, chain_tables, hidden)
+            tokens.append(self.draft.draft_tokens(normed))
+        drafts = torch.stack(tokens, dim=1).tolist()
+        for (_, request), proposal in zip(decoding, drafts):
+            request.spec_token_ids = proposal
+
+    def _pass(
+        self, ids: np.ndarray, computed: np.ndarray, num_new: np.ndarray, tables: list, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the draft over these tokens (each request's new ones at its computed positions)."""
+        runner = self.runner
+        plan = GraphPlan("none", len(ids), len(num_new))
+        metadata, _ = runner.writer.write(ids.astype(np.int64), computed.astype(np.int64), num_new, tables, plan)
+        inputs = runner.inputs.views(plan.num_tokens, plan.num_reqs)
+        context = ForwardContext(metadata, [self.kv_cache], runner.backend)
+        with set_forward_context(context):
+            return self.draft(inputs.input_ids, inputs.positions, hidden)

@@ -1,0 +1,71 @@
+"""EAGLE-3 drafts on the tiny Llama: a tiny random draft written in both published layouts proposes what a float64
+reference of the architecture proposes from transformers' own hidden states; greedy output with its drafts equals
+the engine's without, eager and compiled (the target's three layers' states saved out of the compiled graph), with
+chunked prefill; a draft that does not fit its target is one error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.spec_decode.eagle_proposer import EagleProposer
+
+from helpers.eagle3 import make_eagle3_dir, reference_drafts
+
+PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+
+def eagle(draft_dir, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_first_drafts_equal_the_reference(tiny_llama_dir, tmp_path, layout, monkeypatch):
+    draft_dir = make_eagle3_dir(tmp_path / layout, layout, norm_before_residual=layout == "speculators")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    proposals = []
+    after_step = EagleProposer.after_step
+
+    def recording(self, batch, result):
+        after_step(self, batch, result)
+        proposals.append({r.request_id: list(r.spec_token_ids) for r in batch.requests})
+
+    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=eagle(draft_dir, 3))
+    prompt = PROMPTS[2]
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0].outputs[0]
+    first = next(p for p in proposals if any(p.values()))
+    (drafts,) = first.values()
+    assert drafts == reference_drafts(draft_dir, hf, prompt, output.token_ids[0], 3)
+
+
+@pytest.mark.parametrize(
+    ("layout", "compiled", "k"), [("eagle", False, 1), ("speculators", False, 3), ("eagle", True, 2)]
+)
+def test_greedy_with_eagle_drafts_equals_without(tiny_llama_dir, tmp_path, layout, compiled, k):
+    draft_dir = make_eagle3_dir(tmp_path / layout, layout)
+    kwargs = dict(max_model_len=256, max_num_batched_tokens=12, enforce_eager=not compiled)
+    kwargs["compile_cache_dir"] = str(tmp_path / "cache")
+    plain = LLM(str(tiny_llama_dir), **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, k), **kwargs)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_draft_tokens > 0
+    manager = llm.engine.kv_cache_manager
+    assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+    if compiled:
+        assert llm.engine.startup_stats["compute_pieces"] == 2 + 1 + 3  # split at 2 attentions and 3 saved states
+
+
+def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="needs the draft's 'model'"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="is not an EAGLE-3 draft"):
+        LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config=eagle(tiny_llama_dir))
