@@ -82,6 +82,7 @@ class EngineCore:
             config.max_num_batched_tokens,
             self.max_model_len,
             self._drafter(config.speculative_config),
+            config.speculative_config.disable_by_batch_size if config.speculative_config is not None else None,
         )
         # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(

@@ -72,10 +72,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         drafter: NgramProposer | None = None,
+        draft_below: int | None = None,
     ) -> None:
         """`drafter`: speculative decoding's, which proposes tokens a decoding request's next step verifies."""
         self.kv = kv_cache_manager
         self.drafter = drafter
+        self.draft_below = draft_below  # (speculative_config's disable_by_batch_size: no drafts from this many up)
         self.num_draft_tokens = 0  # proposed and verified, since start
         self.num_accepted_tokens = 0  # of them, kept
         self.num_spec_steps = 0  # request-steps that verified drafts
@@ -145,7 +147,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
             if self.drafter is not None:  # a decode (its tokens all known, no history to sync) verifies drafts
-                drafting = n == 1 and not pending and not request.needs_sync
+                drafting = n == 1 and not pending and not request.needs_sync and self._drafting()
                 request.spec_token_ids = self._draft(request, budget - 1) if drafting else []
                 n += len(request.spec_token_ids)
             if self.states is not None and n > 1:
@@ -264,6 +266,10 @@ class Scheduler:
         """Whether the next step must see the previous step's tokens before it is scheduled (drafts are made from
         them, and how many a step keeps moves the next step's positions)."""
         return self.num_sync_requests > 0 or self.drafter is not None
+
+    def _drafting(self) -> bool:
+        """Whether this step drafts: below speculative_config's disable_by_batch_size running requests."""
+        return self.draft_below is None or len(self.running) < self.draft_below
 
     def _lookahead(self, end: int) -> int:
         """Positions past a step's a drafter writes before the next (EAGLE-3's chain), within max_model_len."""

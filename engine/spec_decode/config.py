@@ -17,6 +17,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # (n-gram) the shortest suffix of the text that may match earlier
     prompt_lookup_max: int = 4  # (n-gram) the longest one tried first
     model: str | None = None  # a draft model's directory or Hub id (EAGLE-3)
+    disable_by_batch_size: int | None = None  # no drafts while this many requests or more run (large batches are
+    # bound by compute, where verifying drafts costs more than it saves)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -31,6 +33,7 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known.add("disable_by_batch_size")
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; Kiln reads {sorted(known)}")
@@ -51,6 +54,8 @@ class SpeculativeConfig:
 
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             positive(name)
+        if self.disable_by_batch_size is not None:
+            positive("disable_by_batch_size")
         if self.method == "eagle3" and not self.model:
             raise ValueError("speculative_config: method eagle3 needs the draft's 'model' (a directory or Hub id)")
         if self.prompt_lookup_min > self.prompt_lookup_max:

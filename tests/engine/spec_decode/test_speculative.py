@@ -226,3 +226,21 @@ def test_served_with_drafts_the_metrics_count_them(tiny_llama_dir):
         assert 0 <= server.metric("kiln_spec_decode_acceptance_rate") == accepted / drafted <= 1
     finally:
         server.stop()
+
+
+def test_no_drafts_from_disable_by_batch_size_running_requests(tiny_llama_dir, baseline):
+    """disable_by_batch_size 3: four requests running draft nothing; one alone drafts."""
+    spec = {**ngram(3), "disable_by_batch_size": 3}
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=spec)
+    with_oracle(llm, baseline, 3)
+    scheduler = llm.engine.scheduler
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), list(prompt), GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert scheduler.num_draft_tokens == 0 and len(scheduler.running) == 4
+    engine.abort_requests(["0", "1", "2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert scheduler.num_draft_tokens > 0
