@@ -3,6 +3,7 @@
     route:   each token's top-k experts and weights from the router's logits, and the pairs laid out by expert
              in blocks of BLOCK_M rows, each block one expert's (moe_routing.py: one launch for a decode)
     gemm 1:  act[pair] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T)      one launch, the SiLU-and-mul fused
+                                                                          (GELU-tanh-and-mul for Gemma 4)
     gemm 2:  y[pair]   = weight[pair] * act[pair] @ down_e^T                  one launch, the routing weight fused
     sum:     out[t]    = sum over its k pairs of y (one torch kernel)
 
@@ -53,6 +54,7 @@ def _grouped_matmul(
     TOP_K: tl.constexpr,
     A_ROWS_ARE_TOKENS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    GELU: tl.constexpr,  # SILU_MUL's activation GELU's tanh form, not SiLU
     MUL_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,  # float32 inputs: "ieee" (not TF32's 10-bit mantissa); ignored for 16-bit ones
     BLOCK_M: tl.constexpr,
@@ -88,7 +90,10 @@ def _grouped_matmul(
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SILU_MUL:
+    if SILU_MUL and GELU:  # x * sigmoid(2z) is 0.5 x (1 + tanh z), z = sqrt(2 / pi) (x + 0.044715 x^3)
+        inner = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc / (1.0 + tl.exp(-inner)) * acc_up
+    elif SILU_MUL:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -107,9 +112,10 @@ def grouped_matmul(
     a_rows_are_tokens: bool,
     silu_mul: bool = False,
     weights: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> None:
     """out[pair] = a[row] @ w[e]^T for every pair (row: the pair's token, or the pair itself; see
-    `_grouped_matmul`); with silu_mul, w holds gate's rows then up's."""
+    `_grouped_matmul`); with silu_mul, w holds gate's rows then up's (and `gelu` makes the activation GELU-tanh)."""
     num_pairs, n = out.shape
     k = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
@@ -131,6 +137,7 @@ def grouped_matmul(
         TOP_K=top_k,
         A_ROWS_ARE_TOKENS=a_rows_are_tokens,
         SILU_MUL=silu_mul,
+        GELU=gelu,
         MUL_WEIGHT=weights is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **config,
@@ -161,23 +168,30 @@ def fused_moe(
     renormalise: bool,
     weights_dtype: torch.dtype,
     config: dict[str, int] | None = None,
+    expert_scales: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """`kiln::fused_moe` on the GPU (and under Triton's interpreter): routing and alignment in one launch for a
-    decode (moe_routing.py), then the two grouped matmuls and the sum over k."""
+    decode (moe_routing.py), the weights times the chosen experts' `expert_scales` where given, then the two grouped
+    matmuls (GELU-tanh with `gelu`) and the sum over k."""
     num_pairs = x.shape[0] * top_k
     config = config or tile_config(num_pairs, w13.shape[1], w13.shape[2])
-    weights, _, sorted_pairs, block_expert = route_and_align(
+    weights, experts, sorted_pairs, block_expert = route_and_align(
         router_logits, top_k, renormalise, weights_dtype, config["BLOCK_M"]
     )
-    return _grouped(x, w13, w2, weights, sorted_pairs, block_expert, top_k, config)
+    if expert_scales is not None:
+        weights = weights * expert_scales[experts]
+    return _grouped(x, w13, w2, weights, sorted_pairs, block_expert, top_k, config, gelu)
 
 
-def _grouped(x, w13, w2, weights, sorted_pairs, block_expert, top_k: int, config: dict[str, int]) -> torch.Tensor:
+def _grouped(
+    x, w13, w2, weights, sorted_pairs, block_expert, top_k: int, config: dict[str, int], gelu: bool = False
+) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    grouped_matmul(x, w13, act, sorted_pairs, block_expert, top_k, config, True, silu_mul=True)
+    grouped_matmul(x, w13, act, sorted_pairs, block_expert, top_k, config, True, silu_mul=True, gelu=gelu)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.flatten().contiguous()
     grouped_matmul(act, w2, y, sorted_pairs, block_expert, top_k, config, False, weights=flat_weights)

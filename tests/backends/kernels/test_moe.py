@@ -110,6 +110,34 @@ def test_the_op_from_router_logits_against_float64(dtype):
     close(out.cpu(), reference.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 70], ids=["decode", "prefill"])
+def test_gemma4s_experts_gelu_and_scales_against_float64(num_tokens):
+    """Gemma 4's experts: GELU's tanh form for the activation, the renormalised top-k weights in float32 times each
+    chosen expert's scale; the kernels and the op's plain form against float64 HF-style math."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden, inter, num_experts, top_k = 64, 48, 8, 2
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * inter**-0.5
+    scales = torch.rand(num_experts, generator=generator) + 0.5
+    probs, experts = torch.topk(logits.double().softmax(-1), top_k, dim=-1)
+    weights = probs / probs.sum(-1, keepdim=True) * scales.double()[experts]
+    reference = torch.zeros(num_tokens, hidden, dtype=torch.float64)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            gate, up = (w13[experts[t, j]].double() @ x[t].double()).chunk(2)
+            act = torch.nn.functional.gelu(gate, approximate="tanh") * up
+            reference[t] += weights[t, j] * (w2[experts[t, j]].double() @ act)
+    args = [t.to(DEVICE) for t in (x, logits, w13, w2)]
+    out = fused_moe(*args, top_k, True, torch.float32, expert_scales=scales.to(DEVICE), gelu=True)
+    close(out.cpu(), reference.float(), torch.float32)
+    plain = torch.ops.kiln.fused_moe(x, logits, w13, w2, top_k, True, True, scales, True)
+    torch.testing.assert_close(plain.double(), reference, atol=1e-5, rtol=1e-5)
+    silu = torch.ops.kiln.fused_moe(x, logits, w13, w2, top_k, True, True, None, False)
+    assert (silu - plain).abs().max() > 1e-2  # (the activation and the scales matter here)
+
+
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,block_m",
     [
