@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.cache.kv_events import KVEventLog
+
 BlockHash = bytes
 
 # Stands in for the parent hash of a request's first block, so every block hashes the same shape
@@ -72,6 +74,13 @@ class BlockPool:
         # when a prefix hit revives a free block.
         self._free_queue: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.kv_events: KVEventLog | None = None  # the hash map's changes, once `record_kv_events` is called
+
+    def record_kv_events(self) -> KVEventLog:
+        """From now on, log every change of the prefix cache's hashes as vLLM's KV-cache events (kv_events.py)."""
+        if self.kv_events is None:
+            self.kv_events = KVEventLog()
+        return self.kv_events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -132,12 +141,19 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> None:
         """Register a full block under ``block_hash`` so later requests can reuse its KV.
 
         If another block already holds this hash, the existing mapping wins and ``block`` simply
         stays uncached (it is freed like any plain block). A block already cached is left alone.
-        No-op with prefix caching off.
+        No-op with prefix caching off. `parent_hash` (None for a prompt's first block) and the block's
+        `token_ids` are what its KV event carries.
         """
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
@@ -146,6 +162,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached_blocks[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.stored(block_hash, parent_hash, token_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, if no block is in use; returns whether it did."""
@@ -154,6 +172,8 @@ class BlockPool:
         for block in self._cached_blocks.values():
             block.block_hash = None
         self._cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def uncache(self, blocks: Iterable[KVBlock]) -> None:
@@ -166,6 +186,8 @@ class BlockPool:
             return
         # Only the holder of a hash carries it (cache_block never maps a second block to it).
         del self._cached_blocks[block.block_hash]
+        if self.kv_events is not None:
+            self.kv_events.removed(block.block_hash)
         block.block_hash = None
 
     def _check_not_null(self, block: KVBlock) -> None:

@@ -300,5 +300,6 @@ class KVCacheManager(PoolCounters):
             parent_hash = block_hashes[-1] if block_hashes else self.hash_root
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block_tokens(parent_hash, block_tokens)
-            self.block_pool.cache_block(blocks[i], block_hash)
+            # (a prompt's first block has no parent in its KV event, whatever the group's root)
+            self.block_pool.cache_block(blocks[i], block_hash, block_hashes[-1] if block_hashes else None, block_tokens)
             block_hashes.append(block_hash)

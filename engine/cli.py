@@ -128,6 +128,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as JSON with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (drafts from the request\'s own text, verified exactly)',
     )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish the prefix cache's KV-cache events for a KV-aware router, as JSON with vLLM's keys: "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000}',
+    )
     parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument(
         "--cudagraph-capture-sizes",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import MISSING, dataclass, fields
 
+from kiln.engine.kv_events_config import KVEventsConfig
 from kiln.engine.models.default_model import DEFAULT_MODEL
 from kiln.engine.spec_decode.config import SpeculativeConfig
 
@@ -63,6 +64,9 @@ class EngineConfig:
     # speculative decoding (vLLM's keys): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b}; a dict or its JSON text, read into a SpeculativeConfig
     speculative_config: SpeculativeConfig | None = None
+    # KV-cache events for a KV-aware router (vLLM's keys): {"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}; a dict or its JSON text
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # None where a field has a value by default: that value (vLLM reads None so)
@@ -110,6 +114,7 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"unknown generation_config {self.generation_config!r}; choose auto or vllm")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
 

@@ -25,6 +25,8 @@ import zmq
 
 from kiln.engine import messages
 from kiln.engine.core.engine_core import EngineCore
+from kiln.engine.core.kv_event_publisher import KVEventPublisher
+from kiln.engine.kv_events_config import KVEventsConfig
 from kiln.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln")
@@ -45,10 +47,15 @@ def main() -> None:
     outputs: queue.Queue = queue.Queue()
     output_thread = threading.Thread(target=_output_thread, args=(context, args.output_address, outputs), daemon=True)
     output_thread.start()
+    core = None
     try:
-        core = EngineCore(args.engine_config())
+        config = args.engine_config()
+        core = EngineCore(config)
+        kv_events = _kv_event_publisher(core, config.kv_events_config)
     except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as e:
         # a bad model or setting: the server says it in a line and exits, as `kiln generate` does
+        if core is not None:
+            core.close()
         outputs.put(messages.StartupFailed(f"{e}"))
         outputs.put(None)
         output_thread.join()
@@ -65,9 +72,11 @@ def main() -> None:
     outputs.put(ready)
     threading.Thread(target=_heartbeat, args=(outputs,), daemon=True).start()
     try:
-        _busy_loop(core, inputs, outputs, args.parent_pid)
+        _busy_loop(core, inputs, outputs, args.parent_pid, kv_events)
     finally:
         core.close()  # tensor-parallel workers
+        if kv_events is not None:
+            kv_events.close()
     outputs.put(None)
     output_thread.join(timeout=5)
     if os.getppid() != args.parent_pid:  # the server died without cleaning up: its IPC folder would stay behind
@@ -91,7 +100,19 @@ def _remove_ipc_folder(*addresses: str) -> None:
         os.rmdir(os.path.dirname(paths[0]))
 
 
-def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int) -> None:
+def _kv_event_publisher(core: EngineCore, config: KVEventsConfig | None) -> KVEventPublisher | None:
+    if config is None or not config.enabled:
+        return None
+    return KVEventPublisher(config, core.kv_cache_manager.block_pool.record_kv_events())
+
+
+def _busy_loop(
+    core: EngineCore,
+    inputs: queue.Queue,
+    outputs: queue.Queue,
+    parent_pid: int,
+    kv_events: KVEventPublisher | None = None,
+) -> None:
     last_sent = last_logged = time.monotonic()
     speculation = (0, 0, 0)
     while True:
@@ -118,6 +139,8 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, pare
         # NOTE: a dead tensor-parallel worker raises out of here: the process exits and the server sees it die
         step = core.step(isolate_failures=True)
         step.failed = failed + step.failed
+        if kv_events is not None:  # (an abort alone may uncache blocks: its step's events too)
+            kv_events.flush()
         # An abort alone changes what /metrics shows, and the stats are sent at least each second between steps
         if step.outputs or step.failed or handled or time.monotonic() - last_sent > 1.0:
             step.stats = _stats(core)

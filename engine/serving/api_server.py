@@ -424,7 +424,7 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
     except OSError as e:  # taken while the engine started
         await runner.cleanup()
         raise ValueError(f"cannot listen on {server.host}:{server.port} ({e.strerror or e}); choose --port") from None
-    server_metrics.engine_started(ready.startup_stats)
+    server_metrics.engine_started(ready, config)
     logger.info("serving %s on http://%s:%d (engine ready: %s)", name, server.host, server.port, ready.startup_stats)
     print(f"kiln: serving {name} on http://{server.host}:{server.port}", flush=True)
     if str(ready.startup_stats.get("model_source", "")).startswith("preset"):

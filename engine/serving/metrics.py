@@ -1,5 +1,6 @@
 """Prometheus metrics of the API server: engine gauges (read from the engine's latest stats at scrape
-time), token counters, latency histograms, and per-API-key usage (`--api-keys-file`)."""
+time), token counters, latency histograms, and per-API-key usage (`--api-keys-file`). Kiln's names (kiln_*) and,
+beside them, vLLM's (`vllm_metrics`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.messages import Ready
+from kiln.engine.serving.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -74,9 +79,23 @@ class ServerMetrics:
         )
         self.model = model_name
         self._itl = self.itl.labels(model_name)  # observed for every token: look its child up once
+        self.vllm = VllmMetrics(r, model_name)
 
-    def engine_started(self, startup_stats: dict[str, Any]) -> None:
-        self.model_info.labels(self.model, startup_stats.get("quantization") or "none").set(1)
+    def engine_started(self, ready: Ready, config: EngineConfig) -> None:
+        self.model_info.labels(self.model, ready.startup_stats.get("quantization") or "none").set(1)
+        # vLLM's CacheConfig labels that Kiln has, its values as vLLM writes them (str of the Python value)
+        cache_info = {
+            "block_size": config.block_size,
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+            "kv_cache_size_tokens": ready.startup_stats.get("kv_cache_tokens"),
+            "num_cpu_blocks": None,
+            "num_gpu_blocks": ready.num_kv_blocks,
+            "prefix_caching_hash_algo": "sha256",
+        }
+        self.vllm.engine_started(cache_info, ready.max_model_len)
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
@@ -85,6 +104,7 @@ class ServerMetrics:
         # Merged outputs (several tokens in one message) share the gap evenly.
         for _ in range(num_tokens):
             self._itl.observe(seconds / num_tokens)
+        self.vllm.inter_token(seconds, num_tokens)
 
     def request_finished(self, seconds: float, choices: Iterable[Any]) -> None:
         self.requests.labels(self.model).inc()
@@ -93,6 +113,7 @@ class ServerMetrics:
             self.generation_tokens.labels(self.model).inc(len(choice.token_ids))
             if choice.first_token_time is not None:
                 self.ttft.labels(self.model).observe(max(0.0, choice.first_token_time - choice.start_time))
+        self.vllm.request_finished(seconds, choices)
 
     def render(self, stats: dict[str, float], engine_alive: bool = True) -> tuple[bytes, str]:
         m = self.model
@@ -116,6 +137,7 @@ class ServerMetrics:
         accepted = stats.get("spec_accepted_tokens", 0)
         self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
         self.spec_mean_length.labels(m).set(1.0 + accepted / drafts if drafts else 0.0)
+        self.vllm.render({0: stats})
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
