@@ -36,7 +36,7 @@ from kiln.backends.attention import decode_merge
 from kiln.backends.attention import decode_plan as plan
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
-from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_routing
+from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_fp8_triton, moe_routing
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.backends.linear_attention import triton_conv, triton_delta_rule, triton_norm
 from kiln.compile import pin_triton_setup
@@ -45,7 +45,7 @@ from kiln.engine.models.presets import PRESETS
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
 FAMILIES = ("decode", "prefill", "gemv", "qk_norm_rope", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant")
-FAMILIES += ("fp8_block", "moe_routing", "gated_delta_net")
+FAMILIES += ("fp8_block", "moe_routing", "gated_delta_net", "moe_fp8")
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32",
@@ -268,6 +268,29 @@ def gated_delta_net_variants(model: str):
     yield "gated norm", triton_norm._gated_rms_norm_kernel, norm, 4, 3, pointers
 
 
+def moe_fp8_variants(model: str):
+    """FP8 experts' grouped matmuls at qwen3.6-35b-a3b's experts (hidden 2,048, 512 columns each; the model's shapes do
+    not enter): gate/up with its SiLU-and-mul and down with the routing weight, at each of `tile_config`'s tiles,
+    with 128 x 128 blocks (Qwen's FP8 checkpoints: a group's scale stride 1, as Triton's launcher specialises it) and
+    with a scale a row (`--quantization fp8`)."""
+    hidden, inter = 2048, 512
+    pointers = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+    pointers |= {"out_ptr": "*bf16", "weights_ptr": "*bf16", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
+    for num_pairs in (8, 256, 4096, 16384):
+        config = moe_fp8_triton.fp8_tile_config(num_pairs, 2 * inter, hidden)
+        tile = f"{config['BLOCK_M']}x{config['BLOCK_N']}"
+        for gemm, silu_mul in (("gate_up", True), ("down", False)):
+            common = dict(TOP_K=8, A_ROWS_ARE_TOKENS=silu_mul, SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul)
+            common |= dict(FP8_DOT=True, **config)
+            blocks = dict(common, BLOCK_K=min(config["BLOCK_K"], 128), SCALE_N=128, GROUP_K=128, GROUPED=True)
+            blocks |= dict(stride_ask=1, stride_wsk=1)
+            warps, stages = blocks.pop("num_warps"), blocks.pop("num_stages")
+            yield f"{gemm} {tile} blocks", moe_fp8_triton._grouped_fp8_matmul, blocks, warps, stages, pointers
+            rows = dict(common, SCALE_N=1, GROUP_K=config["BLOCK_K"], GROUPED=False)
+            rows.pop("num_warps"), rows.pop("num_stages")
+            yield f"{gemm} {tile} rows", moe_fp8_triton._grouped_fp8_matmul, rows, warps, stages, pointers
+
+
 def fp8_gemv_variants(model: str):
     """The FP8 one-row matmul at the model's four layers, with the epilogues the models use (per-token activations):
     per-channel weights with dynamic per-token and static activations, and 128x128 blocks with per-group
@@ -379,6 +402,7 @@ def main() -> None:
         "fp8_block": fp8_block_variants,
         "moe_routing": moe_routing_variants,
         "gated_delta_net": gated_delta_net_variants,
+        "moe_fp8": moe_fp8_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
@@ -411,7 +435,7 @@ def main() -> None:
 
 
 # constexprs that choose code paths (--sample compiles each)
-SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC", "BLOCK_M", "GROUPED")
+SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC", "BLOCK_M", "GROUPED", "SILU_MUL")
 
 
 # NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) may spill a few bytes a thread at head_dim 128
