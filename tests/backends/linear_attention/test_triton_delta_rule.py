@@ -218,7 +218,8 @@ def qwen36_inputs(num_tokens, seed):
 @pytest.mark.gpu
 def test_on_gpu_at_qwen36_shapes():
     """bf16 at the real shapes: a mixed prefill (long and short requests, state in and not), then decode steps,
-    within bf16 rounding of float64 (the outputs) and float32 accumulation (the states)."""
+    against float64: the outputs within bf16 rounding, the states within the chunk's TF32 products (A and the
+    scores times the corrected values)."""
     q_lens, contexts, slots = [300, 1, 64, 129], [0, 20, 100, 0], [1, 2, 3, 4]
     inputs = qwen36_inputs(sum(q_lens), seed=0)
     query_start_loc, seq_lens, slot_tensor = (t.cuda() for t in metadata(q_lens, contexts, slots))
@@ -226,8 +227,8 @@ def test_on_gpu_at_qwen36_shapes():
     want_out, want_states = reference(*inputs, states, query_start_loc, seq_lens, slot_tensor, 128**-0.5)
     out = torch.empty(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     chunk_gated_delta_rule(*inputs, states, query_start_loc, seq_lens, slot_tensor, 128**-0.5, out)
-    torch.testing.assert_close(out.double(), want_out, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(states[1:].double(), want_states[1:], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(states[1:].double(), want_states[1:], atol=3e-3, rtol=3e-3)
     lengths = [c + n for c, n in zip(contexts, q_lens)]
     for step in range(3):
         inputs = qwen36_inputs(4, seed=1 + step)
@@ -236,8 +237,8 @@ def test_on_gpu_at_qwen36_shapes():
         want_out, want_states = reference(*inputs, want_states, query_start_loc, seq_lens, slot_tensor, 128**-0.5)
         out = torch.empty(4, 32, 128, device="cuda", dtype=torch.bfloat16)
         recurrent_gated_delta_rule(*inputs, states, seq_lens, slot_tensor, 128**-0.5, out)
-        torch.testing.assert_close(out.double(), want_out, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(states[1:].double(), want_states[1:], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(out.double(), want_out, atol=1e-3, rtol=1e-2)
+        torch.testing.assert_close(states[1:].double(), want_states[1:], atol=3e-3, rtol=3e-3)
 
 
 def test_kernels_compile_for_sm90_without_spilling(tmp_path):
