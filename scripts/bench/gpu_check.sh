@@ -6,6 +6,9 @@
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
 #   | kv-capacity:MODEL (the KV cache's tokens against every layer global)
+#   | spec:MODEL (speculative decoding, the engine's side: a step verifying 1 + k tokens a request against a plain one
+#     at batch 1, 8, 64, k = 1..5, and end-to-end tok/s with oracle drafts at mean accepted lengths 1.5, 2, 3, 4;
+#     SPEC_ARGS="--e2e-batches 1 --max-tokens 256" more arguments of scripts/bench/bench_spec.py)
 #   | longctx:MODEL (decode at LONGCTX_PROMPTS=2048,32768 tokens of context, LONGCTX_BATCHES=1, LONGCTX_MODES=graphs;
 #     the table ends with each long point's tok/s and roofline against the short one's)
 #   | multiturn:MODEL (each turn's time to first token of a multi-turn chat, the prefix cache on and off, with the
@@ -184,6 +187,15 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       timeout -s ABRT -k 15 ${KV_TIMEOUT:-300} python3 scripts/bench/bench_kv_capacity.py --model "${step#kv-capacity:}" \
         --max-model-len ${KV_MAX_MODEL_LEN:-32768} --json "$OUT/kv_capacity.jsonl" 2>&1 | tee -a "$OUT/kv_capacity.log" | tail -n 3
       grep -A1 "^KV capacity" "$OUT/kv_capacity.log" | tail -n 2 >> "$summary" ;;
+    spec:*)
+      # the cost of verifying drafts and what drafts of a known quality buy (bench_spec.py; random weights give no
+      # real acceptance, so an oracle drafter proposes the model's own greedy continuation, a share of it corrupted)
+      model=${step#spec:}
+      base=$(fresh "$OUT/spec_${model##*/}$tag")
+      timeout -s ABRT -k 15 ${SPEC_TIMEOUT:-540} python3 scripts/bench/bench_spec.py --model "$model" ${SPEC_ARGS:-} \
+        --json "$base.json" 2>&1 | tee "$base.log" | grep -v -E "^(step|end to end): \{" | tail -n 50
+      echo "-- spec:$model$tag" >> "$summary"
+      grep -A60 "^speculative decoding, the engine's side" "$base.log" >> "$summary" ;;
     gputests:*)
       files=${step#gputests:}
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-200} python3 -m pytest -v -rf -p no:cacheprovider ${GPUTESTS_ARGS:-} ${files//,/ } --durations=5 2>&1 | tee "$OUT/pytest_$RANDOM.log" | tail -n 15 ;;

@@ -1,0 +1,313 @@
+"""Speculative decoding, the engine's side, on any model (random weights welcome): what a verification step costs, and
+what tokens/s drafts of a known quality buy.
+
+Random weights give no real acceptance, so no real drafter is run here. Two drafters stand in, installed as the
+scheduler's (`llm.engine.scheduler.drafter`: `propose(token_ids, limit) -> list[int]`); neither belongs in the product:
+
+- step cost: `BlindDrafter` proposes k tokens every step, which the model all but never keeps, so every step of B
+  decoding requests verifies exactly B * k drafts (1 + k query tokens a request) and the context grows one token a
+  step, as in the plain decode step it is timed against (a verdict does not change what a verification costs). Rows:
+  `none` is the plain step with speculation off (asynchronous scheduling as configured), `0` a drafter that proposes
+  nothing (the synchronous step a step with drafts is today), `1`..`k` the verification steps. A step of ratio r
+  pays for itself once the mean accepted length (tokens a request gains a step) passes r.
+- end to end: a greedy run without drafts gives each prompt's continuation; `OracleDrafter` then proposes it, each
+  draft token corrupted with the chance that makes the expected mean accepted length the target (1.5, 2, 3, 4; 1:
+  every draft rejected, the overhead alone). Measured: tokens/s (whole greedy runs, median of `--repeats`), the mean
+  accepted length from the scheduler's counters (1 + drafts kept / steps that verified drafts), the speedup over the
+  run without drafts, and whether every request's tokens equal that run's (greedy is exact).
+
+    python scripts/bench/bench_spec.py --model llama-3.1-8b                       # compiled, CUDA graphs
+    python scripts/bench/bench_spec.py --model qwen3-0.6b --enforce-eager --batches 1,8 --e2e-batches 1 \\
+        --max-tokens 64 --steps 8 --repeats 1                                     # a quick CPU run
+    python scripts/bench/bench_spec.py --model DIR --load-format safetensors      # a checkpoint's own weights
+
+`--json PATH` writes the rows of both tables. Exits 1 after the tables when some outputs with drafts differ from the
+run without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from kiln.compile import default_capture_sizes
+from kiln.engine import LLM, SamplingParams
+
+PROMPT_LEN = 32
+GOLDEN = (5**0.5 - 1) / 2
+
+
+class BlindDrafter:
+    """Proposes `k` tokens after every token (the last one's successors in the vocabulary): a verification's full cost,
+    with drafts a model keeps about once in its vocabulary's size."""
+
+    def __init__(self, k: int, vocab_size: int) -> None:
+        self.k, self.vocab_size = k, vocab_size
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        return [(token_ids[-1] + 1 + i) % self.vocab_size for i in range(min(self.k, limit))]
+
+
+class OracleDrafter:
+    """Proposes each request's continuation from a greedy run without drafts (found by its first `prompt_len`
+    tokens), up to `k` tokens, each kept with probability `keep` given that those before it were, else corrupted.
+
+    Only a draft's first corrupted token is written: verification keeps nothing after it anyway. Its position comes
+    from a golden-ratio sequence instead of random draws, so the kept lengths' mean reaches its target within a few
+    dozen steps rather than a few thousand."""
+
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]], keep: float, vocab_size: int) -> None:
+        self.k, self.continuations, self.keep, self.vocab_size = k, continuations, keep, vocab_size
+        self.prompt_len = len(next(iter(continuations)))
+        self.phase = 0.0
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        continuation = self.continuations[tuple(token_ids[: self.prompt_len])]
+        done = len(token_ids) - self.prompt_len
+        draft = continuation[done : done + min(self.k, limit)]
+        self.phase = (self.phase + GOLDEN) % 1.0
+        # draft token i (from 1) survives when u < keep^i: P(the first i survive) = keep^i, as with independent draws
+        kept = sum(self.phase < self.keep ** (i + 1) for i in range(len(draft)))
+        if kept < len(draft):
+            draft[kept] = (draft[kept] + 1) % self.vocab_size
+        return draft
+
+
+def expected_mean_accepted(keep: float, k: int) -> float:
+    """1 + the expected drafts kept of k, each kept with probability `keep` given the ones before it were."""
+    return 1 + sum(keep**i for i in range(1, k + 1))
+
+
+def keep_for(target: float, k: int) -> float:
+    """The per-token keep probability whose expected mean accepted length with k drafts is `target` (bisection)."""
+    if not 1 <= target <= 1 + k:
+        raise ValueError(f"a mean accepted length of {target} is out of reach with {k} drafts (1 to {1 + k})")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_mean_accepted(mid, k) < target else (low, mid)
+    return (low + high) / 2
+
+
+def make_prompts(batch: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`batch` distinct random prompts of PROMPT_LEN tokens (distinct: a drafter tells requests apart by them)."""
+    rng = random.Random(seed)
+    prompts: dict[tuple[int, ...], None] = {}
+    while len(prompts) < batch:
+        prompts[tuple(rng.randrange(1, min(vocab_size, 10000)) for _ in range(PROMPT_LEN))] = None
+    return [list(p) for p in prompts]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def spec_counters(llm: LLM) -> tuple[int, int, int]:
+    scheduler = llm.engine.scheduler
+    return scheduler.num_spec_steps, scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+
+
+def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, warmup: int = 4) -> dict:
+    """A decode step of `batch` requests each verifying `drafts` drafts (None: speculation off), median of `repeats`
+    windows of `steps` steps."""
+    engine = llm.engine
+    vocab_size = engine.model_config.vocab_size
+    engine.scheduler.drafter = None if drafts is None else BlindDrafter(drafts, vocab_size)
+    # room for every step's drafts, were they all kept (the drafter proposes fewer once a request nears max_tokens)
+    max_tokens = (warmup + steps * repeats + 2) * (1 + (drafts or 0)) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(batch, vocab_size, seed=batch)):
+        engine.add_request(f"step-{batch}-{drafts}-{i}", prompt, params)
+    while any(not r.output_token_ids for r in engine.scheduler.requests.values()):
+        engine.step()  # the prefills
+    for _ in range(warmup):
+        engine.step()
+    before, preemptions, times = spec_counters(llm), engine.scheduler.num_preemptions, []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        times.append((time.perf_counter() - start) / steps)
+    spec_steps, drafted, kept = (now - then for now, then in zip(spec_counters(llm), before))
+    engine.abort_requests(list(engine.scheduler.requests))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.drafter = None
+    if drafts:  # every timed step verified `drafts` drafts of every request
+        assert spec_steps == batch * steps * repeats and drafted == spec_steps * drafts, (spec_steps, drafted)
+    return {
+        "batch": batch,
+        "drafts": "none" if drafts is None else drafts,
+        "query_tokens": batch * (1 + (drafts or 0)),
+        "step_ms": statistics.median(times) * 1e3,
+        "drafts_kept": kept,
+        "preemptions": engine.scheduler.num_preemptions - preemptions,
+    }
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def same_requests(runs: list[tuple[float, list[list[int]]]], reference: list[list[int]]) -> int:
+    """The requests whose tokens equal the reference's in every run."""
+    return sum(all(tokens[i] == want for _, tokens in runs) for i, want in enumerate(reference))
+
+
+def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: int, repeats: int) -> list[dict]:
+    """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target."""
+    scheduler, vocab_size = llm.engine.scheduler, llm.engine.model_config.vocab_size
+    prompts = make_prompts(batch, vocab_size, seed=1000 + batch)
+    scheduler.drafter = None
+    timed_generate(llm, prompts, 8)  # (warm-up)
+    runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
+    reference = runs[0][1]
+    base = batch * max_tokens / statistics.median(seconds for seconds, _ in runs)
+    row = {"batch": batch, "k": k, "target": None, "corrupt": None, "mean_accepted": 1.0, "acceptance": None}
+    # a request counts as the same when every run's tokens equal the reference's (the first run without drafts)
+    rows = [{**row, "tokens_per_s": base, "speedup": 1.0, "same": same_requests(runs, reference)}]
+    continuations = {tuple(p): tokens for p, tokens in zip(prompts, reference)}
+    for target in targets:
+        keep = keep_for(target, k)
+        scheduler.drafter = OracleDrafter(k, continuations, keep, vocab_size)
+        timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
+        before = spec_counters(llm)
+        runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
+        spec_steps, drafted, kept = (now - then for now, then in zip(spec_counters(llm), before))
+        rate = batch * max_tokens / statistics.median(seconds for seconds, _ in runs)
+        rows.append(
+            {
+                **row,
+                "target": target,
+                "corrupt": 1 - keep,
+                "mean_accepted": 1 + kept / spec_steps if spec_steps else 1.0,
+                "acceptance": kept / drafted if drafted else 0.0,
+                "tokens_per_s": rate,
+                "speedup": rate / base,
+                "same": same_requests(runs, reference),
+            }
+        )
+    scheduler.drafter = None
+    return rows
+
+
+def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_tokens: int) -> None:
+    """The tables (gpu_check's summary keeps them from their first line on)."""
+    print(f"\nspeculative decoding, the engine's side: {header}")
+    if step_rows:
+        print("step cost: B decoding requests each verifying k drafts (1 + k query tokens) against a plain decode step")
+        print(f"{'batch':>5} {'drafts':>6} {'tokens':>6} {'ms/step':>9} {'x plain':>8} {'kept':>5} {'preempt':>7}")
+        plain = {r["batch"]: r["step_ms"] for r in step_rows if r["drafts"] == "none"}
+        for r in step_rows:
+            print(
+                f"{r['batch']:>5} {r['drafts']:>6} {r['query_tokens']:>6} {r['step_ms']:>9.3f} "
+                f"{r['step_ms'] / plain[r['batch']]:>8.2f} {r['drafts_kept']:>5} {r['preemptions']:>7}"
+            )
+        print("(a verification step pays for itself once the mean accepted length passes its 'x plain')")
+    if e2e_rows:
+        k = e2e_rows[0]["k"]
+        print(
+            f"end to end: greedy, B requests x {max_tokens} tokens, k={k} oracle drafts (the run without drafts' "
+            "tokens, each corrupted at 'corrupt' given those before it were kept)"
+        )
+        print(
+            f"{'batch':>5} {'target':>6} {'corrupt':>7} {'mean accepted':>13} {'kept':>6} {'tok/s':>9} "
+            f"{'speedup':>8} {'same':>6}"
+        )
+        for r in e2e_rows:
+            target = "none" if r["target"] is None else f"{r['target']:g}"
+            corrupt = "-" if r["corrupt"] is None else f"{r['corrupt']:.0%}"
+            acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+            same = f"{r['same']}/{r['batch']}"
+            print(
+                f"{r['batch']:>5} {target:>6} {corrupt:>7} {r['mean_accepted']:>13.2f} {acceptance:>6} "
+                f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6}"
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.2-1b", help="a preset or a model directory")
+    p.add_argument("--load-format", default="auto", help="auto: dummy (random) weights for a preset")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, float32 on CPU (the engine's choice)")
+    p.add_argument("--enforce-eager", action="store_true", help="no compile, no CUDA graphs (default: both)")
+    p.add_argument("--batches", default="1,8,64", help="step cost: decoding requests a step")
+    p.add_argument("--k", default="1,2,3,4,5", help="step cost: drafts a request verifies a step")
+    p.add_argument("--steps", type=int, default=32, help="step cost: steps a timed window")
+    p.add_argument("--e2e-batches", default="1,8,64", help="end to end: requests a run (empty: none)")
+    p.add_argument("--e2e-k", type=int, default=4, help="end to end: num_speculative_tokens")
+    p.add_argument("--targets", default="1,1.5,2,3,4", help="end to end: mean accepted lengths aimed at")
+    p.add_argument("--max-tokens", type=int, default=128, help="end to end: tokens a request generates")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (windows) a point; the median is reported")
+    p.add_argument("--json")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    ks = [int(k) for k in args.k.split(",") if k]
+    e2e_batches = [int(b) for b in args.e2e_batches.split(",") if b]
+    targets = [float(t) for t in args.targets.split(",") if t]
+    for target in targets:
+        keep_for(target, args.e2e_k)  # (an unreachable target fails before the engine starts)
+
+    largest_step = max([b * (1 + max(ks, default=0)) for b in batches] + [b * (1 + args.e2e_k) for b in e2e_batches])
+    step_tokens = (4 + args.steps * args.repeats + 2) * (1 + max(ks, default=0)) + 1
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=max(batches + e2e_batches),
+        max_model_len=PROMPT_LEN + max(step_tokens, args.max_tokens) + 16,
+        # verification steps of every request's 1 + k tokens replay graphs too
+        cudagraph_capture_sizes=tuple(default_capture_sizes(-(-largest_step // 2))),
+        # the engine sets itself up for drafts; the scheduler's drafter is then swapped for this script's
+        speculative_config={"method": "ngram", "num_speculative_tokens": max([*ks, args.e2e_k])},
+    )
+    mode = "eager" if args.enforce_eager else "compiled"
+    weights = "dummy weights" if llm.uses_dummy_weights else "checkpoint weights"
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    header = f"{args.model}, {dtype}, {weights}, {mode}, {device_name()}, torch {torch.__version__}"
+    print(f"started: {header}", flush=True)
+
+    step_rows = []
+    for batch in batches:
+        for drafts in [None, 0, *ks]:
+            row = step_ms(llm, batch, drafts, args.steps, args.repeats)
+            print(f"step: {row}", flush=True)
+            step_rows.append(row)
+    e2e_rows = []
+    for batch in e2e_batches:
+        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats):
+            print(f"end to end: {row}", flush=True)
+            e2e_rows.append(row)
+    llm.close()
+
+    print_tables(header, step_rows, e2e_rows, args.max_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "step": step_rows, "end_to_end": e2e_rows}, f, indent=1)
+    differ = [r for r in e2e_rows if r["same"] < r["batch"]]
+    if differ:
+        print(f"outputs with drafts differ from those without in {len(differ)} rows: greedy should be exact")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

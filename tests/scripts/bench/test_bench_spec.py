@@ -1,0 +1,110 @@
+"""bench_spec.py, speculative decoding's engine-side benchmark, on the CPU: its oracle drafter keeps draft tokens by the
+law it claims (against the geometric law's closed form), and gpu_check's spec step runs it end to end on a tiny model,
+its table and JSON rows checked: every step-cost point timed with exactly k drafts verified, each end-to-end target's
+measured mean accepted length near the target, and greedy outputs with drafts equal to those without."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "scripts" / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_spec():
+    return runpy.run_path(str(BENCH / "bench_spec.py"), run_name="bench_spec")
+
+
+@pytest.mark.parametrize("target", [1.0, 1.5, 2.0, 3.0, 4.0])
+def test_the_oracle_keeps_drafts_by_the_geometric_law(bench_spec, target):
+    """Each draft token kept with probability q given those before it were: j of k kept with q^j (1 - q) (j < k),
+    all k with q^k; the mean accepted length 1 + q + ... + q^k is the target."""
+    k, calls, vocab = 4, 4000, 100
+    q = bench_spec["keep_for"](target, k)
+    assert 1 + sum(q**i for i in range(1, k + 1)) == pytest.approx(target, abs=1e-9)
+    prompt = list(range(8))
+    continuation = [(7 * i) % 90 + 1 for i in range(calls + k)]
+    oracle = bench_spec["OracleDrafter"](k, {tuple(prompt): continuation}, q, vocab)
+    kept = Counter()
+    for done in range(calls):
+        draft = oracle.propose(prompt + continuation[:done], k)
+        want = continuation[done : done + k]
+        assert len(draft) == k
+        j = next((i for i, (a, b) in enumerate(zip(draft, want)) if a != b), k)
+        assert draft[j + 1 :] == want[j + 1 :]  # (only the first corrupted token is written)
+        kept[j] += 1
+    law = [q**j * (1 - q) for j in range(k)] + [q**k]
+    for j in range(k + 1):
+        assert kept[j] / calls == pytest.approx(law[j], abs=0.01)
+    assert 1 + sum(j * n for j, n in kept.items()) / calls == pytest.approx(target, abs=0.01)
+    # a shorter limit (a request near its max_tokens) proposes fewer
+    assert len(oracle.propose(prompt, 2)) == 2 and oracle.propose(prompt + continuation, 4) == []
+
+
+def test_unreachable_targets_are_refused(bench_spec):
+    with pytest.raises(ValueError, match="out of reach"):
+        bench_spec["keep_for"](4.5, 3)
+    assert bench_spec["keep_for"](4.0, 3) == pytest.approx(1.0)
+
+
+def test_gpu_check_spec_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python3: this one
+    env["SPEC_ARGS"] = (
+        "--enforce-eager --batches 1,4 --k 1,3 --steps 4 --e2e-batches 1,3 --e2e-k 4 --max-tokens 64 --repeats 1"
+    )
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), f"spec:{tiny_llama_dir}"],
+        cwd=BENCH.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with tarfile.open(out / "logs.tgz") as logs:
+        logs.extractall(tmp_path / "logs", filter="data")
+    [path] = (tmp_path / "logs").glob("spec_*.json")
+    result = json.loads(path.read_text())
+    summary = (out / "summary.txt").read_text()
+
+    # step cost: speculation off, a drafter proposing nothing, then 1 and 3 drafts verified by every request
+    steps = result["step"]
+    assert [(r["batch"], r["drafts"]) for r in steps] == [(b, d) for b in (1, 4) for d in ("none", 0, 1, 3)]
+    for r in steps:
+        assert r["step_ms"] > 0 and r["preemptions"] == 0
+        assert r["query_tokens"] == r["batch"] * (1 + (0 if r["drafts"] == "none" else r["drafts"]))
+        assert r["drafts_kept"] <= 1  # (blind drafts: a random model keeps one about once in its vocabulary)
+    table = summary[summary.index("step cost:") :].splitlines()
+    assert [line.split()[:3] for line in table[2:10]] == [
+        [str(r["batch"]), str(r["drafts"]), str(r["query_tokens"])] for r in steps
+    ]
+    assert [line.split()[4] for line in table[2:10:4]] == ["1.00", "1.00"]  # (each batch's plain step: 1x itself)
+
+    # end to end: without drafts, then each target; the mean accepted length measured near it, every request's
+    # tokens equal to the run without drafts, acceptance rising with the target
+    e2e = result["end_to_end"]
+    assert [(r["batch"], r["target"]) for r in e2e] == [(b, t) for b in (1, 3) for t in (None, 1, 1.5, 2, 3, 4)]
+    for r in e2e:
+        assert r["same"] == r["batch"] and r["tokens_per_s"] > 0
+        assert r["mean_accepted"] == pytest.approx(r["target"] or 1.0, abs=0.25)
+    for batch in (1, 3):
+        with_drafts = [r for r in e2e if r["batch"] == batch and r["target"] is not None]
+        assert with_drafts[0]["acceptance"] == 0 and with_drafts[0]["corrupt"] == pytest.approx(1)
+        assert all(a["acceptance"] < b["acceptance"] for a, b in zip(with_drafts, with_drafts[1:]))
+    table = summary[summary.index("end to end: greedy") :].splitlines()
+    rows = [line.split() for line in table[2:14]]
+    assert [(row[0], row[1]) for row in rows] == [
+        (str(r["batch"]), "none" if r["target"] is None else f"{r['target']:g}") for r in e2e
+    ]
+    assert all(row[-1] == f"{row[0]}/{row[0]}" for row in rows)  # (same as without drafts: every request)
