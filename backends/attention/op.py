@@ -29,7 +29,10 @@ class AttentionBackend(ABC):
       4. with a `window` (a backend whose `sliding_window` is True), a query at position p sees only the keys at
          positions > p - window;
       5. with a `softcap` (a backend whose `logit_softcap` is True), each score s (q.k * scale) is
-         softcap * tanh(s / softcap) before the softmax (Gemma 2).
+         softcap * tanh(s / softcap) before the softmax (Gemma 2);
+      6. with `sinks` (a backend whose `attention_sinks` is True; [num_heads] float32, this rank's heads), head h's
+         sink is one more logit in each of its rows' softmax denominators, attending to nothing (gpt-oss):
+         out = sum_j e^(s_j) v_j / (e^(sinks[h]) + sum_j e^(s_j)).
     Writing before reading is what makes a request's own chunk, and blocks another request of the same
     batch just cached, visible to attention.
     """
@@ -38,6 +41,7 @@ class AttentionBackend(ABC):
     cudagraph_safe: bool = True  # no host sync and no data-dependent launch shapes: may run inside a CUDA graph
     sliding_window: bool = False  # reads `window`: with False a windowed model is capped at its window
     logit_softcap: bool = False  # reads `softcap`: with False a soft-capped model is refused at start
+    attention_sinks: bool = False  # reads `sinks`: with False a model with sinks is refused at its first step
 
     @abstractmethod
     def forward(
@@ -51,6 +55,7 @@ class AttentionBackend(ABC):
         output: torch.Tensor,  # [T, num_heads, head_dim], written in place
         window: int = 0,  # a query at position p sees keys after p - window only (0: all of them)
         softcap: float = 0.0,  # scores softcap * tanh(s / softcap) (0: as they are)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head joining each row's denominator
     ) -> None: ...
 
     def decode_variant(self, num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Hashable:
@@ -86,15 +91,29 @@ def default_backend_name(device: torch.device) -> str:
 # NOTE: the op writes into an `output` the caller allocated. Under piecewise CUDA graphs that buffer is
 # allocated inside the captured piece before it, so every tensor crossing a piece boundary has a fixed
 # address from replay to replay; a returned tensor would be a fresh eager allocation each step.
+# `sinks`, unlike a window or a soft-cap, is a weight of the model (a learned logit per head), so it is an argument:
+# a parameter keeps its address, as a CUDA graph needs.
 @torch.library.custom_op("kiln::unified_attention", mutates_args=("output",))
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_index: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    attend(query, key, value, output, layer_index, scale)
+    attend(query, key, value, output, layer_index, scale, sinks)
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_index: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_index: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The op's body: the step's backend on this layer's KV cache. Where no tracer looks (eager layers, and
     the split graph's attention pieces once compiled), it is called directly: a `custom_op` call through the
@@ -106,12 +125,16 @@ def attend(
     metadata = context.attn_metadata
     if context.layer_groups:  # (the layer's KV group: its block table and slots)
         metadata = metadata.groups[context.layer_groups[layer_index]]
-    if window or softcap:
+    if sinks is not None:
+        if not context.backend.attention_sinks:
+            raise ValueError(f"the {context.backend.name} attention backend has no attention sinks, as the model needs")
+        context.backend.forward(query, key, value, kv_cache, metadata, scale, output, window, softcap, sinks)
+    elif window or softcap:
         context.backend.forward(query, key, value, kv_cache, metadata, scale, output, window, softcap)
     else:
         context.backend.forward(query, key, value, kv_cache, metadata, scale, output)
 
 
 @unified_attention.register_fake
-def _(query, key, value, output, layer_index: int, scale: float) -> None:
+def _(query, key, value, output, layer_index: int, scale: float, sinks=None) -> None:
     return None

@@ -47,6 +47,15 @@ def _tile_pages(block_table_row_ptr, start_n, visible_end, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def _sink_start(sinks_ptr, head, row_ok):
+    """The running max each row starts from with attention sinks: its head's sink (float32, natural-log units) in
+    log2 units, as a key already seen with nothing to add (the caller starts the running sum at 1); -inf for rows
+    that are padding."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # (log2 e)
+    return tl.where(row_ok, sink, float("-inf"))
+
+
+@triton.jit
 def _tanh(x):
     """tanh from exp2 (the same in Triton's interpreter): 1 - 2 / (e^2x + 1), which saturates to +-1 at the ends."""
     return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # (2 log2 e)

@@ -1,7 +1,8 @@
 """Reference attention backend in plain torch: correct on CPU and GPU, not fast.
 
 Decodes (one query per request) are batched into one padded SDPA call; prefill chunks run one SDPA
-call each with a bottom-right-aligned causal mask; a sliding window masks the keys before it. It reads
+call each with a bottom-right-aligned causal mask; a sliding window masks the keys before it; a soft-cap or
+attention sinks write the softmax out. It reads
 `_cpu` metadata, so it syncs with the host and cannot live inside a CUDA graph; the Triton backend is the
 one for graphs.
 """
@@ -51,6 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
     cudagraph_safe = False
     sliding_window = True
     logit_softcap = True
+    attention_sinks = True
 
     def forward(
         self,
@@ -63,6 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
         output,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_tokens = metadata.num_actual_tokens
         write_kv(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping[:num_tokens])
@@ -71,15 +74,17 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = metadata.seq_lens_cpu.tolist()
         decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
         if decode_rows:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output, window, softcap)
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output, window, softcap, sinks)
         for i, q_len in enumerate(query_lens):
             if q_len > 1:
                 start = int(starts[i])
                 k, v = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i], query.dtype)
                 q = query[start : start + q_len]
-                output[start : start + q_len] = _attend(q, k, v, seq_lens[i], scale, window, softcap)
+                output[start : start + q_len] = _attend(q, k, v, seq_lens[i], scale, window, softcap, sinks)
 
-    def _decode(self, query, kv_cache, metadata, rows: list[int], scale: float, output, window: int, softcap: float):
+    def _decode(
+        self, query, kv_cache, metadata, rows: list[int], scale: float, output, window: int, softcap: float, sinks
+    ):
         """All single-query requests at once: gather their blocks padded to the longest context."""
         device = query.device
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -97,14 +102,15 @@ class TorchAttentionBackend(AttentionBackend):
         mask = positions < seq_lens[:, None]  # [B, L]
         if window:  # the query sits at seq_len - 1
             mask &= positions > seq_lens[:, None] - 1 - window
-        out = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
+        out = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap, sinks)
         output[token_index] = out.squeeze(2)
 
 
-def _attend(q, k, v, seq_len: int, scale: float, window: int, softcap: float) -> torch.Tensor:
+def _attend(q, k, v, seq_len: int, scale: float, window: int, softcap: float, sinks=None) -> torch.Tensor:
     """Causal attention of q_len queries that are the last q_len of seq_len positions (within `window`)."""
     q_len = q.shape[0]
-    if q_len == seq_len and (not window or window >= seq_len) and not softcap:  # SDPA may pick a flash kernel
+    plain = not softcap and sinks is None
+    if q_len == seq_len and (not window or window >= seq_len) and plain:  # SDPA may pick a flash kernel
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
         )
@@ -114,17 +120,24 @@ def _attend(q, k, v, seq_len: int, scale: float, window: int, softcap: float) ->
     mask = positions[None, :] <= query_positions
     if window:
         mask &= positions[None, :] > query_positions - window
-    return _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap).transpose(0, 1)
+    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap, sinks)
+    return out.transpose(0, 1)
 
 
-def _sdpa(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """SDPA ([.., H, L, D], grouped kv heads) under a boolean mask; with a `softcap`, written out: the scores capped
-    by softcap * tanh(s / softcap) before the mask and the softmax, in float32 (as Hugging Face's Gemma 2 does)."""
-    if not softcap:
+def _sdpa(q, k, v, mask: torch.Tensor, scale: float, softcap: float, sinks=None) -> torch.Tensor:
+    """SDPA ([.., H, L, D], grouped kv heads) under a boolean mask; with a `softcap` or `sinks`, written out in
+    float32: the scores capped by softcap * tanh(s / softcap) (as Hugging Face's Gemma 2 does), then each head's sink
+    as one more column of the softmax, dropped after it (as Hugging Face's gpt-oss does)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
-    return torch.matmul(weights, v)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)  # ([H] against [.., H, Lq, 1])
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)

@@ -19,6 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     sliding_window = True
     logit_softcap = True
+    attention_sinks = True
 
     def __init__(self) -> None:
         self.num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 8
@@ -41,13 +42,24 @@ class TritonAttentionBackend(AttentionBackend):
         output,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         if metadata.max_query_len == 1:
             num_reqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
             num_splits = decode_splits(num_reqs, num_heads, kv_cache.shape[-2], head_dim, self.num_sms)
             split_kv_decode(
-                query, key, value, kv_cache, metadata, scale, output, num_splits, window=window, softcap=softcap
+                query,
+                key,
+                value,
+                kv_cache,
+                metadata,
+                scale,
+                output,
+                num_splits,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
             )
         else:
             write_kv(kv_cache, key, value, metadata.slot_mapping[: metadata.num_actual_tokens])
-            unified_attention(query, kv_cache, metadata, scale, output, window, softcap)
+            unified_attention(query, kv_cache, metadata, scale, output, window, softcap, sinks)

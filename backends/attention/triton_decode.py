@@ -10,7 +10,14 @@ import triton.language as tl
 from kiln.backends.attention.decode_merge import _merge_head, _merge_splits, merge_chunk
 from kiln.backends.attention.decode_plan import MIN_SPLIT_TOKENS, UNSPLIT_TOKENS, decode_config
 from kiln.backends.attention.forward_context import AttentionMetadata
-from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32, to_cache
+from kiln.backends.attention.tiles import (
+    LOG2E,
+    _attend_lean_tile,
+    _attend_range,
+    _sink_start,
+    _tile_pages32,
+    to_cache,
+)
 from kiln.backends.kernels import pdl
 from kiln.backends.kernels.arrivals import arrival_counts
 
@@ -73,6 +80,7 @@ def _decode_split_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     qk_scale,
     stride_q_t,
     stride_q_h,
@@ -97,6 +105,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,  # Gemma 2's score cap in log2 units (0: none); it takes the general loop, as a WINDOW does
+    HAS_SINKS: tl.constexpr = False,  # gpt-oss: a logit a head (`sinks_ptr`, float32) in each row's denominator
 ):
     """Program (request, kv_head, split): one query token's GROUP heads over one contiguous run of
     pages. A request uses only as many of the NUM_SPLITS splits as give each at least `min_split_pages`
@@ -105,6 +114,9 @@ def _decode_split_kernel(
     units) and counts itself in `arrivals`; the last to arrive merges them (and resets the count). The
     last split's program first writes the token's own K/V (this kv head's) into its slot, the one place
     it is read. So a decode is one kernel: no K/V write before it, no reduction after it.
+
+    HAS_SINKS: split 0 starts from its heads' sinks (`_sink_start`), the others from nothing, so the merge of the
+    partials counts each sink once.
 
     LEAN: the keys in `_attend_decode_tile`s (full tiles unmasked, 32-bit offsets), where head_dim is a power of
     two and a layer's cache has fewer than 2**31 elements; else the general loop of `_attend_range`."""
@@ -150,6 +162,9 @@ def _decode_split_kernel(
             tl.debug_barrier()  # the whole program reads the slot after the threads that wrote it
         m_i = tl.full([GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP], tl.float32)
+        if HAS_SINKS:
+            m_i = tl.where(split == 0, _sink_start(sinks_ptr, head, row_ok), float("-inf"))
+            l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
         if LEAN and WINDOW == 0 and SOFTCAP == 0:  # full tiles without masks, then the partial one
@@ -289,9 +304,11 @@ def split_kv_decode(
     unsplit_tokens: int = UNSPLIT_TOKENS,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode-only batch (one query per request), flash-decoding style (with a `window`, over its last `window` keys
-    only: the pages before it are not read; with a `softcap`, scores capped by softcap * tanh), in one kernel that also
+    only: the pages before it are not read; with a `softcap`, scores capped by softcap * tanh; with `sinks`, each
+    head's sink in its denominator), in one kernel that also
     writes the new K/V (key/value [R, num_kv_heads, head_dim], each token's heads contiguous): up to `num_splits`
     partials a request (as many as have `min_split_tokens` each, by default MIN_SPLIT_TOKENS or the config's key
     tile, whichever is more; one up to `unsplit_tokens`), merged by the last split to finish. `config`: (keys per
@@ -326,6 +343,7 @@ def split_kv_decode(
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
+        sinks if sinks is not None else metadata.seq_lens,  # (a pointer the kernel does not read without sinks)
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -349,6 +367,7 @@ def split_kv_decode(
         LEAN=lean,
         WINDOW=window,
         SOFTCAP=softcap * LOG2E,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_kwargs(query),

@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from kiln.backends.attention.forward_context import AttentionMetadata
-from kiln.backends.attention.tiles import LOG2E, _attend_lean_tile, _attend_range, _tile_pages32, to_cache
+from kiln.backends.attention.tiles import (
+    LOG2E,
+    _attend_lean_tile,
+    _attend_range,
+    _sink_start,
+    _tile_pages32,
+    to_cache,
+)
 
 
 @triton.jit
@@ -84,6 +91,7 @@ def _unified_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     qk_scale,
     num_reqs,
     stride_q_t,
@@ -102,12 +110,14 @@ def _unified_attention_kernel(
     LEAN: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,  # Gemma 2's score cap in log2 units (0: none; LEAN is off with one)
+    HAS_SINKS: tl.constexpr = False,  # gpt-oss: a logit a head (`sinks_ptr`, float32) in each row's denominator
 ):
     """Program (q_block, kv_head): up to BLOCK_Q query tokens of one request x the GROUP query heads
     sharing kv_head, as BLOCK_Q * GROUP rows, so GQA reads each K/V tile once for the whole group. LEAN (head_dim a
     power of two, a layer's cache under 2**31 elements): the keys every row sees (below the block's first query
     token) in `_attend_lean_tile`s first, their pages an iteration ahead; the rest, masked, after. With a WINDOW
-    (a sliding layer's) every key from the block's first row's window on, masked."""
+    (a sliding layer's) every key from the block's first row's window on, masked. With HAS_SINKS each row starts
+    from its head's sink as a key already seen (running max the sink, sum 1, nothing accumulated)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -130,6 +140,9 @@ def _unified_attention_kernel(
 
         m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
+        if HAS_SINKS:
+            m_i = _sink_start(sinks_ptr, head, row_ok)
+            l_i = tl.where(row_ok, 1.0, 0.0)
         acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_P], tl.float32)
         table_row = block_table_ptr + req * stride_block_table
         masked_start = 0
@@ -189,10 +202,18 @@ def _unified_attention_kernel(
 
 
 def unified_attention(
-    query, kv_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0
+    query,
+    kv_cache,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Any batch (prefill chunks and decodes), from the cache (its new K/V already written); with a `window`, each
-    query sees the keys after its position - window only; with a `softcap`, scores are softcap * tanh(s / softcap)."""
+    query sees the keys after its position - window only; with a `softcap`, scores are softcap * tanh(s / softcap);
+    with `sinks` ([num_heads] float32), each head's sink joins its rows' softmax denominators."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     q_per_kv = num_heads // num_kv_heads
@@ -209,6 +230,7 @@ def unified_attention(
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
+        sinks if sinks is not None else metadata.seq_lens,  # (a pointer the kernel does not read without sinks)
         scale * LOG2E,
         num_reqs,
         query.stride(0),
@@ -227,4 +249,5 @@ def unified_attention(
         LEAN=head_dim == triton.next_power_of_2(head_dim) and kv_cache[0].numel() < 2**31 and not softcap,
         WINDOW=window,
         SOFTCAP=softcap * LOG2E,
+        HAS_SINKS=sinks is not None,
     )

@@ -59,10 +59,13 @@ def make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim
     return cat(queries), cat(keys), cat(values), kv_cache.to(device), metadata, history
 
 
-def reference_attention(query, history, query_lens, scale, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def reference_attention(
+    query, history, query_lens, scale, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per request, in float64: softmax(q k^T * scale) v with a causal mask aligned to the end (and with a
     `window`, a query at position p sees the keys after p - window only; with a `softcap`, each score s is
-    softcap * tanh(s / softcap))."""
+    softcap * tanh(s / softcap); with `sinks` [heads], head h's sink one more logit of each row's softmax, its
+    weight dropped)."""
     outs, start = [], 0
     for (k, v), q_len in zip(history, query_lens):
         q = query[start : start + q_len].double().cpu()
@@ -79,5 +82,10 @@ def reference_attention(query, history, query_lens, scale, window: int = 0, soft
         if window:
             allowed &= torch.arange(s)[None, :] > query_positions - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is not None:
+            sink = sinks.double().cpu().view(-1, 1, 1).expand(-1, q_len, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, v))
     return torch.cat(outs)
