@@ -6,7 +6,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.engine.models.quant_config import QuantConfig, parse_checkpoint_quantization
+from kiln.engine.models.quant_config import (
+    QuantConfig,
+    UnsupportedQuantization,
+    parse_checkpoint_quantization,
+    quant_method,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "GptOssForCausalLM",
 )
 # Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
@@ -32,6 +38,7 @@ _LANGUAGE_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+_GPT_OSS = "GptOssForCausalLM"  # (gpt_oss.py: attention sinks, biased experts, MXFP4 checkpoints)
 # the attention of each mixture of experts is its dense sibling's
 _ATTENTION_OF = {
     "MixtralForCausalLM": "MistralForCausalLM",
@@ -94,6 +101,14 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     attn_output_gate: bool = False
     rotary_dim: int = 0  # 0: the whole head
+    # gpt-oss (gpt_oss.py): biases on the router and the experts, whose SwiGLU is clamped at `swiglu_limit` (the gate
+    # above, the up projection both sides), gated by sigmoid(`swiglu_alpha` x) and times up + 1; a learned sink a head
+    # in each attention's softmax; with `mxfp4_experts` the experts as OpenAI publishes them (e2m1 values, an e8m0
+    # scale a 32), kept so on the device
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attention_sinks: bool = False
+    mxfp4_experts: bool = False
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -112,6 +127,8 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
+        if quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4" and arch != _GPT_OSS:
+            raise UnsupportedQuantization(f"quantization_config with quant_method 'mxfp4' is gpt-oss's, not {arch}'s")
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         local_rope = rope.pop("sliding_attention", None)  # Gemma 3: RoPE parameters per layer type
         rope = dict(rope.pop("full_attention", rope))
@@ -153,7 +170,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
+            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM", _GPT_OSS) else False,
             qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or arch in HYBRID_ARCHITECTURES,
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
@@ -163,6 +180,7 @@ class ModelConfig:
             **(_gemma(hf_config, local_rope) if gemma else {}),
             **(_hybrid(hf_config, rope, head_dim) if arch in HYBRID_ARCHITECTURES else {}),
             **_experts(arch, hf_config),
+            **(_gpt_oss(hf_config) if arch == _GPT_OSS else {}),
         )
 
     def __post_init__(self) -> None:
@@ -267,6 +285,22 @@ def _refuse_gemma_variants(hf_config: Any) -> None:
     """What Kiln's Gemma does not compute, refused in one line rather than served wrong."""
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True is not supported: Kiln's attention is causal")
+
+
+def _gpt_oss(hf_config: Any) -> dict[str, Any]:
+    """gpt-oss's fields (see ModelConfig): every layer sparse, the top-k logits' softmax (the top-k of the whole
+    softmax, renormalised), the experts `intermediate_size` wide."""
+    return dict(
+        num_experts=hf_config.num_local_experts,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=hf_config.intermediate_size,
+        moe_layers=tuple(range(hf_config.num_hidden_layers)),
+        norm_topk_prob=True,
+        swiglu_alpha=float(hf_config.swiglu_alpha),
+        swiglu_limit=float(hf_config.swiglu_limit),
+        attention_sinks=True,
+        mxfp4_experts=quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4",
+    )
 
 
 def _experts(arch: str, hf_config: Any) -> dict[str, Any]:

@@ -64,17 +64,27 @@ def parse_checkpoint_quantization(quantization: Any) -> QuantConfig | None:
     if not quantization:
         return None
     raw = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", lambda: {})()
-    method = raw.get("quant_method", getattr(quantization, "quant_method", None))
-    method = getattr(method, "value", method)  # (transformers' QuantizationMethod enum)
+    method = quant_method(quantization)
     if method == "compressed-tensors":
         return _compressed_tensors(raw)
     if method == "fp8":
         return _fine_grained_fp8(raw)
+    if method == "mxfp4":
+        return None  # (no linear layer's: gpt-oss's experts, `quant_method` below)
     detail = f" (format {raw['format']!r})" if raw.get("format") else ""
     raise UnsupportedQuantization(
         f"quantization_config with quant_method {method!r}{detail} is not supported: Kiln loads FP8 checkpoints "
-        "(compressed-tensors float-quantized, Hugging Face fp8) and unquantized ones"
+        "(compressed-tensors float-quantized, Hugging Face fp8), gpt-oss's MXFP4 experts and unquantized ones"
     )
+
+
+def quant_method(quantization: Any) -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (a dict's, or transformers' config object's), or None."""
+    if not quantization:
+        return None
+    raw = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", lambda: {})()
+    method = raw.get("quant_method", getattr(quantization, "quant_method", None))
+    return getattr(method, "value", method)  # (transformers' QuantizationMethod enum)
 
 
 def refuse(what: str) -> UnsupportedQuantization:

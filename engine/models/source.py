@@ -189,6 +189,7 @@ def _model_type(architecture: str) -> str:
         "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
         "Qwen3NextForCausalLM": "qwen3_next",
         "Gemma4ForCausalLM": "gemma4_text",
+        "GptOssForCausalLM": "gpt_oss",
     }[architecture]
 
 
