@@ -6,9 +6,15 @@ by eviction or `uncache` (BlockRemoved), every hash forgotten at once (AllBlocks
 held by another block changes nothing and is not sent, so a subscriber sees each hash stored once until it is
 removed. The engine core takes the events after each step and publishes them as one batch (engine/kv_events).
 
-On the wire each event is vLLM's positional array, its tag first (vLLM's `KVCacheEvent` structs with
-`array_like=True`, vllm/distributed/kv_events.py before vLLM PR #42892 switched to maps; llm-d's and SMG's
-decoders read both):
+On the wire each event is what vLLM sends: a msgpack map tagged under "type" (vLLM since its PR #42892, v0.34.0
+among them; the only form vllm-router's kv_aware policy reads), or, with the config's "layout": "array", the positional array vLLM sent
+before (its `KVCacheEvent` structs were `array_like=True`), for subscribers that read only that. llm-d's and SMG's
+decoders read both.
+
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None, "token_ids": [...],
+     "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
     ["BlockRemoved", block_hashes, medium]
@@ -46,27 +52,41 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
 
-    def wire(self) -> list[Any]:
+    def wire(self, layout: str = "map") -> dict[str, Any] | list[Any]:
         # lora_id and lora_name: Kiln serves no adapters
-        fields = [self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None, MEDIUM_GPU, None]
-        return ["BlockStored", *fields]
+        fields = {
+            "block_hashes": self.block_hashes,
+            "parent_block_hash": self.parent_block_hash,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": MEDIUM_GPU,
+            "lora_name": None,
+        }
+        return _tagged("BlockStored", fields, layout)
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[int]
 
-    def wire(self) -> list[Any]:
-        return ["BlockRemoved", self.block_hashes, MEDIUM_GPU]
+    def wire(self, layout: str = "map") -> dict[str, Any] | list[Any]:
+        return _tagged("BlockRemoved", {"block_hashes": self.block_hashes, "medium": MEDIUM_GPU}, layout)
 
 
 @dataclass
 class AllBlocksCleared:
-    def wire(self) -> list[Any]:
-        return ["AllBlocksCleared"]
+    def wire(self, layout: str = "map") -> dict[str, Any] | list[Any]:
+        return _tagged("AllBlocksCleared", {}, layout)
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+LAYOUTS = ("map", "array")
+
+
+def _tagged(tag: str, fields: dict[str, Any], layout: str) -> dict[str, Any] | list[Any]:
+    """The event as a map with its tag under "type", or as an array with its tag first and its fields in order."""
+    return {"type": tag, **fields} if layout == "map" else [tag, *fields.values()]
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PUBLISHERS = ("null", "zmq")
+LAYOUTS = ("map", "array")  # as kiln.cache.kv_events writes them
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,17 @@ class KVEventsConfig:
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's high-water mark: past it, batches to a slow subscriber are dropped
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
-    topic: str = ""  # the first frame of every message (subscribers filter on it)
+    topic: str = ""  # the first frame of every message (subscribers filter on it; vllm-router's take only "")
+    # Kiln's own key: "map" (vLLM's events since v0.23, tagged maps) or "array" (the positional arrays before)
+    layout: str = "map"
 
     def __post_init__(self) -> None:
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if self.publisher not in PUBLISHERS:
             raise ValueError(f"kv_events_config: unknown publisher {self.publisher!r}; choose one of {PUBLISHERS}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"kv_events_config: unknown layout {self.layout!r}; choose one of {LAYOUTS}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

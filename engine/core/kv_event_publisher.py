@@ -5,10 +5,11 @@ KV-aware router to subscribe to.
                                               │ keeps the last buffer_steps batches
                                     ROUTER ◄──┴──► (topic, seq, batch) ... then (b"", -1, b"")   one that asked
 
-Each batch is msgpack `[ts, [event, ...], data_parallel_rank]` (vLLM's `KVEventBatch`, array-like), its events in
-`kiln.cache.kv_events`'s layout. `seq` is the batch's number, 8 bytes big-endian, from 0 with no gaps: a subscriber
-that sees one skipped sends the first number it missed (8 bytes big-endian) to the replay socket, gets the batches
-kept from there on in the same three frames, then the end marker.
+Each batch is msgpack `[ts, [event, ...], data_parallel_rank]` (vLLM's `KVEventBatch`, array-like), its events
+in `kiln.cache.kv_events`'s layouts (vLLM's tagged maps unless the config asks for arrays). `seq` is the batch's
+number, 8 bytes big-endian, from 0 with no gaps: a subscriber that sees one skipped sends the first number it missed
+(8 bytes big-endian) to the replay socket, gets the batches kept from there on in the same three frames, then the
+end marker.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class KVEventPublisher:
         self.endpoint = rank_endpoint(config.endpoint, data_parallel_rank)
         self.replay_endpoint = rank_endpoint(config.replay_endpoint, data_parallel_rank)
         self._topic = config.topic.encode()
+        self._layout = config.layout
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._context = zmq.Context()
@@ -87,7 +89,7 @@ class KVEventPublisher:
         """`events` as one batch. Past max_queue_size waiting batches, this one is dropped (and logged): the engine
         never waits for a subscriber."""
         try:
-            self._queue.put_nowait((time.time(), [event.wire() for event in events]))
+            self._queue.put_nowait((time.time(), [event.wire(self._layout) for event in events]))
         except queue.Full:
             logger.warning("KV-event queue full: a batch of %d events dropped", len(events))
 

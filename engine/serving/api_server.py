@@ -4,9 +4,9 @@ It owns HTTP, auth, tokenization (off the event loop), chat templates, detokeniz
 strings, SSE streaming and metrics; the engine core owns everything that touches the GPU.
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/messages (and
 /v1/messages/count_tokens: Anthropic's Messages API), GET /v1/models (and /v1/models/{id}), POST /tokenize,
-POST /detokenize, GET /v1/usage (all under the API key when one is set, given as `Authorization: Bearer KEY` or
-`x-api-key: KEY`), GET /health and GET /metrics (always open). With `--api-keys-file` the keys and their limits come
-from `api_keys.KeyStore`.
+POST /detokenize, GET /v1/usage, GET /version (all under the API key when one is set, given as
+`Authorization: Bearer KEY` or `x-api-key: KEY`), GET /health and GET /metrics (always open). With `--api-keys-file`
+the keys and their limits come from `api_keys.KeyStore`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kiln.engine.config import EngineConfig, ServerConfig
+from kiln.engine.config import EngineConfig, ServerConfig, kiln_version
 from kiln.engine.models.model_dir import generation_defaults, model_dir_of
 from kiln.engine.serving.anthropic_api import MessageShape, anthropic_error, is_anthropic_path
 from kiln.engine.serving.anthropic_requests import (
@@ -72,6 +72,7 @@ def build_app(state: ServerState, keys: KeyStore | None = None) -> web.Applicati
     app.router.add_get("/v1/usage", usage)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
@@ -162,6 +163,11 @@ async def health(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's route: a router (SMG) that finds it takes the server for a vLLM worker and reads its vllm:* metrics."""
+    return web.json_response({"version": kiln_version()})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -87,11 +87,24 @@ def test_a_hash_another_block_holds_is_not_stored_again():
     assert log.take() == [BlockStored(chain(tokens), None, [1, 2, 3, 4], BS)]
 
 
-def test_the_wire_layout_is_vllms_array_like_one():
+def test_the_wire_layouts_are_vllms():
+    """vLLM's events now (tagged maps, vllm/distributed/kv_events.py at v0.34.0) and before its PR #42892 (arrays)."""
     stored = BlockStored([7, 8], 6, list(range(8)), 4)
-    assert stored.wire() == ["BlockStored", [7, 8], 6, list(range(8)), 4, None, "GPU", None]
-    assert BlockRemoved([7]).wire() == ["BlockRemoved", [7], "GPU"]
-    assert AllBlocksCleared().wire() == ["AllBlocksCleared"]
+    assert stored.wire() == {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": 6,
+        "token_ids": list(range(8)),
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    assert BlockRemoved([7]).wire() == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    assert AllBlocksCleared().wire() == {"type": "AllBlocksCleared"}
+    assert stored.wire("array") == ["BlockStored", [7, 8], 6, list(range(8)), 4, None, "GPU", None]
+    assert BlockRemoved([7]).wire("array") == ["BlockRemoved", [7], "GPU"]
+    assert AllBlocksCleared().wire("array") == ["AllBlocksCleared"]
     # vLLM's int hash: the digest's last 8 bytes as an unsigned big-endian integer
     assert external_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")
 

@@ -2,10 +2,12 @@
 (llm-d's indexer, vllm-router's kv_aware) does with a vLLM worker's events.
 
 vLLM (vllm/distributed/kv_events.py; docs "KV cache events"): a PUB socket sends three frames, (topic, seq as 8
-bytes big-endian, payload); the payload is a msgpack `KVEventBatch` [ts, events, data_parallel_rank]; each event an
-array, its tag first: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. A replay ROUTER socket takes a start seq
-(8 bytes big-endian) and answers with (topic, seq, payload) frames, then (b"", -1, b"").
+bytes big-endian, payload); the payload is a msgpack `KVEventBatch` [ts, events, data_parallel_rank]; each event a
+map with its class name under "type" (vLLM since PR #42892) or, before, an array with the tag first and the fields
+in declaration order: BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name), BlockRemoved(block_hashes, medium), AllBlocksCleared(). Like llm-d's decoder, this one reads both. A
+replay ROUTER socket takes a start seq (8 bytes big-endian) and answers with (topic, seq, payload) frames, then
+(b"", -1, b"").
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ import msgpack
 import zmq
 
 END = -1
+FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def as_map(event) -> dict:
+    """An event as a map, whichever layout it came in (a positional array's missing trailing fields are None)."""
+    if isinstance(event, dict):
+        return event
+    tag, *values = event
+    names = FIELDS[tag]
+    assert len(values) <= len(names) or tag == "BlockStored", event  # (later vLLMs append fields to BlockStored)
+    return {"type": tag, **dict(zip(names, values))}
 
 
 class KVEventSubscriber:
@@ -36,6 +53,7 @@ class KVEventSubscriber:
         self.cleared = 0
         self.batches: list[tuple[int, list]] = []  # (seq, batch) as applied
         self.replayed: list[int] = []  # seqs that came through the replay socket
+        self.layouts: set[str] = set()  # "map", "array": how the events came
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -92,11 +110,14 @@ class KVEventSubscriber:
         self.batches.append((seq, batch))
         self.next_seq = seq + 1
 
-    def _apply(self, event: list) -> None:
-        tag = event[0]
+    def _apply(self, raw: dict | list) -> None:
+        self.layouts.add("map" if isinstance(raw, dict) else "array")
+        event = as_map(raw)
+        tag = event["type"]
         if tag == "BlockStored":
-            _, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
-            assert lora_id is None and lora_name is None and medium == "GPU"
+            hashes, parent, token_ids = event["block_hashes"], event["parent_block_hash"], event["token_ids"]
+            block_size = event["block_size"]
+            assert event["lora_id"] is None and event["lora_name"] is None and event["medium"] == "GPU"
             assert len(token_ids) == block_size * len(hashes)
             prefix = () if parent is None else self.live[parent]  # a parent is a block the worker holds
             for i, block_hash in enumerate(hashes):
@@ -106,14 +127,14 @@ class KVEventSubscriber:
                 self.live[block_hash] = prefix
                 self.stored_count[block_hash] = self.stored_count.get(block_hash, 0) + 1
         elif tag == "BlockRemoved":
-            _, hashes, medium = event
-            assert medium == "GPU"
+            hashes = event["block_hashes"]
+            assert event["medium"] == "GPU"
             for block_hash in hashes:
                 assert block_hash in self.live, f"block {block_hash} removed but never stored"
                 del self.live[block_hash]
                 self.removed.append(block_hash)
         elif tag == "AllBlocksCleared":
-            assert len(event) == 1
+            assert event == {"type": "AllBlocksCleared"}
             self.live.clear()
             self.cleared += 1
         else:

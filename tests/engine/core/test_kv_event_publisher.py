@@ -58,6 +58,7 @@ def test_batches_arrive_in_order_with_their_numbers(pair):
     assert subscriber.poll(1.0) == 2
     assert [seq for seq, _ in subscriber.batches] == [0, 1]
     assert subscriber.live == {1: (1, 1, 1, 1)} and subscriber.removed == [2]
+    assert subscriber.layouts == {"map"}
 
 
 def test_a_gap_is_filled_from_the_replay_socket(pair):
@@ -98,10 +99,24 @@ def test_a_publisher_connects_where_the_endpoint_names_a_host():
         assert sink.poll(2000)
         topic, seq, payload = sink.recv_multipart()
         assert (topic, int.from_bytes(seq, "big")) == (b"", 0)
-        assert msgpack.unpackb(payload)[1:] == [[stored(1).wire()], 0]
+        assert msgpack.unpackb(payload)[1:] == [[stored(1).wire()], 0]  # (tagged maps: vLLM's layout now)
     finally:
         publisher.close()
         context.destroy(linger=0)
+
+
+def test_the_array_layout_is_there_for_older_subscribers():
+    cfg = config(layout="array")
+    publisher = KVEventPublisher(cfg, KVEventLog())
+    subscriber = KVEventSubscriber(local(cfg.endpoint), local(cfg.replay_endpoint), cfg.topic)
+    try:
+        time.sleep(0.3)
+        publisher.publish([stored(3), BlockRemoved([3])])
+        assert subscriber.poll(1.0) == 1
+        assert subscriber.layouts == {"array"} and subscriber.removed == [3]
+    finally:
+        subscriber.close()
+        publisher.close()
 
 
 def test_data_parallel_ranks_publish_on_their_own_ports():
@@ -130,6 +145,7 @@ def test_a_taken_port_fails_in_a_line():
         ({"enable_kv_cache_events": True, "publisher": "kafka"}, "unknown publisher"),
         ({"enable_kv_cache_events": True, "buffer_steps": 0}, "positive integer"),
         ({"enable_kv_cache_events": True, "endpoint": "inproc://x"}, "tcp:// or ipc://"),
+        ({"enable_kv_cache_events": True, "layout": "json"}, "unknown layout"),
     ],
 )
 def test_a_wrong_kv_events_config_is_one_error(value, message):

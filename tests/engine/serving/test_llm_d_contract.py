@@ -148,7 +148,8 @@ def test_the_values_move_with_load_and_come_back(server):
     )
 
 
-def test_kv_events_follow_the_prefix_cache(tiny_llama_dir):
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_kv_events_follow_the_prefix_cache(tiny_llama_dir, layout):
     """Twelve blocks (eleven usable): prompts of three blocks' worth evict each other. A subscriber from the start and
     one that joins late (replaying what it missed) agree, every stored block is stored once until removed, and what
     they say is cached is what the engine hits."""
@@ -160,6 +161,7 @@ def test_kv_events_follow_the_prefix_cache(tiny_llama_dir):
         "endpoint": f"tcp://*:{port}",
         "replay_endpoint": f"tcp://*:{replay}",
         "topic": topic,
+        "layout": layout,
     }
     server = Server(
         tiny_llama_dir, "--served-model-name", "tiny", "--num-kv-blocks", "12", "--kv-events-config", json.dumps(events)
@@ -180,6 +182,7 @@ def test_kv_events_follow_the_prefix_cache(tiny_llama_dir):
         late.poll(0.5)
         assert late.replayed and late.replayed[0] == 0  # it missed the first batches and asked for them
         assert late.live == early.live and late.next_seq == early.next_seq
+        assert early.layouts == {layout}
         assert early.removed, "eleven blocks cannot hold 8 prompts of three blocks: some were evicted"
         assert all(count >= 1 for count in early.stored_count.values())
         # what the subscriber says is cached is what the engine hits, prompt by prompt (oldest evicted first)
