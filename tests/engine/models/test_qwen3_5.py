@@ -18,7 +18,7 @@ from kiln.compile.cache import JsonFolder
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.source import resolve_model
 
-from helpers.models import assert_greedy_matches_hf, tiny_hybrid_config
+from helpers.models import assert_greedy_matches_hf, skip_uninterpreted_triton, tiny_hybrid_config
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], [7, 7, 7], list(range(20, 61)), [300, 12], list(range(1, 18))]
 MAX_TOKENS = 12
@@ -181,3 +181,16 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
 def test_fp8_is_refused_in_one_line(tiny_qwen3_5_dir):
     with pytest.raises(ValueError, match="FP8 quantization of Qwen3_5ForCausalLM .* not supported yet"):
         LLM(str(tiny_qwen3_5_dir), enforce_eager=True, quantization="fp8")
+
+
+def test_the_triton_kernels_in_the_model_match_hf(tiny_qwen3_5_dir, monkeypatch):
+    """The op with the Triton kernels (under the interpreter on the CPU) in place of the plain-torch forms: chunked
+    prefill, mixed batches and decodes of the tiny model equal transformers'."""
+    skip_uninterpreted_triton("triton")
+    from kiln.backends.linear_attention import op
+
+    monkeypatch.setattr(op, "_kernels", lambda device: op._triton_kernels())
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_dir, dtype=torch.float32).eval()
+    llm = LLM(str(tiny_qwen3_5_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=7)
+    prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    assert_greedy_matches_hf(hf, prompts, llm.generate(prompts, params, use_tqdm=False), 6, TOL)

@@ -69,3 +69,15 @@ def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="is not an EAGLE-3 draft"):
         LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config=eagle(tiny_llama_dir))
+
+
+def test_eagle_drafts_with_tp2(tiny_llama_dir, tmp_path):
+    """Two ranks over gloo: the draft runs on rank 0 over the target's states (whole on every rank)."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    kwargs = dict(max_model_len=256, num_kv_blocks=64, enforce_eager=True)
+    plain = LLM(str(tiny_llama_dir), **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, speculative_config=eagle(draft_dir, 2), **kwargs) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_draft_tokens > 0
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -244,3 +244,13 @@ def test_no_drafts_from_disable_by_batch_size_running_requests(tiny_llama_dir, b
     while engine.has_unfinished_requests():
         engine.step()
     assert scheduler.num_draft_tokens > 0
+
+
+def test_tp2_with_drafts_equals_without(tiny_llama_dir, baseline):
+    """Two ranks over gloo: every rank scores every draft row (the LM head's gather joins them all)."""
+    kwargs = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=64, speculative_config=ngram(3))
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs) as llm:
+        with_oracle(llm, baseline, 3)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert_same_as_baseline(outputs, baseline)
