@@ -8,6 +8,7 @@ import ast
 import json
 import re
 
+from kiln.engine.serving.gemma4_tool_parser import Gemma4ToolParser
 from kiln.engine.serving.partial_json import (
     WHITESPACE,
     Malformed,
@@ -251,7 +252,8 @@ class PythonicParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)
+    p.name: p
+    for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser, Gemma4ToolParser)
 }
 
 
