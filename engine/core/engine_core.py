@@ -20,6 +20,7 @@ from kiln.engine.core.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.core.startup import ModelExecutor, build_executor, model_memo
 from kiln.engine.core.tensor_parallel import RanksOutOfStepError, WorkerDiedError
 from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
+from kiln.engine.models.loader import checkpoint_tensors
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
@@ -248,10 +249,27 @@ class EngineCore:
         if spec.method == "eagle3":
             executor = self.executor
             draft = load_eagle3(executor.draft_dir, self.max_model_len, executor.dtype, executor.device)
-            if draft.embed_tokens is None:
-                draft.embed_tokens = executor.model.model.embed_tokens  # (the target's, as the draft was trained)
+            if draft.embed_tokens is None:  # the target's, as the draft was trained (whole: the draft runs on rank 0)
+                draft.embed_tokens = self._whole_embedding(executor)
             return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    @staticmethod
+    def _whole_embedding(executor: ModelExecutor) -> torch.nn.Module:
+        """The target's token embedding over the whole vocabulary: its own with one rank; with several (each holds a
+        slice, and its lookup is a collective) a copy read from the checkpoint."""
+        embedding = executor.model.model.embed_tokens
+        if executor.shard.size == 1:
+            return embedding
+        if executor.load_format == "dummy":
+            raise ValueError("EAGLE-3 drafts with tensor parallelism need the target's checkpoint, not dummy weights")
+        config = executor.model_config
+        for _, name, tensor in checkpoint_tensors(executor.source.model_dir, config, executor.load_format):
+            if name.endswith("embed_tokens.weight"):
+                whole = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=executor.device)
+                whole.weight.data = tensor[:].to(executor.device, executor.dtype)
+                return whole.requires_grad_(False)
+        raise ValueError(f"{executor.source.model_dir}: no embed_tokens.weight for the EAGLE-3 draft")
 
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""
