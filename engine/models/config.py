@@ -32,6 +32,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 # Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# mixtures whose experts (moe.py `Experts`) take FP8 weights: an FP8 checkpoint's, or `--quantization fp8`'s
+_FP8_EXPERTS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_FP8_EXPERTS += ("Qwen3NextForCausalLM",)
 # multimodal checkpoints served as their language model (the loader skips the vision tower; warned once)
 _LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
@@ -184,8 +187,10 @@ class ModelConfig:
         )
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.num_experts:
-            raise ValueError("FP8 quantization of a mixture of experts is not supported yet: serve its 16-bit weights")
+        if self.quantization is not None and self.num_experts and self.architecture not in _FP8_EXPERTS:
+            raise ValueError(
+                f"FP8 quantization of {self.architecture}'s experts is not supported: serve its 16-bit weights"
+            )
         if self.quantization is not None and self.linear_layers:
             raise ValueError(
                 f"FP8 quantization of {self.architecture} (a Gated DeltaNet hybrid) is not supported yet: serve its "

@@ -6,9 +6,10 @@
     shared:  Qwen2-MoE adds sigmoid(x @ shared_gate^T) * shared_mlp(x), an MLP every token takes
 
 The checkpoints ship one tensor per expert and projection; the loader stacks them into one tensor a layer (w13:
-[E, 2I, H], gate's rows then up's; w2: [E, H, I]), which is what a grouped kernel reads. With tensor parallelism
-every rank holds every expert, cut along the intermediate dimension as the dense MLP is, and one all-reduce adds the
-ranks' partial sums.
+[E, 2I, H], gate's rows then up's; w2: [E, H, I]), which is what a grouped kernel reads. FP8 experts (an FP8
+checkpoint's, or `--quantization fp8`'s: quantization.py) hold them in e4m3 with their scales beside them
+(`w13_scale`, `w2_scale`) and run the `kiln::fused_moe_fp8` op. With tensor parallelism every rank holds every expert,
+cut along the intermediate dimension as the dense MLP is, and one all-reduce adds the ranks' partial sums.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 from torch import nn
 
 import kiln.backends.kernels.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
-from kiln.backends.kernels import moe_triton
+import kiln.backends.kernels.moe_fp8  # noqa: F401  (registers torch.ops.kiln.fused_moe_fp8)
+from kiln.backends.kernels import moe_fp8_triton, moe_triton
+from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, linear, project_silu_mul
 from kiln.engine.models.parallel import MergedColumnParallelLinear, RowParallelLinear, ShardId, TensorParallelShard
@@ -38,19 +41,30 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
-        """One checkpoint tensor per expert and projection: (expert, 0) gate, (expert, 1) up, (expert, None) down."""
+        """One checkpoint tensor per expert and projection: (expert, 0) gate, (expert, 1) up, (expert, None) down (and
+        FP8 experts' scales of each)."""
+        if param_name in ("w13_scale", "w2_scale"):
+            return quantization.expert_scale_parts(self, param_name)
         if param_name == "w13":
             shape = (self.full_intermediate, self.hidden_size)
             return [((e, part), shape) for e in range(self.num_experts) for part in (0, 1)]
         return [((e, None), (self.hidden_size, self.full_intermediate)) for e in range(self.num_experts)]
 
     def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
+        if param_name in ("w13_scale", "w2_scale"):
+            quantization.load_expert_scale(self, param_name, source, shard)
+            return
         expert, part = shard
         size, start = self.intermediate, self.start
         if param_name == "w13":
-            self.w13[expert, part * size : (part + 1) * size].copy_(source[start : start + size])
+            rows, source = slice(part * size, (part + 1) * size), source[start : start + size]
         else:
-            self.w2[expert].copy_(source[:, start : start + size])
+            rows, source = slice(None), source[:, start : start + size]
+        if quantization.quantized_at_load(self):  # `--quantization fp8`: a scale a row
+            scale = getattr(self, f"{param_name}_scale")[expert, rows]
+            quantization.quantize_into(getattr(self, param_name)[expert, rows], scale, source)
+        else:
+            getattr(self, param_name)[expert, rows].copy_(source)
 
 
 class SparseMoeBlock(FusedKernelsMixin, nn.Module):
@@ -72,12 +86,19 @@ class SparseMoeBlock(FusedKernelsMixin, nn.Module):
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = norm(hidden, residual)
         logits = linear(x, self.gate.weight)
-        w13, w2 = self.experts.w13, self.experts.w2
-        if self.fused:
-            weights_dtype = torch.float32 if self.float32_weights else x.dtype
-            out = moe_triton.fused_moe(x, logits, w13, w2, self.top_k, self.renormalise, weights_dtype)
+        weights_dtype = torch.float32 if self.float32_weights else x.dtype
+        experts, routing = self.experts, (self.top_k, self.renormalise)
+        if quantization.is_fp8(experts):
+            args = (x, logits, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, *routing)
+            fp8 = (*quantization.expert_block(experts), experts.quant.activations)
+            if self.fused:
+                out = moe_fp8_triton.fused_moe_fp8(*args, weights_dtype, *fp8)
+            else:
+                out = torch.ops.kiln.fused_moe_fp8(*args, self.float32_weights, *fp8)
+        elif self.fused:
+            out = moe_triton.fused_moe(x, logits, experts.w13, experts.w2, *routing, weights_dtype)
         else:
-            out = torch.ops.kiln.fused_moe(x, logits, w13, w2, self.top_k, self.renormalise, self.float32_weights)
+            out = torch.ops.kiln.fused_moe(x, logits, experts.w13, experts.w2, *routing, self.float32_weights)
         if self.tp_size > 1:
             torch.ops.kiln.all_reduce_(out)
         if hasattr(self, "shared_expert"):

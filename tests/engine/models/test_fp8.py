@@ -1,14 +1,16 @@
-"""FP8 checkpoints against Hugging Face (fp32, CPU). Tiny Llama and Qwen3 checkpoints are written here in each format
-exactly as it ships (compressed-tensors FP8, FP8_DYNAMIC and FP8_BLOCK as llm-compressor writes them, Hugging Face's
-fine-grained FP8 as Qwen3-*-FP8 ships), and `--quantization fp8` quantizes a 16-bit one at load. The reference is
-the Hugging Face model of the same checkpoint with the dequantized weights, each quantized layer's input rounded
-through e4m3 as the format says (a forward pre-hook: this file's own rounding): what an FP8 matmul computes.
+"""FP8 checkpoints against Hugging Face (fp32, CPU). Tiny Llama, Qwen3 and Qwen3-MoE checkpoints are written here in
+each format exactly as it ships (compressed-tensors FP8, FP8_DYNAMIC and FP8_BLOCK as llm-compressor writes them,
+Hugging Face's fine-grained FP8 as Qwen3-*-FP8 ships, its experts too), and `--quantization fp8` quantizes a 16-bit
+one at load. The reference is the Hugging Face model of the same checkpoint with the dequantized weights, each
+quantized layer's input rounded through e4m3 as the format says (a forward pre-hook, or for the experts weight stacks
+whose matmuls round their input: this file's own rounding): what an FP8 matmul computes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 
 import pytest
@@ -19,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.quantization import FP8_DTYPE
 
+from helpers.fp8 import round_fp8_inputs
 from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf, make_tiny_model_dir
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -59,15 +62,6 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Ten
     if weights == "block":
         scale = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
     return q.float() * scale
-
-
-def _round_input(x: torch.Tensor, activations: str, input_scale: float) -> torch.Tensor:
-    if activations == "static":
-        units = (x.float() * (1 / input_scale)).clamp(-FP8_MAX, FP8_MAX)
-        return (units.to(FP8_DTYPE).float() * input_scale).to(x.dtype)
-    groups = x.float().unflatten(-1, (-1, BLOCK[1])) if activations == "group" else x.float().unsqueeze(-2)
-    scale = groups.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)  # (products, as the engine's scales and x / scale)
-    return ((groups * (1 / scale)).to(FP8_DTYPE).float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def write_fp8_checkpoint(src, dst, fmt: str) -> dict[str, tuple[torch.Tensor, float]]:
@@ -127,16 +121,29 @@ def _config_of(fmt: str) -> dict:
 
 
 def fp8_reference(src, layers, activations: str):
-    """The Hugging Face model of `src` with the FP8 layers' dequantized weights and e4m3-rounded inputs."""
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    """The Hugging Face model of `src` with the FP8 layers' dequantized weights and e4m3-rounded inputs. A mixture's
+    experts run Hugging Face's own expert loop ("eager") over weight stacks whose matmuls round their inputs."""
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager").eval()
+    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, (weight, _) in layers.items():
+        if match := _EXPERT.match(name):
+            experts.setdefault(match["experts"], {})[int(match["index"]), match["proj"]] = weight
     for name, module in hf.named_modules():
         if name in layers:
-            weight, input_scale = layers[name]
-            module.weight.data.copy_(weight)
-            module.register_forward_pre_hook(
-                lambda m, args, s=input_scale: (_round_input(args[0], activations, s),) + args[1:]
+            module.weight.data.copy_(layers[name][0])
+        elif name in experts:
+            weights, count = experts[name], module.num_experts
+            module.gate_up_proj.data.copy_(
+                torch.stack([torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]]) for e in range(count)])
             )
+            module.down_proj.data.copy_(torch.stack([weights[e, "down_proj"] for e in range(count)]))
+    input_scales = {name: input_scale for name, (_, input_scale) in layers.items() if name not in experts}
+    round_fp8_inputs(hf, input_scales, experts, activations, BLOCK[1])
     return hf
+
+
+# one expert's projection as a checkpoint names it
+_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 
 def assert_matches(hf, prompts, outputs, tol: float) -> None:
@@ -148,6 +155,9 @@ def assert_matches(hf, prompts, outputs, tol: float) -> None:
 # e4m3 rounding boundary, a step of 1/16 of it: a few 1e-4 in a log-probability, where unquantized models agree
 # to 1e-5.
 TOL = 2e-3
+# An expert's inputs rounded a token at a time move more: in the tiny Qwen3-MoE, HF's expert inputs 3e-7 larger (float32
+# noise) move one log-probability by 8e-3 and leave the others at 1e-6 (which one moves hangs on the batch's shapes)
+MOE_TOL = 1e-2
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -309,9 +319,57 @@ def test_an_fp8_warm_start_compiles_nothing_and_has_its_own_cache_key(tiny_llama
     assert plain["dynamo_traces"] == 1 and plain["compile_cache_dir"] != cold["compile_cache_dir"]
 
 
-def test_fp8_of_a_mixture_of_experts_is_refused_in_one_line(tiny_qwen3_moe_dir):
-    with pytest.raises(ValueError, match="FP8 quantization of a mixture of experts is not supported"):
-        LLM(str(tiny_qwen3_moe_dir), enforce_eager=True, max_model_len=64, quantization="fp8")
+@pytest.mark.parametrize("fmt", ["hf-fp8", "ct-fp8-dynamic"])
+def test_a_mixture_of_experts_fp8_checkpoint_matches_hf(tiny_qwen3_moe_dir, tmp_path, fmt):
+    """Qwen3-MoE with every expert's projections FP8 (`experts.N.gate_proj.weight` and its `weight_scale_inv` as
+    Qwen3-30B-A3B-FP8 ships them, blocks here of 16 x 32; or a scale a row, as llm-compressor's FP8_DYNAMIC), the
+    router in 16 bits: Kiln's FP8 experts (`kiln::fused_moe_fp8`, its CPU form) equal HF's expert loop on the
+    dequantized weights with each matmul's input rounded as the format says."""
+    layers = write_fp8_checkpoint(tiny_qwen3_moe_dir, tmp_path / fmt, fmt)
+    assert any(".experts.7.down_proj" in name for name in layers)
+    with LLM(str(tmp_path / fmt), enforce_eager=True, max_model_len=128) as llm:
+        experts = llm.engine.executor.model.model.layers[1].mlp.experts
+        assert experts.w13.dtype == experts.w2.dtype == FP8_DTYPE
+        blocks = (8, 2 * 32 // 16, 64 // 32) if fmt == "hf-fp8" else (8, 2 * 32)  # gate and up: 32 rows each
+        assert experts.w13_scale.shape == blocks
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches(fp8_reference(tiny_qwen3_moe_dir, layers, FORMATS[fmt][1]), PROMPTS, outputs, MOE_TOL)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_quantization_fp8_quantizes_a_mixture_of_experts_at_load(tiny_qwen3_moe_dir, tmp_path, compiled):
+    """`--quantization fp8` of a 16-bit Qwen3-MoE: every expert's projections too, a scale a row, activations per
+    token (compiled: the op in the graph, chunked prefill)."""
+    engine = dict(enforce_eager=not compiled, max_model_len=128, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_qwen3_moe_dir), quantization="fp8", max_num_batched_tokens=16, **engine) as llm:
+        experts = llm.engine.executor.model.model.layers[1].mlp.experts
+        assert experts.w2.dtype == FP8_DTYPE and experts.w2_scale.shape == (8, 64)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
+    layers = {}
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in _PROJECTIONS:
+            layers[name] = (_dequantize(*_quantize(module.weight, "channel"), "channel"), 0.0)
+        elif name.endswith(".mlp.experts"):
+            for e, (gate_up, down) in enumerate(zip(module.gate_up_proj, module.down_proj)):
+                gate, up = gate_up.chunk(2)
+                for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                    layers[f"{name}.{e}.{proj}"] = (_dequantize(*_quantize(w, "channel"), "channel"), 0.0)
+    assert_matches(fp8_reference(tiny_qwen3_moe_dir, layers, "token"), PROMPTS, outputs, MOE_TOL)
+
+
+def test_fp8_experts_refuse_what_they_cannot_hold(tiny_qwen3_moe_dir, tmp_path):
+    """Static activation scales (compressed-tensors' FP8) and an ignore list naming some experts but not all: each
+    one line at start."""
+    write_fp8_checkpoint(tiny_qwen3_moe_dir, tmp_path / "m", "ct-fp8")
+    with pytest.raises(ValueError, match="FP8 experts whose activations are 'static'"):
+        LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+    write_fp8_checkpoint(tiny_qwen3_moe_dir, tmp_path / "b", "hf-fp8")
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["re:.*experts\\.3\\..*"]
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"ignoring only some of model\.layers\.1\.mlp\.experts's experts"):
+        LLM(str(tmp_path / "b"), enforce_eager=True, max_model_len=64)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
