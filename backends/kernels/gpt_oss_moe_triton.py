@@ -31,8 +31,8 @@ from kiln.backends.kernels.moe_routing import align
 
 def tile_config(num_pairs: int, k: int, mxfp4: bool) -> dict[str, int]:
     """The tiles from the rows a step routes: a decode's few pairs BLOCK_M 16 (the least `tl.dot` takes) and narrow N
-    blocks, so k experts' weights spread over every SM; a long prefill's 64 x 64 or 128 x 128. MXFP4 reads BLOCK_K a
-    multiple of 64 (whole 32-value scale blocks, halves of 32 columns for `tl.dot`)."""
+    blocks, so k experts' weights spread over every SM; a long prefill's 64 x 64 or 128 x 128 (MXFP4: 128 x 64). MXFP4
+    reads BLOCK_K a multiple of 64 (whole 32-value scale blocks, halves of 32 columns for `tl.dot`)."""
     block_k = 128 if k >= 128 and num_pairs <= 1024 else 64
     if num_pairs <= 64:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
@@ -40,7 +40,9 @@ def tile_config(num_pairs: int, k: int, mxfp4: bool) -> dict[str, int]:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
     if num_pairs <= 8192:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    # NOTE: MXFP4's gate/up at 128 x 128 (two accumulators and the nibbles' decode) spills 120 bytes a thread on sm_90
+    # (scripts/dev/kernel_resources.py); 128 x 64 does not
+    return dict(BLOCK_M=128, BLOCK_N=64 if mxfp4 else 128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ from kiln.backends.attention import decode_merge
 from kiln.backends.attention import decode_plan as plan
 from kiln.backends.attention import triton_decode as td
 from kiln.backends.attention import triton_unified as ta
-from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, moe_fp8_triton, moe_routing
+from kiln.backends.kernels import fp8_block, fp8_gemv, fp8_quant, gemv, gpt_oss_moe_triton, moe_fp8_triton, moe_routing
 from kiln.backends.kernels import fused as fused_kernels
 from kiln.backends.linear_attention import triton_conv, triton_delta_rule, triton_norm
 from kiln.compile import pin_triton_setup
@@ -45,7 +45,7 @@ from kiln.engine.models.presets import PRESETS
 TARGET = GPUTarget("cuda", 90, 32)
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
 FAMILIES = ("decode", "prefill", "gemv", "qk_norm_rope", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant")
-FAMILIES += ("fp8_block", "moe_routing", "gated_delta_net", "moe_fp8")
+FAMILIES += ("fp8_block", "moe_routing", "gated_delta_net", "moe_fp8", "sinks", "gpt_oss_moe")
 POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32",
@@ -55,8 +55,9 @@ POINTERS = {  # pointer arguments that are not the model's dtype (bf16)
     "block_table_ptr": "*i32",
     "seq_lens_ptr": "*i32",
     "query_start_loc_ptr": "*i32",
+    "sinks_ptr": "*fp32",
 }
-FLOATS = {"qk_scale", "eps", "scale"}
+FLOATS = {"qk_scale", "eps", "scale", "alpha", "limit"}
 # strides that are not multiples of 16 at run time (Triton's launcher then gives no alignment hint): the conv
 # weight's rows, K = 4 elements
 UNALIGNED = {"stride_w_d"}
@@ -120,9 +121,9 @@ def shapes(model: str) -> dict:
     )
 
 
-def decode_variants(model: str, window: int = 0, softcap: float = 0.0, kv_bytes: int = 2):
+def decode_variants(model: str, window: int = 0, softcap: float = 0.0, kv_bytes: int = 2, sinks: bool = False):
     """The decode kernel as `split_kv_decode` launches it: one split and many, each launch config (an FP8 cache's
-    with `kv_bytes` 1)."""
+    with `kv_bytes` 1; with attention `sinks`, gpt-oss's)."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
     head_dim_p = triton.next_power_of_2(s["head_dim"])
@@ -147,11 +148,12 @@ def decode_variants(model: str, window: int = 0, softcap: float = 0.0, kv_bytes:
                 USE_PDL=True,
                 WINDOW=window,
                 SOFTCAP=softcap,
+                HAS_SINKS=sinks,
             )
             yield f"splits {num_splits}, {tile_n}x{warps}x{stages}", td._decode_split_kernel, constexprs, warps, stages
 
 
-def prefill_variants(model: str, window: int = 0, softcap: float = 0.0):
+def prefill_variants(model: str, window: int = 0, softcap: float = 0.0, sinks: bool = False):
     """The unified (prefill and mixed) kernel at a long query (BLOCK_M 64) and a short one (16)."""
     s = shapes(model)
     q_per_kv = s["heads"] // s["kv_heads"]
@@ -169,6 +171,7 @@ def prefill_variants(model: str, window: int = 0, softcap: float = 0.0):
             LEAN=s["head_dim"] == triton.next_power_of_2(s["head_dim"]) and not softcap,
             WINDOW=window,
             SOFTCAP=softcap,
+            HAS_SINKS=sinks,
         )
         yield f"block_m {block_m}", ta._unified_attention_kernel, constexprs, 4, 3
 
@@ -184,6 +187,33 @@ def softcap_variants(model: str):
     cap = 50.0 * 1.4426950408889634
     yield from (("decode " + v, *rest) for v, *rest in decode_variants(model, softcap=cap))
     yield from (("prefill " + v, *rest) for v, *rest in prefill_variants(model, softcap=cap))
+
+
+def sinks_variants(model: str):
+    """Decode and prefill with gpt-oss's attention sinks (each row starts from its head's; split 0 alone in the
+    decode), in full layers and in sliding ones (its window of 128)."""
+    for window in (0, 128):
+        where = f"window {window} " if window else ""
+        yield from ((f"decode {where}" + v, *rest) for v, *rest in decode_variants(model, window=window, sinks=True))
+        yield from ((f"prefill {where}" + v, *rest) for v, *rest in prefill_variants(model, window=window, sinks=True))
+
+
+def gpt_oss_moe_variants(model: str):
+    """gpt-oss's experts (`kiln::gpt_oss_moe`) at gpt-oss-120b's layer (hidden 2,880, intermediate 2,880; the model's
+    shapes do not enter): both matmuls (gate/up with the clamped SwiGLU, down with the routing weight) at each tile
+    `tile_config` gives, MXFP4 weights (uint8 bytes and scales) and a 16-bit pair."""
+    ints = {"sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
+    for mxfp4 in (True, False):
+        pointers = ints | ({"w_ptr": "*u8", "scale_ptr": "*u8"} if mxfp4 else {})
+        for num_pairs in (4, 512, 4096, 16384):
+            config = gpt_oss_moe_triton.tile_config(num_pairs, 2880, mxfp4)
+            warps, stages = config.pop("num_warps"), config.pop("num_stages")
+            tile = "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            for swiglu in (True, False):
+                constexprs = dict(config, TOP_K=4, A_ROWS_ARE_TOKENS=swiglu, SWIGLU=swiglu, MXFP4=mxfp4)
+                constexprs |= dict(HAS_BIAS=True, MUL_WEIGHT=not swiglu, PRECISION="tf32")
+                name = f"{'mxfp4' if mxfp4 else 'bf16'} {'gate_up' if swiglu else 'down'} {tile}"
+                yield name, gpt_oss_moe_triton._gpt_oss_matmul, constexprs, warps, stages, pointers
 
 
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "cache_ptr": "*fp8e4nv"}
@@ -403,6 +433,8 @@ def main() -> None:
         "moe_routing": moe_routing_variants,
         "gated_delta_net": gated_delta_net_variants,
         "moe_fp8": moe_fp8_variants,
+        "sinks": sinks_variants,
+        "gpt_oss_moe": gpt_oss_moe_variants,
     }
     for model in args.models.split(","):
         for family in args.families.split(","):
@@ -435,18 +467,32 @@ def main() -> None:
 
 
 # constexprs that choose code paths (--sample compiles each)
-SAMPLED = ("ACT", "EPILOGUE", "NORM", "STATIC", "BLOCK_M", "GROUPED", "SILU_MUL")
+SAMPLED = (
+    "ACT",
+    "EPILOGUE",
+    "NORM",
+    "STATIC",
+    "BLOCK_M",
+    "GROUPED",
+    "SILU_MUL",
+    "SWIGLU",
+    "MXFP4",
+    "HAS_SINKS",
+    "WINDOW",
+)
 
 
-# NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps) may spill a few bytes a thread at head_dim 128
-# (8 under some Triton versions), and is faster in the batch-1 step all the same; a spill that size passes the check.
+# NOTE: the decode kernel's few-request config (a 128-key tile, 4 warps; with sinks too) may spill a few bytes a thread
+# at head_dim 128 (8 under some Triton versions), and is faster in the batch-1 step all the same; a spill that size
+# passes the check.
 # A spill of hundreds of bytes (a decode kernel that patched its tiles in registers) made long contexts 1.5x slower.
 FEW_SPILL_ALLOWED = 128
 
 
 def spill_allowed(family: str, variant: str) -> int:
     few = "x".join(str(v) for v in plan.DECODE_CONFIG_FEW)
-    return FEW_SPILL_ALLOWED if family == "decode" and variant.removesuffix("l").endswith(f", {few}") else 0
+    decode = family == "decode" or (family == "sinks" and variant.startswith("decode"))
+    return FEW_SPILL_ALLOWED if decode and variant.removesuffix("l").endswith(f", {few}") else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_each_kernel_and_code_path_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # (a cached build would skip the compiler)
     # qwen3-0.6b: head_dim 128 and the QK-norm kernel; every family (16-bit, FP8 weights and cache, windows, caps,
-    # the MoE routing and FP8 experts)
+    # the MoE routing and FP8 experts, gpt-oss's sinks and MXFP4 experts)
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--sample", "--models", "qwen3-0.6b"],
         capture_output=True,
@@ -28,5 +28,5 @@ def test_each_kernel_and_code_path_compiles_for_sm90(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("qwen3-0.6b")]
     families = {"decode", "prefill", "gemv", "window", "softcap", "fp8_kv", "fp8_gemv", "fp8_quant", "fp8_block"}
-    families |= {"moe_routing", "moe_fp8"}
+    families |= {"moe_routing", "moe_fp8", "sinks", "gpt_oss_moe"}
     assert {line.split()[1] for line in compiled} >= families
