@@ -69,7 +69,7 @@ class ModelExecutor:
     tp_workers: TensorParallelWorkers | None
     startup_stats: dict[str, Any]
     # a model with recurrent layers: (request slots, snapshots) of their state tensors' rows (the scratch row besides)
-    state_rows: tuple[int, int] | None = None
+    state_rows: tuple[int, int, bool] | None = None
     draft_dir: Path | None = None  # speculative decoding with an EAGLE-3 draft: its directory
 
     @property
@@ -226,13 +226,17 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
         # NOTE: allocated before the KV cache is sized, so its profile counts them as it counts the weights
         recurrent_states, state_rows = _recurrent_states(config, model_config, shard, dtype, device)
+        # (Gemma 4's full layers: heads of another width and number, in groups of their own)
+        shapes = [
+            (kv_heads_per_rank(model_config.kv_heads_of(i), shard.size), model_config.head_dim_of(i)) for i in kv_layers
+        ]
         kv_spec = KVCacheSpec(
             len(kv_layers),
-            kv_heads_per_rank(model_config.num_kv_heads, shard.size),
-            model_config.head_dim,
+            *shapes[0],
             config.block_size,
             torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else dtype,
-            kv_groups(windows),
+            kv_groups(windows, [heads * dim for heads, dim in shapes]),
+            tuple(shapes) if len(set(shapes)) > 1 else (),
         )
         sizing_start = time.perf_counter()
 
@@ -367,7 +371,8 @@ def _recurrent_states(
         return (), None
     slots = config.max_num_seqs
     snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-    rows = 1 + slots + snapshots
+    backups = slots if config.speculative_config is not None else 0  # (a step verifying drafts may go back)
+    rows = 1 + slots + backups + snapshots
     key_dim = model_config.linear_num_key_heads * model_config.linear_key_head_dim // shard.size
     value_heads = model_config.linear_num_value_heads // shard.size
     conv_dim = 2 * key_dim + value_heads * model_config.linear_value_head_dim
@@ -384,7 +389,7 @@ def _recurrent_states(
         snapshots,
         nbytes / (1 << 30),
     )
-    return states, (slots, snapshots)
+    return states, (slots, snapshots, bool(backups))
 
 
 def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:

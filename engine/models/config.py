@@ -6,12 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.engine.models.quant_config import (
-    QuantConfig,
-    UnsupportedQuantization,
-    parse_checkpoint_quantization,
-    quant_method,
-)
+from kiln.engine.models.quant_config import QuantConfig, parse_checkpoint_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -28,20 +23,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
-    "GptOssForCausalLM",
+    "Gemma4ForCausalLM",
 )
 # Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-# mixtures whose experts (moe.py `Experts`) take FP8 weights: an FP8 checkpoint's, or `--quantization fp8`'s
-_FP8_EXPERTS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
-_FP8_EXPERTS += ("Qwen3NextForCausalLM",)
 # multimodal checkpoints served as their language model (the loader skips the vision tower; warned once)
 _LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
-_GPT_OSS = "GptOssForCausalLM"  # (gpt_oss.py: attention sinks, biased experts, MXFP4 checkpoints)
 # the attention of each mixture of experts is its dense sibling's
 _ATTENTION_OF = {
     "MixtralForCausalLM": "MistralForCausalLM",
@@ -104,14 +96,18 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     attn_output_gate: bool = False
     rotary_dim: int = 0  # 0: the whole head
-    # gpt-oss (gpt_oss.py): biases on the router and the experts, whose SwiGLU is clamped at `swiglu_limit` (the gate
-    # above, the up projection both sides), gated by sigmoid(`swiglu_alpha` x) and times up + 1; a learned sink a head
-    # in each attention's softmax; with `mxfp4_experts` the experts as OpenAI publishes them (e2m1 values, an e8m0
-    # scale a 32), kept so on the device
-    swiglu_alpha: float = 0.0
-    swiglu_limit: float = 0.0
-    attention_sinks: bool = False
-    mxfp4_experts: bool = False
+    # Gemma 4 (gemma4.py): the full layers' heads are `global_head_dim` wide over `num_global_kv_heads` KV heads (0:
+    # the sliding layers' head_dim and num_kv_heads), their value the key's projection (`attention_k_eq_v`); the last
+    # `num_kv_shared_layers` layers attend over the KV of the last earlier layer of their kind and hold none, their MLP
+    # twice as wide with `double_wide_mlp`; per-layer embeddings of `per_layer_input_size` a layer (0: none) from a
+    # table of `per_layer_vocab_size` rows
+    global_head_dim: int = 0
+    num_global_kv_heads: int = 0
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -130,14 +126,13 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
-        if quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4" and arch != _GPT_OSS:
-            raise UnsupportedQuantization(f"quantization_config with quant_method 'mxfp4' is gpt-oss's, not {arch}'s")
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         local_rope = rope.pop("sliding_attention", None)  # Gemma 3: RoPE parameters per layer type
         rope = dict(rope.pop("full_attention", rope))
         rope_theta, rope_scaling = _rope(rope, getattr(hf_config, "rope_theta", 10000.0))
         num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        heads = _sliding_layer_config(hf_config)  # (the full layers' of Gemma 4: _gemma4)
+        head_dim = getattr(heads, "head_dim", None) or hf_config.hidden_size // num_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         attention = _ATTENTION_OF.get(arch, arch)
         activation = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
@@ -146,7 +141,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {activation!r} is not supported: Kiln's MLP is SiLU- or GeLU(tanh)-and-mul")
         gemma = arch.startswith("Gemma")
         if gemma:
-            _refuse_gemma_variants(hf_config)
+            _refuse_gemma_variants(hf_config, arch)
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported: Kiln's MLP projections have no bias")
         # Mistral: every layer slides when sliding_window is set; Qwen2/3: the layers transformers marks so
@@ -165,7 +160,7 @@ class ModelConfig:
             intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0,  # (0: every layer sparse)
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=getattr(heads, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
@@ -173,8 +168,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM", _GPT_OSS) else False,
-            qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or arch in HYBRID_ARCHITECTURES,
+            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
+            qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
+            or arch in HYBRID_ARCHITECTURES,
             eos_token_ids=tuple(eos_token_ids),
             sliding_window=int(window) if window else None,
             sliding_layers=sliding,
@@ -183,14 +179,11 @@ class ModelConfig:
             **(_gemma(hf_config, local_rope) if gemma else {}),
             **(_hybrid(hf_config, rope, head_dim) if arch in HYBRID_ARCHITECTURES else {}),
             **_experts(arch, hf_config),
-            **(_gpt_oss(hf_config) if arch == _GPT_OSS else {}),
         )
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.num_experts and self.architecture not in _FP8_EXPERTS:
-            raise ValueError(
-                f"FP8 quantization of {self.architecture}'s experts is not supported: serve its 16-bit weights"
-            )
+        if self.quantization is not None and self.num_experts:
+            raise ValueError("FP8 quantization of a mixture of experts is not supported yet: serve its 16-bit weights")
         if self.quantization is not None and self.linear_layers:
             raise ValueError(
                 f"FP8 quantization of {self.architecture} (a Gated DeltaNet hybrid) is not supported yet: serve its "
@@ -199,9 +192,30 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend (and have KV blocks): all but the recurrent ones."""
+        """The layers that have KV blocks: all but the recurrent ones and those that read another layer's KV."""
         linear = set(self.linear_layers)
-        return tuple(layer for layer in range(self.num_layers) if layer not in linear)
+        return tuple(layer for layer in range(self.num_layers - self.num_kv_shared_layers) if layer not in linear)
+
+    def kv_source_of(self, layer: int) -> int:
+        """The layer whose KV cache `layer` attends over: its own, or for one of the last `num_kv_shared_layers` the
+        last layer before them of its kind (sliding or full)."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        sliding = layer in self.sliding_layers
+        return next(i for i in range(first_shared - 1, -1, -1) if (i in self.sliding_layers) == sliding)
+
+    def head_dim_of(self, layer: int) -> int:
+        """The width of the layer's attention heads (Gemma 4's full layers: `global_head_dim`)."""
+        if self.global_head_dim and layer not in self.sliding_layers:
+            return self.global_head_dim
+        return self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """The layer's KV heads (Gemma 4's full layers: `num_global_kv_heads`)."""
+        if self.num_global_kv_heads and layer not in self.sliding_layers:
+            return self.num_global_kv_heads
+        return self.num_kv_heads
 
     @property
     def is_moe(self) -> bool:
@@ -233,6 +247,15 @@ class ModelConfig:
         return (self.sliding_window or 0) if layer in self.sliding_layers else 0
 
 
+def _sliding_layer_config(hf_config: Any) -> Any:
+    """The config to read a layer's heads from: the config itself, or where transformers 5 states them per layer (a
+    heterogeneous config: Gemma 4's `per_layer_config`, which refuses a global read) its first sliding layer's."""
+    if not getattr(hf_config, "is_heterogeneous", False):
+        return hf_config
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    return hf_config.per_layer_config[next((i for i, t in enumerate(layer_types) if t == "sliding_attention"), 0)]
+
+
 def _rope(rope: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
     """(base, scaling or None) from a config's RoPE parameters."""
     rope = dict(rope)
@@ -242,22 +265,27 @@ def _rope(rope: dict[str, Any], default_theta: float) -> tuple[float, dict[str, 
 
 
 def _gemma(hf_config: Any, local_rope: dict[str, Any] | None) -> dict[str, Any]:
-    """Gemma 2's and 3's fields (see ModelConfig): Gemma 3's sliding layers' RoPE is `local_rope` (transformers 5)
-    or rope_local_base_freq (4.x); Gemma 2 has one RoPE, and soft-caps."""
+    """Gemma 2's, 3's and 4's fields (see ModelConfig): Gemma 3's and 4's sliding layers' RoPE is `local_rope`
+    (transformers 5) or rope_local_base_freq (4.x); Gemma 2 has one RoPE, and soft-caps."""
     local_theta, local_scaling = 0.0, None
     if local_rope is not None:
         local_theta, local_scaling = _rope(local_rope, 10000.0)
     elif getattr(hf_config, "rope_local_base_freq", None):
         local_theta = float(hf_config.rope_local_base_freq)
-    return dict(
-        attn_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+    gemma = dict(
         final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
         embed_scale=hf_config.hidden_size**0.5,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+    )
+    if hf_config.model_type == "gemma4_text":
+        return {**gemma, **_gemma4(hf_config)}
+    return dict(
+        **gemma,
+        attn_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
         sandwich_norms=True,
         norm_weight_offset=1.0,
         attn_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
-        local_rope_theta=local_theta,
-        local_rope_scaling=local_scaling,
     )
 
 
@@ -286,25 +314,58 @@ def _hybrid(hf_config: Any, rope: dict[str, Any], head_dim: int) -> dict[str, An
     )
 
 
-def _refuse_gemma_variants(hf_config: Any) -> None:
-    """What Kiln's Gemma does not compute, refused in one line rather than served wrong."""
-    if getattr(hf_config, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention=True is not supported: Kiln's attention is causal")
+def _refuse_gemma_variants(hf_config: Any, arch: str) -> None:
+    """What Kiln's Gemma does not compute, refused in one line rather than served wrong. Gemma 4's "vision" makes
+    only image tokens attend both ways: text alone is causal, as Kiln serves it."""
+    bidirectional = getattr(hf_config, "use_bidirectional_attention", None)
+    if bidirectional and not (arch == "Gemma4ForCausalLM" and bidirectional == "vision"):
+        raise ValueError(f"use_bidirectional_attention={bidirectional!r} is not supported: Kiln's attention is causal")
 
 
-def _gpt_oss(hf_config: Any) -> dict[str, Any]:
-    """gpt-oss's fields (see ModelConfig): every layer sparse, the top-k logits' softmax (the top-k of the whole
-    softmax, renormalised), the experts `intermediate_size` wide."""
+def _gemma4(hf_config: Any) -> dict[str, Any]:
+    """Gemma 4's fields (see ModelConfig). Its norms scale by their weight as it is (no 1 +), its attention by 1.0 (q
+    and k are normed), and its full layers' heads may be wider and fewer: transformers 5 states them per layer
+    (`per_layer_config`), the checkpoints' configs as `global_head_dim` and `num_global_key_value_heads`."""
+    layer_types = list(hf_config.layer_types)
+    sliding = _sliding_layer_config(hf_config)
+    head_dim, kv_heads = sliding.head_dim, sliding.num_key_value_heads
+    if getattr(hf_config, "is_heterogeneous", False):
+        full = hf_config.per_layer_config[layer_types.index("full_attention")]
+        global_head_dim, global_kv_heads = full.head_dim, full.num_key_value_heads
+    else:
+        global_head_dim = getattr(hf_config, "global_head_dim", None) or head_dim
+        global_kv_heads = kv_heads
+        if hf_config.attention_k_eq_v and getattr(hf_config, "num_global_key_value_heads", None):
+            global_kv_heads = hf_config.num_global_key_value_heads
+    shared = hf_config.num_kv_shared_layers or 0
+    if shared:
+        kinds = set(layer_types[: hf_config.num_hidden_layers - shared])
+        if kinds != set(layer_types):
+            raise ValueError(
+                f"num_kv_shared_layers={shared} leaves no earlier layer of each kind to share the KV of (layer_types "
+                f"{sorted(kinds)} before them)"
+            )
+    per_layer_input = hf_config.hidden_size_per_layer_input or 0
+    experts = {}
+    if hf_config.enable_moe_block:
+        experts = dict(
+            num_experts=hf_config.num_experts,
+            num_experts_per_tok=hf_config.top_k_experts,
+            moe_intermediate_size=hf_config.moe_intermediate_size,
+            moe_layers=tuple(range(hf_config.num_hidden_layers)),
+            norm_topk_prob=True,
+        )
     return dict(
-        num_experts=hf_config.num_local_experts,
-        num_experts_per_tok=hf_config.num_experts_per_tok,
-        moe_intermediate_size=hf_config.intermediate_size,
-        moe_layers=tuple(range(hf_config.num_hidden_layers)),
-        norm_topk_prob=True,
-        swiglu_alpha=float(hf_config.swiglu_alpha),
-        swiglu_limit=float(hf_config.swiglu_limit),
-        attention_sinks=True,
-        mxfp4_experts=quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4",
+        norm_weight_offset=0.0,
+        attn_scale=1.0,
+        global_head_dim=global_head_dim if global_head_dim != head_dim else 0,
+        num_global_kv_heads=global_kv_heads if global_kv_heads != kv_heads else 0,
+        attention_k_eq_v=bool(hf_config.attention_k_eq_v),
+        num_kv_shared_layers=shared,
+        double_wide_mlp=bool(hf_config.use_double_wide_mlp) and shared > 0,
+        per_layer_input_size=per_layer_input,
+        per_layer_vocab_size=hf_config.vocab_size_per_layer_input if per_layer_input else 0,
+        **experts,
     )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.gemma4 import Gemma4ForCausalLM
 from kiln.engine.models.gguf_dir import gguf_file_of
 from kiln.engine.models.gguf_weights import gguf_tensors
 from kiln.engine.models.layers import RMSNorm
@@ -39,6 +40,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
 }
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
@@ -52,6 +54,7 @@ _LANGUAGE_MODEL = {
 }
 _NOT_SERVED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _NOT_SERVED += ("model.visual.", "visual.")  # Qwen3.5's vision tower
+_NOT_SERVED += ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # Gemma 4's towers' embedders
 # Qwen3.5's and Qwen3-Next's multi-token-prediction layers: kept for speculative decoding, which Kiln does not run yet
 _MTP = ("mtp.", "model.mtp.")
 
@@ -170,6 +173,8 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # tied to the embedding, which is loaded under its own name
+        if hasattr(model, "unused_checkpoint_tensor") and model.unused_checkpoint_tensor(name):
+            continue
         target, shard = _target_of(model, name)
         if target.endswith((".k_scale", ".v_scale")) and target not in params:
             continue  # KV cache scales with a 16-bit KV cache (startup says so)
@@ -180,7 +185,7 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
         shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
         if not _shape_fits(shape, expected):
             raise WeightLoadError(f"{file_name}: tensor {name!r} has shape {shape}, expected {expected}")
-        fp8_weight = getattr(module, param_name).dtype == quantization.FP8_DTYPE  # (a layer's weight, experts' w13, w2)
+        fp8_weight = param_name == "weight" and quantization.is_fp8(module)
         if fp8_weight and not quantization.quantized_at_load(module) and _dtype_name(source) != "F8_E4M3":
             raise WeightLoadError(f"{file_name}: tensor {name!r} is {_dtype_name(source)}, expected F8_E4M3")
         load_part(module, param_name, source, shard)
@@ -207,11 +212,8 @@ def _dtype_name(source: Any) -> str:
     return {torch.float8_e4m3fn: "F8_E4M3"}.get(source.dtype, str(source.dtype).removeprefix("torch."))
 
 
-# One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py), and an
-# FP8 expert's scales of it, into w13_scale or w2_scale
-_EXPERT = re.compile(
-    r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|weight_scale)$"
-)
+# One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py)
+_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
 _EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
 
@@ -228,8 +230,7 @@ def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
         name = name.removesuffix("_inv")
     if (expert := _EXPERT.match(name)) and expert["proj"] in _EXPERT_PARTS:
         param, part = _EXPERT_PARTS[expert["proj"]]
-        scale = "_scale" if expert["kind"] == "weight_scale" else ""
-        return f"{expert['layer']}.mlp.experts.{param}{scale}", (int(expert["expert"]), part)
+        return f"{expert['layer']}.mlp.experts.{param}", (int(expert["expert"]), part)
     for hf_name, (fused, shard) in model.stacked_params.items():
         if f".{hf_name}." in name:
             return name.replace(hf_name, fused), shard
@@ -251,6 +252,10 @@ def _describe(target: str, shard: ShardId) -> str:
     return target if shard is None else f"{target} ({shard})"
 
 
+# Gemma 4's scales of a layer's output and of its router: random ones would shrink the hidden states to nothing
+_SCALES = ("layer_scalar", "router.scale", "router.per_expert_scale")
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of realistic scale (norms at 1), for benchmarks and demos without a download.
@@ -261,7 +266,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     dtype = next(param.dtype for name, param in model.named_parameters() if "norm" in name)
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or name.endswith(_SCALES):
             param.fill_(1.0)
             continue
         module, param_name = _owner(model, name)

@@ -388,3 +388,78 @@ PRESETS["qwen3-next-80b-a3b"] = dict(
     norm_topk_prob=True,
     eos_token_id=[151645, 151643],
 )
+# Gemma 4 (the language models of google/gemma-4-31B, -26B-A4B and -E4B, as their config.json's text_config says):
+# five 1k-window layers to a full one, the full layers' heads 512 wide (RoPE over a quarter of their pairs);
+# 31B's and 26B-A4B's full layers over fewer KV heads whose value is the key's projection; 26B-A4B's 128 experts (top
+# 8) beside each layer's MLP; E4B's 512-token windows, per-layer embeddings, and its last 18 layers reading earlier
+# layers' KV. Logits soft-capped at 30.
+_GEMMA4 = dict(
+    architectures=["Gemma4ForCausalLM"],
+    vocab_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=[1, 106],
+    pad_token_id=0,
+    torch_dtype="bfloat16",
+)
+_GEMMA4_LARGE = dict(
+    _GEMMA4,
+    sliding_window=1024,
+    max_position_embeddings=262144,
+    attention_k_eq_v=True,
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+)
+PRESETS.update(
+    {
+        "gemma-4-31b": dict(
+            _GEMMA4_LARGE,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            num_global_key_value_heads=4,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+        ),
+        "gemma-4-26b-a4b": dict(
+            _GEMMA4_LARGE,
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_hidden_layers=30,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=2,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        ),
+        "gemma-4-e4b": dict(
+            _GEMMA4,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=42,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            sliding_window=512,
+            max_position_embeddings=131072,
+            attention_k_eq_v=False,
+            num_kv_shared_layers=18,
+            hidden_size_per_layer_input=256,
+            vocab_size_per_layer_input=262144,
+            use_double_wide_mlp=False,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        ),
+    }
+)

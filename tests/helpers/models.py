@@ -118,7 +118,61 @@ def tiny_hf_config(kind: str):
         )
     if kind in HYBRIDS:
         return tiny_hybrid_config(kind)
+    if kind in GEMMA4:
+        return tiny_gemma4_config(kind)
     raise ValueError(kind)
+
+
+# Gemma 4: sliding layers (window 8) of four heads of 16 over two KV heads, full layers of heads of 32 (RoPE over a
+# quarter of their pairs), logits capped at 3 (it bites here). "gemma4": 31B's full layers, one KV head whose value is
+# the key's projection, beside sliding layers of four KV heads (a full layer's page half a sliding one's);
+# "gemma4_e": E2B's and E4B's per-layer embeddings (8 a layer) and the last two layers reading the KV of layers 3
+# (sliding) and 4 (full), their MLP twice as wide (a sliding layer's page half a full one's); "gemma4_moe": 26B-A4B's
+# four experts (top 2) beside every layer's MLP
+GEMMA4 = ("gemma4", "gemma4_e", "gemma4_moe")
+TINY_GEMMA4 = dict(
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    final_logit_softcapping=3.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    },
+    tie_word_embeddings=True,
+    architectures=["Gemma4ForCausalLM"],
+)
+
+
+def tiny_gemma4_config(kind: str):
+    from transformers import Gemma4TextConfig
+
+    sliding, full = "sliding_attention", "full_attention"
+    if kind == "gemma4":
+        layers = [sliding, sliding, full, sliding, sliding, full]
+        extra = dict(num_key_value_heads=4, attention_k_eq_v=True, num_global_key_value_heads=1)
+    elif kind == "gemma4_e":
+        layers = [sliding, sliding, full, sliding, full, sliding, full]
+        extra = dict(
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=TINY["vocab_size"],
+        )
+    else:
+        layers = [sliding, sliding, full, sliding, full]
+        extra = dict(
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        )
+    shape = {**TINY, "num_hidden_layers": len(layers), "num_key_value_heads": extra.pop("num_key_value_heads", 2)}
+    if kind != "gemma4_e":
+        extra["hidden_size_per_layer_input"] = 0
+    return Gemma4TextConfig(**shape, **TINY_GEMMA4, layer_types=layers, **extra)
 
 
 # Gated DeltaNet hybrids: layers 0-2 linear, 3 full, 4 linear (a second period begun); two key heads of 16, four value
@@ -148,7 +202,9 @@ def tiny_hybrid_config(kind: str):
     elif kind == "qwen3_5_moe":
         config = Qwen3_5MoeTextConfig(**shape, **experts, tie_word_embeddings=False)
     else:  # layer 1 dense (mlp_only_layers), the others sparse
-        config = Qwen3NextConfig(**shape, **experts, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False)
+        config = Qwen3NextConfig(
+            **shape, **experts, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False
+        )
     config.architectures = [
         {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(kind, "Qwen3NextForCausalLM")
     ]
@@ -191,6 +247,18 @@ def make_tiny_model_dir(path: Path, kind: str, seed: int = 0, vocab_size: int | 
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
+    if kind in GEMMA4:  # norms and scales (HF's ones) made to matter, the router decisive
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "router.scale")):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("router.per_expert_scale"):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("router.proj.weight"):
+                    p.mul_(4.0)
+            for name, b in model.named_buffers():
+                if name.endswith("layer_scalar"):
+                    b.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     builtin_tokenizer(config.vocab_size).save_pretrained(path)
     return path
