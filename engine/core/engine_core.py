@@ -241,11 +241,6 @@ class EngineCore:
         """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses."""
         if spec is None:
             return None
-        if self.model_config.linear_layers:
-            raise ValueError(
-                f"speculative decoding of {self.model_config.architecture} is not supported yet: its recurrent layers "
-                "cannot take back the state of rejected drafts"
-            )
         if spec.method == "eagle3":
             executor = self.executor
             draft = load_eagle3(executor.draft_dir, self.max_model_len, executor.dtype, executor.device)

@@ -146,19 +146,22 @@ class Scheduler:
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
-            if self.drafter is not None:  # a decode (its tokens all known, no history to sync) verifies drafts
-                drafting = n == 1 and not pending and not request.needs_sync and self._drafting()
-                request.spec_token_ids = self._draft(request, budget - 1) if drafting else []
-                n += len(request.spec_token_ids)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
+            if self.drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
+                drafting = not pending and num_computed + n == len(all_token_ids) and not request.needs_sync
+                request.spec_token_ids = self._draft(request, budget - n) if drafting and self._drafting() else []
+                n += len(request.spec_token_ids)
+                if request.spec_token_ids and self.states is not None:  # (its state, to go back to if one is rejected)
+                    self.states.states.backup(request.request_id)
             fits = allocate_slots(
                 request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + n)
             )
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
-                n, request.spec_token_ids = 1, []
+                n -= len(request.spec_token_ids)
+                request.spec_token_ids = []
                 fits = allocate_slots(
-                    request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + 1)
+                    request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + n)
                 )
             if not fits and not self._preempt_for(request, n, preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
@@ -244,8 +247,12 @@ class Scheduler:
                 self.num_spec_steps += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(accepted)
-                if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0 anyway)
-                    request.num_computed_tokens -= len(drafts) - len(accepted)
+                if request.status == RequestStatus.RUNNING and len(accepted) < len(drafts):
+                    if self.states is not None:  # a recurrent state cannot drop tokens: back to before the step
+                        request.num_computed_tokens = output.num_computed_tokens[i]
+                        self.states.states.restore_backup(request.request_id)
+                    else:  # (their KV is written over next step)
+                        request.num_computed_tokens -= len(drafts) - len(accepted)
                 tokens = [*accepted, token]
                 request.spec_token_ids = []
             for token in tokens:

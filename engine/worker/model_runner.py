@@ -331,7 +331,8 @@ class ModelRunner:
         """Copy rows of every recurrent layer's state tensors, (from, to) pairs, in the step's stream order."""
         if not copies:
             return
-        if len({b for _, b in copies}) < len(copies):  # a row written twice: the later copy wins, so one at a time
+        targets = {b for _, b in copies}
+        if len(targets) < len(copies) or targets & {a for a, _ in copies}:  # (order matters: one at a time)
             for pair in copies:
                 self.copy_states([pair])
             return
@@ -367,10 +368,12 @@ class ModelRunner:
         for num_tokens in (16, 64):
             self._dummy_forward(min(num_tokens, longest), False, "none")
         most = min(self.inputs.max_reqs, self.inputs.max_tokens)  # a decode: one request a token, at position 0
-        kv_heads, head_dim = self.kv_caches[0].shape[-2:]
-        heads = kv_heads * (self.model.config.num_heads // self.model.config.num_kv_heads)  # on this GPU
-        smallest_of = {self.backend.decode_variant(n, heads, kv_heads, head_dim): n for n in range(most, 0, -1)}
-        for num_reqs in sorted({*smallest_of.values(), most if self.device.type == "cuda" else min(4, most)}):
+        heads = next(layer.self_attn.num_heads for layer in self.model.model.layers if hasattr(layer, "self_attn"))
+        sizes = {most if self.device.type == "cuda" else min(4, most)}
+        for kv_heads, head_dim in {tuple(cache.shape[-2:]) for cache in self.kv_caches}:  # (Gemma 4's are two)
+            smallest_of = {self.backend.decode_variant(n, heads, kv_heads, head_dim): n for n in range(most, 0, -1)}
+            sizes |= set(smallest_of.values())
+        for num_reqs in sorted(sizes):  # (heads: this GPU's query heads)
             self._dummy_forward(num_reqs, True, "none")
         if self.device.type == "cuda":  # the argmax kernel's variants: of the logits, and of float32 (sampling)
             for dtype in {next(self.model.parameters()).dtype, torch.float32}:

@@ -194,3 +194,39 @@ def test_the_triton_kernels_in_the_model_match_hf(tiny_qwen3_5_dir, monkeypatch)
     llm = LLM(str(tiny_qwen3_5_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=7)
     prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     assert_greedy_matches_hf(hf, prompts, llm.generate(prompts, params, use_tqdm=False), 6, TOL)
+
+
+def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
+    """Speculative decoding on the hybrid: a step verifying drafts keeps its requests' states in backup rows; where a
+    draft is rejected the state goes back and the kept tokens are computed again. Drafts from an oracle (the run
+    without drafts' tokens, every other proposal's last token wrong): tokens and logprobs equal that run's."""
+    plain = LLM(str(tiny_qwen3_5_dir), enforce_eager=True, max_model_len=256)
+    want = {tuple(p): o.outputs[0] for p, o in zip(PROMPTS, plain.generate(PROMPTS, GREEDY, use_tqdm=False))}
+
+    class Oracle:
+        calls = 0
+
+        def propose(self, token_ids, limit):
+            for prompt, output in want.items():
+                if tuple(token_ids[: len(prompt)]) == prompt:
+                    done = len(token_ids) - len(prompt)
+                    draft = list(output.token_ids[done : done + min(3, limit)])
+                    Oracle.calls += 1
+                    if draft and Oracle.calls % 2:
+                        draft[-1] = (draft[-1] + 1) % 512
+                    return draft
+            return []
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_qwen3_5_dir), enforce_eager=True, max_model_len=256, speculative_config=spec)
+    llm.engine.scheduler.drafter = Oracle()
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    for prompt, output in zip(PROMPTS, outputs):
+        got, expected = output.outputs[0], want[tuple(prompt)]
+        assert got.token_ids == expected.token_ids
+        assert all(
+            abs(a[t].logprob - b[t].logprob) < TOL for a, b, t in zip(got.logprobs, expected.logprobs, got.token_ids)
+        )
+    assert_nothing_held(llm)
