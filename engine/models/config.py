@@ -6,7 +6,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.engine.models.quant_config import QuantConfig, parse_checkpoint_quantization
+from kiln.engine.models.quant_config import (
+    QuantConfig,
+    UnsupportedQuantization,
+    parse_checkpoint_quantization,
+    quant_method,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +29,13 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
     "Gemma4ForCausalLM",
+    "GptOssForCausalLM",
 )
 # Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# mixtures whose experts (moe.py `Experts`) take FP8 weights: an FP8 checkpoint's, or `--quantization fp8`'s
+_FP8_EXPERTS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_FP8_EXPERTS += ("Qwen3NextForCausalLM",)
 # multimodal checkpoints served as their language model (the loader skips the vision tower; warned once)
 _LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
@@ -34,6 +43,7 @@ _LANGUAGE_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+_GPT_OSS = "GptOssForCausalLM"  # (gpt_oss.py: attention sinks, biased experts, MXFP4 checkpoints)
 # the attention of each mixture of experts is its dense sibling's
 _ATTENTION_OF = {
     "MixtralForCausalLM": "MistralForCausalLM",
@@ -108,6 +118,14 @@ class ModelConfig:
     double_wide_mlp: bool = False
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # gpt-oss (gpt_oss.py): biases on the router and the experts, whose SwiGLU is clamped at `swiglu_limit` (the gate
+    # above, the up projection both sides), gated by sigmoid(`swiglu_alpha` x) and times up + 1; a learned sink a head
+    # in each attention's softmax; with `mxfp4_experts` the experts as OpenAI publishes them (e2m1 values, an e8m0
+    # scale a 32), kept so on the device
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attention_sinks: bool = False
+    mxfp4_experts: bool = False
 
     @classmethod
     def from_hf(cls, hf_config: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -126,6 +144,8 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or '(none given)'}; Kiln supports {list(SUPPORTED_ARCHITECTURES)}"
             )
+        if quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4" and arch != _GPT_OSS:
+            raise UnsupportedQuantization(f"quantization_config with quant_method 'mxfp4' is gpt-oss's, not {arch}'s")
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         local_rope = rope.pop("sliding_attention", None)  # Gemma 3: RoPE parameters per layer type
         rope = dict(rope.pop("full_attention", rope))
@@ -168,7 +188,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if attention == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM") else False,
+            o_bias=attention_bias if attention in ("LlamaForCausalLM", "MistralForCausalLM", _GPT_OSS) else False,
             qk_norm=attention in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
             or arch in HYBRID_ARCHITECTURES,
             eos_token_ids=tuple(eos_token_ids),
@@ -179,11 +199,14 @@ class ModelConfig:
             **(_gemma(hf_config, local_rope) if gemma else {}),
             **(_hybrid(hf_config, rope, head_dim) if arch in HYBRID_ARCHITECTURES else {}),
             **_experts(arch, hf_config),
+            **(_gpt_oss(hf_config) if arch == _GPT_OSS else {}),
         )
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.num_experts:
-            raise ValueError("FP8 quantization of a mixture of experts is not supported yet: serve its 16-bit weights")
+        if self.quantization is not None and self.num_experts and self.architecture not in _FP8_EXPERTS:
+            raise ValueError(
+                f"FP8 quantization of {self.architecture}'s experts is not supported: serve its 16-bit weights"
+            )
         if self.quantization is not None and self.linear_layers:
             raise ValueError(
                 f"FP8 quantization of {self.architecture} (a Gated DeltaNet hybrid) is not supported yet: serve its "
@@ -366,6 +389,22 @@ def _gemma4(hf_config: Any) -> dict[str, Any]:
         per_layer_input_size=per_layer_input,
         per_layer_vocab_size=hf_config.vocab_size_per_layer_input if per_layer_input else 0,
         **experts,
+    )
+
+
+def _gpt_oss(hf_config: Any) -> dict[str, Any]:
+    """gpt-oss's fields (see ModelConfig): every layer sparse, the top-k logits' softmax (the top-k of the whole
+    softmax, renormalised), the experts `intermediate_size` wide."""
+    return dict(
+        num_experts=hf_config.num_local_experts,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=hf_config.intermediate_size,
+        moe_layers=tuple(range(hf_config.num_hidden_layers)),
+        norm_topk_prob=True,
+        swiglu_alpha=float(hf_config.swiglu_alpha),
+        swiglu_limit=float(hf_config.swiglu_limit),
+        attention_sinks=True,
+        mxfp4_experts=quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4",
     )
 
 

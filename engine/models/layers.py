@@ -194,7 +194,47 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "proportional":
         return _proportional_inv_freq(head_dim, base, scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; Kiln supports default, linear, llama3 and proportional")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling)
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r}; Kiln supports default, linear, llama3, proportional and yarn"
+    )
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies the cos and sin by (its `attention_factor`, by default 0.1 ln(factor) + 1, as Hugging
+    Face computes it); 1 for the other RoPE types."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen's long contexts): frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor`, those turning more than `beta_fast` times kept, a linear ramp between (its ends
+    rounded outwards unless `truncate` is false, as gpt-oss has it)."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the pair index that turns `rotations` times over the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (no division by zero)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def _proportional_inv_freq(head_dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -230,8 +270,9 @@ class RotaryEmbedding(FusedKernelsMixin, nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(scaling)
         # NOTE: float32 and not a parameter: the loader never touches it, and `model.to(dtype)` keeps it.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """What `rotate` needs for these positions. The model looks up once per forward and every layer

@@ -185,7 +185,7 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
         shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
         if not _shape_fits(shape, expected):
             raise WeightLoadError(f"{file_name}: tensor {name!r} has shape {shape}, expected {expected}")
-        fp8_weight = param_name == "weight" and quantization.is_fp8(module)
+        fp8_weight = getattr(module, param_name).dtype == quantization.FP8_DTYPE  # (a layer's weight, experts' w13, w2)
         if fp8_weight and not quantization.quantized_at_load(module) and _dtype_name(source) != "F8_E4M3":
             raise WeightLoadError(f"{file_name}: tensor {name!r} is {_dtype_name(source)}, expected F8_E4M3")
         load_part(module, param_name, source, shard)
@@ -212,8 +212,11 @@ def _dtype_name(source: Any) -> str:
     return {torch.float8_e4m3fn: "F8_E4M3"}.get(source.dtype, str(source.dtype).removeprefix("torch."))
 
 
-# One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py)
-_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# One expert's projection (Qwen's names, Mixtral's w1/w3/w2), stacked into the layer's w13 or w2 (moe.py), and an
+# FP8 expert's scales of it, into w13_scale or w2_scale
+_EXPERT = re.compile(
+    r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|weight_scale)$"
+)
 _EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
 _EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
 
@@ -230,7 +233,8 @@ def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
         name = name.removesuffix("_inv")
     if (expert := _EXPERT.match(name)) and expert["proj"] in _EXPERT_PARTS:
         param, part = _EXPERT_PARTS[expert["proj"]]
-        return f"{expert['layer']}.mlp.experts.{param}", (int(expert["expert"]), part)
+        scale = "_scale" if expert["kind"] == "weight_scale" else ""
+        return f"{expert['layer']}.mlp.experts.{param}{scale}", (int(expert["expert"]), part)
     for hf_name, (fused, shard) in model.stacked_params.items():
         if f".{hf_name}." in name:
             return name.replace(hf_name, fused), shard
