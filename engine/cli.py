@@ -102,6 +102,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split each layer across N GPUs (ranks 1..N-1 run in worker processes)",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=d.data_parallel_size,
+        help="(kiln serve) N engine cores behind the one API server, each a whole copy of the model on GPUs of its "
+        "own (N x --tensor-parallel-size in all); requests go where their prefix is cached, else to the least loaded",
+    )
+    parser.add_argument(
         "--generation-config",
         default=d.generation_config,
         choices=("auto", "vllm"),

@@ -57,6 +57,7 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: a vLLM-like list up to 2 * max_num_seqs
     async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
+    data_parallel_size: int = 1  # `kiln serve`: engine cores behind the API server, each a whole copy of the model
     generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
     cpu_threads: int | None = None  # threads a rank computes with on the CPU (default: the free cores less one)
     # compiled grammars the engine keeps for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB); one may take a quarter
@@ -84,6 +85,7 @@ class EngineConfig:
             "block_size",
             "kv_cache_memory_bytes",
             "tensor_parallel_size",
+            "data_parallel_size",
             "cpu_threads",
             "xgrammar_cache_mb",
         ):

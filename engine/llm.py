@@ -60,6 +60,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
+        if self.config.data_parallel_size != 1:
+            raise ValueError("data_parallel_size is `kiln serve`'s (engine cores behind one server); LLM runs one")
         # The tokenizer and generation_config.json before the model: a missing or bad one fails before the load and
         # compile
         path = tokenizer_dir_of(self.config)

@@ -26,6 +26,7 @@ class EngineCoreArgs:
     input_address: str  # ZMQ endpoints it binds: requests in, outputs out
     output_address: str
     parent_pid: int  # the API server: when it is gone, the engine stops
+    data_parallel_rank: int = 0  # which of --data-parallel-size engine cores this is (its KV events say so)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

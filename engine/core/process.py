@@ -37,11 +37,12 @@ LOG_INTERVAL = 10.0  # seconds between the periodic lines
 
 def main() -> None:
     """Entry point of the engine-core process. Sends `Ready` (or `StartupFailed`, with the reason in a line)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     # NOTE: SIGHUP is the API server's (it reloads --api-keys-file); one sent to the whole process group must
     # not kill the engine under a server that lives on. Without the server the engine stops by itself.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     args = messages.EngineCoreArgs.from_json(sys.stdin.read())
+    name = "engine-core" if args.data_parallel_rank == 0 else f"engine-core-{args.data_parallel_rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
     context = zmq.Context()
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
@@ -51,7 +52,7 @@ def main() -> None:
     try:
         config = args.engine_config()
         core = EngineCore(config)
-        kv_events = _kv_event_publisher(core, config.kv_events_config)
+        kv_events = _kv_event_publisher(core, config.kv_events_config, args.data_parallel_rank)
     except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as e:
         # a bad model or setting: the server says it in a line and exits, as `kiln generate` does
         if core is not None:
@@ -100,10 +101,10 @@ def _remove_ipc_folder(*addresses: str) -> None:
         os.rmdir(os.path.dirname(paths[0]))
 
 
-def _kv_event_publisher(core: EngineCore, config: KVEventsConfig | None) -> KVEventPublisher | None:
+def _kv_event_publisher(core: EngineCore, config: KVEventsConfig | None, rank: int) -> KVEventPublisher | None:
     if config is None or not config.enabled:
         return None
-    return KVEventPublisher(config, core.kv_cache_manager.block_pool.record_kv_events())
+    return KVEventPublisher(config, core.kv_cache_manager.block_pool.record_kv_events(), rank)
 
 
 def _busy_loop(

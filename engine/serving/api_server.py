@@ -40,7 +40,7 @@ from kiln.engine.serving.completion import (
     encode_prompt,
     run_request,
 )
-from kiln.engine.serving.engine_client import AsyncEngineClient
+from kiln.engine.serving.data_parallel import engine_client
 from kiln.engine.serving.http_server import Runner, check_port_free, error_response, raise_open_files_limit
 from kiln.engine.serving.metrics import KeyMetrics, ServerMetrics
 from kiln.engine.serving.openai_requests import APIError, parse_chat, parse_completion
@@ -158,7 +158,7 @@ def _authorization(request: web.Request) -> str:
 
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    if not state.client.alive:
+    if not state.client.alive or state.client.death is not None:  # (a data-parallel core's death too)
         return web.json_response({"status": "engine dead", "reason": state.client.death}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -172,7 +172,7 @@ async def version(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body, content_type = state.metrics.render(state.client.stats, state.client.alive)
+    body, content_type = state.metrics.render(state.client.stats, state.client.alive, state.client.engine_stats)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -352,7 +352,7 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
     """Start the engine core, serve until SIGTERM/SIGINT, drain, stop the engine, return 0.
     SIGHUP reloads `server.api_keys_file`. A stream left unread for `server.stream_idle_timeout` seconds is aborted."""
     name = server.served_model_name or config.model
-    server_metrics = ServerMetrics(name)
+    server_metrics = ServerMetrics(name, config.data_parallel_size)
     # A bad key file, tokenizer folder or generation_config.json fails here, before the engine spends minutes starting.
     keys = None
     if server.api_keys_file is not None:
@@ -367,7 +367,7 @@ async def serve(config: EngineConfig, server: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client = AsyncEngineClient(config, server.engine_timeout)
+    client = engine_client(config, server.engine_timeout)
     starting, stopping = asyncio.ensure_future(client.start()), asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # SIGTERM while the engine starts: it is stopped too (`start` kills it when cancelled)
@@ -401,7 +401,7 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
         server.api_key,
         ready.max_model_len,
         server_metrics,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=config.max_num_seqs * config.data_parallel_size,
         max_num_queued_requests=server.max_num_queued_requests,
         max_sequences_per_request=server.max_sequences_per_request,
         max_prompt_logprob_rows=server.max_prompt_logprob_rows,

@@ -31,6 +31,7 @@ from kiln.engine.text.special_text import PromptTooLong, SpecialText
 
 if TYPE_CHECKING:
     from kiln.engine.serving.api_keys import KeyState
+    from kiln.engine.serving.data_parallel import DataParallelClient
     from kiln.engine.serving.reasoning import ReasoningParser
     from kiln.engine.serving.responses_api import ResponseShape
     from kiln.engine.serving.tool_parsers import ToolParser
@@ -43,7 +44,7 @@ DEFAULT_CHAT_TEMPLATE = (
 
 @dataclass
 class ServerState:
-    client: AsyncEngineClient
+    client: AsyncEngineClient | DataParallelClient
     tokenizer: Any
     served_model_name: str
     api_key: str | None
@@ -310,6 +311,7 @@ async def run_request(
             # each of the n choices draws its own stream; a seed's range is that of a torch.Generator
             seed = None if params.seed is None else (params.seed + j) % 2**64
             state.client.add_request(rid, choice.prompt_ids, dict(wire, seed=seed), queue)
+            choice.engine = state.client.engine_index(rid)
         if params.structured_output is not None:  # (a grammar that fails is a 400 naming its parameter)
             await _first_word(queue, parsed.constraint_param or "response_format")
         if shape is not None:

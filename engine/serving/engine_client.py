@@ -81,8 +81,17 @@ def _decoded(frame: bytes) -> Any:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, engine_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_timeout: float = 60.0,
+        data_parallel_rank: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`data_parallel_rank` and `env` (set in the engine core's environment): one of --data-parallel-size cores."""
         self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self.env = env
         # NOTE: the engine core's heartbeat thread sends a word each second, however long its step; this long
         # without one means the process has stopped (e.g. SIGSTOP)
         self.engine_timeout = engine_timeout
@@ -100,12 +109,17 @@ class AsyncEngineClient:
 
     async def start(self, timeout: float = 3600.0) -> messages.Ready:
         args = messages.EngineCoreArgs(
-            dataclasses.asdict(self.config), self.input_address, self.output_address, os.getpid()
+            dataclasses.asdict(self.config),
+            self.input_address,
+            self.output_address,
+            os.getpid(),
+            self.data_parallel_rank,
         )
         # -P: the working directory does not go first on the engine core's module path (nothing there can shadow
         # a package it imports)
         command = [sys.executable, "-P", "-m", "kiln.engine.core"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
+        env = None if self.env is None else {**os.environ, **self.env}
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True, env=env)
         self.process.stdin.write(args.to_json())
         self.process.stdin.close()
         self.context = zmq.asyncio.Context()
@@ -154,6 +168,15 @@ class AsyncEngineClient:
 
     def release(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
+
+    def engine_index(self, request_id: str) -> int:
+        """The engine core a request runs on (always 0: one core)."""
+        return 0
+
+    @property
+    def engine_stats(self) -> dict[int, dict[str, float]]:
+        """Each core's latest stats, by index."""
+        return {0: self.stats}
 
     def fail_all(self, error: Exception) -> None:
         """End every open request with `error` (its handler turns it into an error response)."""

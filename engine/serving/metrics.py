@@ -19,7 +19,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5,
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -79,7 +79,7 @@ class ServerMetrics:
         )
         self.model = model_name
         self._itl = self.itl.labels(model_name)  # observed for every token: look its child up once
-        self.vllm = VllmMetrics(r, model_name)
+        self.vllm = VllmMetrics(r, model_name, range(num_engines))
 
     def engine_started(self, ready: Ready, config: EngineConfig) -> None:
         self.model_info.labels(self.model, ready.startup_stats.get("quantization") or "none").set(1)
@@ -100,11 +100,11 @@ class ServerMetrics:
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
 
-    def inter_token(self, seconds: float, num_tokens: int) -> None:
+    def inter_token(self, seconds: float, num_tokens: int, engine: int = 0) -> None:
         # Merged outputs (several tokens in one message) share the gap evenly.
         for _ in range(num_tokens):
             self._itl.observe(seconds / num_tokens)
-        self.vllm.inter_token(seconds, num_tokens)
+        self.vllm.inter_token(seconds, num_tokens, engine)
 
     def request_finished(self, seconds: float, choices: Iterable[Any]) -> None:
         self.requests.labels(self.model).inc()
@@ -115,7 +115,10 @@ class ServerMetrics:
                 self.ttft.labels(self.model).observe(max(0.0, choice.first_token_time - choice.start_time))
         self.vllm.request_finished(seconds, choices)
 
-    def render(self, stats: dict[str, float], engine_alive: bool = True) -> tuple[bytes, str]:
+    def render(
+        self, stats: dict[str, float], engine_alive: bool = True, engine_stats: dict[int, dict] | None = None
+    ) -> tuple[bytes, str]:
+        """`stats`: all engine cores' in one; `engine_stats`: each core's (vLLM's series are per core)."""
         m = self.model
         self.engine_alive.labels(m).set(int(engine_alive))
         self.running.labels(m).set(stats.get("running", 0))
@@ -137,7 +140,7 @@ class ServerMetrics:
         accepted = stats.get("spec_accepted_tokens", 0)
         self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
         self.spec_mean_length.labels(m).set(1.0 + accepted / drafts if drafts else 0.0)
-        self.vllm.render({0: stats})
+        self.vllm.render(engine_stats if engine_stats is not None else {0: stats})
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -43,6 +43,7 @@ class Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
+    engine: int = 0  # the engine core it runs on (--data-parallel-size)
     reply: ChatReply | None = None  # chat whose text is read for reasoning or tool calls
 
     def reply_finish_reason(self) -> str | None:
@@ -84,7 +85,7 @@ def apply_output(state: ServerState, choice: Choice, out: messages.EngineCoreOut
     if choice.first_token_time is None:
         choice.first_token_time = now
     elif out.new_token_ids:
-        state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids))
+        state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids), choice.engine)
     choice.last_token_time = now
     choice.token_ids.extend(out.new_token_ids)
     if choice.key is not None and out.new_token_ids:

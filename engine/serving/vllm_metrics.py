@@ -196,10 +196,10 @@ class VllmMetrics:
         for _ in range(num_tokens):
             itl.observe(seconds / num_tokens)
 
-    def request_finished(self, seconds: float, choices: Iterable[Any], engine: int = 0) -> None:
-        """Each choice is an engine request of its own, as vLLM counts them."""
-        labels = (self.model, str(engine))
+    def request_finished(self, seconds: float, choices: Iterable[Any]) -> None:
+        """Each choice is an engine request of its own, as vLLM counts them, under the core it ran on."""
         for choice in choices:
+            labels = (self.model, str(choice.engine))
             self.request_success.labels(*labels, choice.finish_reason or "abort").inc()
             self.e2e.labels(*labels).observe(seconds)
             num_generated = len(choice.token_ids)
