@@ -7,9 +7,9 @@ held by another block changes nothing and is not sent, so a subscriber sees each
 removed. The engine core takes the events after each step and publishes them as one batch (engine/kv_events).
 
 On the wire each event is what vLLM sends: a msgpack map tagged under "type" (vLLM since its PR #42892, v0.34.0
-among them; the only form vllm-router's kv_aware policy reads), or, with the config's "layout": "array", the positional array vLLM sent
-before (its `KVCacheEvent` structs were `array_like=True`), for subscribers that read only that. llm-d's and SMG's
-decoders read both.
+among them; the only form vllm-router's kv_aware policy reads), or, with the config's "layout": "array", the
+positional array vLLM sent before (its `KVCacheEvent` structs were `array_like=True`), for subscribers that read
+only that. llm-d's and SMG's decoders read both.
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None, "token_ids": [...],
      "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
