@@ -26,6 +26,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
 from kiln.engine.spec_decode.eagle3 import load_eagle3
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
+from kiln.engine.spec_decode.mtp import load_mtp
 from kiln.engine.spec_decode.ngram import NgramProposer
 from kiln.engine.structured_output.admission import GrammarAdmission
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
@@ -241,6 +242,22 @@ class EngineCore:
         """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses."""
         if spec is None:
             return None
+        if spec.method == "mtp":
+            executor = self.executor
+            if not self.model_config.linear_layers or executor.shard.size > 1 or executor.load_format == "dummy":
+                raise ValueError(
+                    "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships, on "
+                    "one rank (tensor parallelism: not yet)"
+                )
+            draft = load_mtp(
+                executor.source.model_dir,
+                executor.load_format,
+                self.model_config,
+                executor.model,
+                executor.dtype,
+                executor.device,
+            )
+            return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         if spec.method == "eagle3":
             executor = self.executor
             draft = load_eagle3(executor.draft_dir, self.max_model_len, executor.dtype, executor.device)

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "eagle3")  # drafters Kiln has; the others are refused with a reason (not yet)
-NOT_YET = ("eagle", "mtp", "medusa", "draft_model", "suffix")
+METHODS = ("ngram", "eagle3", "mtp")  # drafters Kiln has; the others are refused with a reason (not yet)
+NOT_YET = ("eagle", "medusa", "draft_model", "suffix")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown keys {unknown}; Kiln reads {sorted(known)}")
         method = value.get("method")
         if method in NOT_YET:
-            raise ValueError(f"speculative_config: method {method!r} is not supported yet; use 'ngram' or 'eagle3'")
+            raise ValueError(
+                f"speculative_config: method {method!r} is not supported yet; use 'ngram', 'eagle3' or 'mtp'"
+            )
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; choose one of {list(METHODS)}")
         config = cls(**{"num_speculative_tokens": None, **value})

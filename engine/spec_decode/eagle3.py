@@ -124,6 +124,18 @@ class Eagle3Draft(nn.Module):
         prenorm = x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
         return self.norm(prenorm), prenorm
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def first_hidden(self, runner, rows: torch.Tensor) -> torch.Tensor:
+        """The first pass's states: fc of the three target layers' states at the step's kept rows."""
+        return self.fc(runner.aux_hidden[rows].to(self.fc.weight.dtype))
+
     def draft_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """The greedy draft token of each row, in the target's vocabulary."""
         best = self.lm_head(normed).argmax(dim=-1)

@@ -1,5 +1,5 @@
-"""EAGLE-3 drafting: after each step, the draft head runs over what the target just computed, then k - 1 more times
-one token a request, and each decoding request's next step verifies what it proposed.
+"""EAGLE-3 and MTP drafting: after each step, the draft runs over what the target just computed, then k - 1 more
+times one token a request, and each decoding request's next step verifies what it proposed.
 
 For request i whose step covered positions c .. c + n - 1 and kept `valid` of them (a verifying step drops its
 rejected drafts' positions), the first pass reads, at each position p, the token at p + 1 and the target's states at
@@ -24,6 +24,7 @@ import torch
 from kiln.backends.attention import ForwardContext, set_forward_context
 from kiln.engine.core.request import RequestStatus
 from kiln.engine.spec_decode.eagle3 import Eagle3Draft
+from kiln.engine.spec_decode.mtp import MtpDraft
 from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -34,11 +35,14 @@ if TYPE_CHECKING:
 class EagleProposer:
     drafts_after_step = True  # (the scheduler takes a request's drafts as this proposer left them)
 
-    def __init__(self, draft: Eagle3Draft, num_speculative_tokens: int, runner: ModelRunner, num_blocks: int) -> None:
+    def __init__(
+        self, draft: Eagle3Draft | MtpDraft, num_speculative_tokens: int, runner: ModelRunner, num_blocks: int
+    ) -> None:
+        """`draft`: an EAGLE-3 head or a model's MTP layer (mtp.py): `forward(ids, positions, hidden)`,
+        `first_hidden(runner, rows)`, `draft_tokens(normed)`."""
         self.draft, self.k, self.runner = draft, num_speculative_tokens, runner
-        config = draft.config
-        dtype = draft.qkv_proj.weight.dtype
-        shape = (2, num_blocks, runner.block_size, config.num_kv_heads, config.head_dim)
+        dtype = next(draft.parameters()).dtype
+        shape = (2, num_blocks, runner.block_size, draft.num_kv_heads, draft.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         self.lookahead = num_speculative_tokens  # positions the chain writes past a step's
 
@@ -69,8 +73,7 @@ class EagleProposer:
         if not rows:
             return
         device = self.runner.device
-        states = self.runner.aux_hidden[torch.tensor(rows, device=device)]
-        hidden = self.draft.fc(states.to(self.draft.fc.weight.dtype))
+        hidden = self.draft.first_hidden(self.runner, torch.tensor(rows, device=device))
         normed, prenorm = self._pass(np.asarray(ids), np.asarray(computed), np.asarray(num_new), tables, hidden)
         if not decoding:
             return

@@ -89,6 +89,7 @@ class ModelRunner:
         self.device = device
         self.recurrent_states = recurrent_states
         self.aux_hidden: torch.Tensor | None = None  # EAGLE-3: the target layers' states a step leaves (startup.py)
+        self.last_hidden: torch.Tensor | None = None
         self.sampler = Sampler()
         self._grammar_bitmask: GrammarBitmask | None = None  # made for the first batch with a grammar
         self.tp_workers = tp_workers
@@ -132,6 +133,7 @@ class ModelRunner:
         before, after = batch.state_copies
         self.copy_states(before)  # (a prefix hit's snapshot into its request's slot)
         hidden, head = self.forward(metadata, plan)
+        self.last_hidden = hidden  # (an MTP drafter's first states; valid until the next forward)
         self.copy_states(after)  # (snapshots of states the step leaves on a block boundary)
         if handle.sample_rows and drafts is not None:
             self._verify_drafts(batch, handle, hidden, *drafts)

@@ -230,3 +230,33 @@ def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
             abs(a[t].logprob - b[t].logprob) < TOL for a, b, t in zip(got.logprobs, expected.logprobs, got.token_ids)
         )
     assert_nothing_held(llm)
+
+
+def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch):
+    """speculative_config method mtp: the MTP layer the checkpoint ships proposes what transformers' own decoder layer
+    wired as Qwen's MTP proposes, and greedy output with its drafts equals the run without them."""
+    from helpers.mtp import add_mtp_layer, reference_mtp_drafts
+
+    from kiln.engine.spec_decode.eagle_proposer import EagleProposer
+
+    model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
+    proposals = []
+    after_step = EagleProposer.after_step
+
+    def recording(self, batch, result):
+        after_step(self, batch, result)
+        proposals.append([list(r.spec_token_ids) for r in batch.requests])
+
+    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    llm = LLM(str(model_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=64, speculative_config=spec)
+    prompt = PROMPTS[2]
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0].outputs[0]
+    drafted = next(p[0] for p in proposals if p and p[0])  # (the step that sampled the first token: the prefill's last)
+    assert drafted == reference_mtp_drafts(model_dir, prompt, first.token_ids[0], 3)
+    plain = LLM(str(model_dir), enforce_eager=True, max_model_len=256).generate(PROMPTS, GREEDY, use_tqdm=False)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert_nothing_held(llm)
