@@ -1,7 +1,9 @@
 """The KV cache's capacity in tokens of context, as start-up sizes it, against the same memory with every layer
-global: a model mixing sliding and full layers (Gemma 3) holds only its windows in the sliding ones.
+global: a model mixing sliding and full layers (Gemma 3, Gemma 4) holds only its windows in the sliding ones, and
+Gemma 4's shared layers hold none.
 
     python scripts/bench/bench_kv_capacity.py --model gemma-3-27b --max-model-len 32768
+    python scripts/bench/bench_kv_capacity.py --model gemma-4-31b --max-model-len 32768
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ def main() -> None:
         stats, executor = llm.engine.startup_stats, llm.engine.executor
         spec = executor.kv_spec
         blocks, tokens = stats["num_kv_blocks"], stats["kv_cache_tokens"]
-    # every layer global: the same bytes in blocks of every layer's page, each block a block_size of context
-    all_global = (blocks - 1) * spec.num_slots // spec.num_layers * spec.block_size
+    # every layer global, each with KV of its own (Gemma 4's shared layers too): the same bytes, a token of context
+    # the K and V rows of every layer
+    config = executor.model_config
+    rows = [config.kv_heads_of(layer) * config.head_dim_of(layer) for layer in config.attention_layers]
+    rows += [
+        rows[config.attention_layers.index(config.kv_source_of(layer))]
+        for layer in range(config.num_layers)
+        if config.kv_source_of(layer) != layer
+    ]
+    all_global = (blocks - 1) * spec.bytes_per_block // (2 * sum(rows) * spec.dtype.itemsize)
     row = {
         "model": args.model,
         "kv_blocks": blocks,

@@ -62,12 +62,16 @@ def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
         row = embed.shape[1] * embed.element_size()
         weights -= embed.numel() * embed.element_size() - min(num_tokens, embed.shape[0]) * row
     for layer in model.model.layers:
-        if not isinstance(layer.mlp, SparseMoeBlock):
+        if isinstance(layer.mlp, SparseMoeBlock):
+            w13, w2, top_k = layer.mlp.experts.w13, layer.mlp.experts.w2, layer.mlp.top_k
+        elif hasattr(layer, "experts"):  # (Gemma 4's, beside the dense MLP)
+            w13, w2, top_k = layer.experts.gate_up_proj, layer.experts.down_proj, layer.top_k
+        else:
             continue
-        experts, top_k = layer.mlp.experts, layer.mlp.top_k
-        per_expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
-        chosen = experts.num_experts * (1 - (1 - top_k / experts.num_experts) ** num_tokens)
-        weights -= int((experts.num_experts - chosen) * per_expert)
+        num_experts = w13.shape[0]
+        per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        chosen = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+        weights -= int((num_experts - chosen) * per_expert)
     return weights
 
 
@@ -95,11 +99,14 @@ def step_bytes(llm: LLM, batch: int, prompt_len: int = PROMPT_LEN, decode_steps:
     weights = weight_bytes_read(executor.model, batch)
     states = 2 * recurrent_state_bytes(c, executor.shard.size, executor.dtype.itemsize) * batch
     avg_context = prompt_len + decode_steps / 2
-    kv_heads = kv_heads_per_rank(c.num_kv_heads, executor.shard.size)  # under TP: what one GPU reads
     kv_bytes = executor.kv_spec.dtype.itemsize
-    # a sliding layer reads only its window's keys; a hybrid's linear layers keep no KV
-    context = sum(min(avg_context, c.window_of(layer) or avg_context) for layer in c.attention_layers)
-    kv = 2 * kv_heads * c.head_dim * kv_bytes * context * batch
+    # a sliding layer reads only its window's keys; a hybrid's linear layers keep no KV; Gemma 4's layers have heads of
+    # two sizes, and its shared layers read their source's KV again
+    kv = 0
+    for layer in (layer for layer in range(c.num_layers) if layer not in c.linear_layers):
+        kv_heads = kv_heads_per_rank(c.kv_heads_of(layer), executor.shard.size)  # under TP: what one GPU reads
+        context = min(avg_context, c.window_of(layer) or avg_context)
+        kv += 2 * kv_heads * c.head_dim_of(layer) * kv_bytes * context * batch
     return {"weights": weights, "states": states, "kv": int(kv)}
 
 
