@@ -124,11 +124,11 @@ class EngineConfig:
 # The formats `kiln serve --tool-call-parser` reads tool calls in (kiln.engine.serving.tool_parsers), vLLM's names:
 # hermes (Qwen2.5/3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.1-3.3's JSON calls), mistral
 # ([TOOL_CALLS]), pythonic (Llama 4's [f(a=1)]), qwen3_coder (Qwen3-Coder, Qwen3.5/3.6: <function=f><parameter=p>),
-# gemma4 (Gemma 4: <|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "gemma4")
+# gemma4 (Gemma 4: <|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>), openai (gpt-oss's harmony: to=functions.f).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "gemma4", "openai")
 # `--reasoning-parser` (kiln.engine.serving.reasoning): qwen3 (a reply that opens with <think>), deepseek_r1 (the
-# template opened <think>: the reply thinks until </think>)
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# template opened <think>: the reply thinks until </think>), openai_gptoss (gpt-oss's harmony: the analysis channel)
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,8 @@ async def run_request(
     if reasoning_parser is not None:  # (chat: one prompt) a template that opens <think> ends the prompt with it
         tail = state.tokenizer.decode(prompts[0][-8:], skip_special_tokens=False)
         reasoning_parser.read_request(tail, constrained=params.structured_output is not None)
+        if reasoning_parser.needs_special_tokens:  # (harmony's channels are special tokens)
+            params = parsed.params = dataclasses.replace(params, skip_special_tokens=False)
     wire = {k: v for k, v in dataclasses.asdict(params).items() if k != "n"}  # plain data, as msgpack needs
     for i, ids in enumerate(prompts):
         for j in range(params.n):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kiln.engine.serving.harmony import HarmonyReasoningParser
 from kiln.engine.serving.partial_json import held_back
 from kiln.engine.serving.tool_calls import ToolCallStream
 
@@ -30,6 +31,7 @@ TOOL_CALL = re.compile(r"<tool_call>\s*<function[=\s]")  # a call written while 
 class ReasoningParser:
     name = ""
     opens_thinking = False  # the reply thinks from its first token, <think> or not
+    needs_special_tokens = False  # its markup holds special tokens (harmony's channels), which must reach the text
 
     def __init__(self) -> None:
         self.thinks_from_start = self.opens_thinking
@@ -78,7 +80,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)
+    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, HarmonyReasoningParser)
 }
 
 

@@ -12,6 +12,9 @@ from kiln.engine.serving.openai_requests import APIError, ParsedRequest, parse_c
 # the chat request's parameter names as the Responses API calls them, for the errors parse_chat raises
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 _ROLES = ("user", "assistant", "system", "developer")
+# vLLM's sampling extras and guided decoding, taken as on chat (and on Anthropic's Messages API)
+_CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "stop")
+_CHAT_EXTRAS += ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # OpenAI's bounds on `metadata`, which the response echoes (three times in a stream)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -62,7 +65,7 @@ def chat_body(body: Any) -> dict[str, Any]:
             chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
         elif fmt is not None:
             chat["response_format"] = {"type": fmt.get("type")}
-    for name in ("top_k", "min_p", "repetition_penalty", "stop"):  # vLLM's extras, as on chat
+    for name in _CHAT_EXTRAS:
         if body.get(name) is not None:
             chat[name] = body[name]
     return chat

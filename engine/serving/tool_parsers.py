@@ -9,6 +9,7 @@ import json
 import re
 
 from kiln.engine.serving.gemma4_tool_parser import Gemma4ToolParser
+from kiln.engine.serving.harmony import HarmonyToolParser
 from kiln.engine.serving.partial_json import (
     WHITESPACE,
     Malformed,
@@ -253,7 +254,15 @@ class PythonicParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
-    for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser, Gemma4ToolParser)
+    for p in (
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        PythonicParser,
+        Qwen3CoderParser,
+        Gemma4ToolParser,
+        HarmonyToolParser,
+    )
 }
 
 
