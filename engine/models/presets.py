@@ -463,3 +463,48 @@ PRESETS.update(
         ),
     }
 )
+
+# gpt-oss (gpt_oss.py): layers sliding (a 128-token window) and full in turn, 64 query heads and 8 KV heads of 64 with
+# a sink each, YaRN over 4,096 original positions (x32, base 150k); experts of 2,880 intermediate columns, 4 a token,
+# MXFP4 as OpenAI publishes them (the attention, router, embeddings and LM head bf16); generation ends at <|return|>,
+# <|endoftext|> or <|call|>
+_GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"],
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    attention_bias=True,
+    swiglu_limit=7.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    quantization_config={
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+    tie_word_embeddings=False,
+    bos_token_id=199998,
+    eos_token_id=[200002, 199999, 200012],
+    pad_token_id=199999,
+    torch_dtype="bfloat16",
+)
+PRESETS["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)
+PRESETS["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)

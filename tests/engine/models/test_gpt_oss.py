@@ -220,3 +220,25 @@ def test_mxfp4_is_refused_for_other_models(tiny_llama_dir, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'mxfp4' is gpt-oss's, not LlamaForCausalLM's"):
         LLM(str(tmp_path / "m"), enforce_eager=True, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "preset,layers,experts,gigabytes", [("gpt-oss-20b", 24, 32, 13.76), ("gpt-oss-120b", 36, 128, 65.25)]
+)
+def test_presets_of_the_published_shapes(preset, layers, experts, gigabytes):
+    """Built on the meta device: the published shapes, the experts 4-bit, and as many bytes of weights as OpenAI's
+    safetensors files hold (13.8 GB and 65.3 GB)."""
+    from kiln.engine.models.loader import build_model
+
+    config = resolve_model(preset).model_config
+    assert (config.num_layers, config.num_experts, config.num_experts_per_tok) == (layers, experts, 4)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size) == (64, 8, 64, 2880)
+    assert config.sliding_layers == tuple(range(0, layers, 2)) and config.sliding_window == 128
+    assert config.mxfp4_experts and config.attention_sinks and config.rope_scaling["factor"] == 32.0
+    assert set(config.eos_token_ids) == {200002, 199999, 200012}  # <|return|>, <|endoftext|>, <|call|>
+    model = build_model(config, torch.bfloat16, torch.device("meta"), 4096)
+    experts_module = model.model.layers[0].mlp.experts
+    assert experts_module.gate_up_proj_blocks.shape == (experts, 2 * 2880, 2880 // 2)
+    assert experts_module.down_proj_scales.dtype == torch.uint8
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert total == pytest.approx(gigabytes * 1e9, rel=1e-3)
