@@ -12,6 +12,7 @@ shortest prompt's (decode at 32k against 2k).
     python scripts/bench/bench_latency.py --model llama-3.2-1b --modes eager,compiled,graphs --batches 1,8,64 --hf
     python scripts/bench/bench_latency.py --model llama-3.1-8b --modes graphs --batches 1 --prompt-lens 32,2048,8192
     python scripts/bench/bench_latency.py --model qwen3.6-35b-a3b --modes graphs --batches 1 --prompt-lens 2048,32768
+    python scripts/bench/bench_latency.py --model gpt-oss-120b --modes graphs --batches 1,8,64   # 4-bit experts read
 
 `--quantization fp8` on a model Kiln does not quantize yet (a hybrid, a mixture of experts) prints the one-line
 refusal where the table would be, and exits 0.
@@ -37,6 +38,7 @@ import torch
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.gpt_oss import GptOssMoE
 from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import kv_heads_per_rank
 from kiln.engine.models.source import resolve_model
@@ -55,7 +57,7 @@ def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
     """The weight bytes a decode step of `num_tokens` tokens reads on one GPU: every parameter (a tied embedding once:
     the LM head reads it whole), except that an untied input embedding gives only one row a token, and a mixture of
     experts' layer only the experts its tokens chose: E * (1 - (1 - k/E)^T) of them expected, if the router spreads
-    tokens evenly (as random weights do), k at batch 1."""
+    tokens evenly (as random weights do), k at batch 1 (gpt-oss's: their MXFP4 bytes, scales and biases)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     if embed is not head:
@@ -63,13 +65,15 @@ def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
         weights -= embed.numel() * embed.element_size() - min(num_tokens, embed.shape[0]) * row
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):
-            w13, w2, top_k = layer.mlp.experts.w13, layer.mlp.experts.w2, layer.mlp.top_k
+            experts, top_k = (layer.mlp.experts.w13, layer.mlp.experts.w2), layer.mlp.top_k
         elif hasattr(layer, "experts"):  # (Gemma 4's, beside the dense MLP)
-            w13, w2, top_k = layer.experts.gate_up_proj, layer.experts.down_proj, layer.top_k
+            experts, top_k = (layer.experts.gate_up_proj, layer.experts.down_proj), layer.top_k
+        elif isinstance(layer.mlp, GptOssMoE):  # (gpt-oss's: MXFP4 bytes and their scales, or 16-bit; and biases)
+            experts, top_k = tuple(layer.mlp.experts.parameters()), layer.mlp.top_k
         else:
             continue
-        num_experts = w13.shape[0]
-        per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        num_experts = experts[0].shape[0]
+        per_expert = sum(t[0].numel() * t.element_size() for t in experts)
         chosen = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
         weights -= int((num_experts - chosen) * per_expert)
     return weights
