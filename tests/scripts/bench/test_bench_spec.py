@@ -1,7 +1,8 @@
 """bench_spec.py, speculative decoding's engine-side benchmark, on the CPU: its oracle drafter keeps draft tokens by the
 law it claims (against the geometric law's closed form), and gpu_check's spec step runs it end to end on a tiny model,
 its table and JSON rows checked: every step-cost point timed with exactly k drafts verified, each end-to-end target's
-measured mean accepted length near the target, and greedy outputs with drafts equal to those without."""
+measured mean accepted length near the target, and greedy outputs with drafts equal to those without (in bf16 too,
+with the weights made decisive)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,23 @@ def test_gpu_check_spec_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
         (str(r["batch"]), "none" if r["target"] is None else f"{r['target']:g}") for r in e2e
     ]
     assert all(row[-1] == f"{row[0]}/{row[0]}" for row in rows)  # (same as without drafts: every request)
+
+
+def test_decisive_weights_keep_bf16_greedy_exact(tiny_llama_dir, tmp_path):
+    """In bf16, near-tied logits of random weights let a verification step take another token than a one-row step;
+    with --decisive on each request's tokens with drafts equal those without and the targets are hit."""
+    out = tmp_path / "spec.json"
+    args = "--enforce-eager --dtype bfloat16 --decisive on --batches 1 --k 2 --steps 2 --e2e-batches 2 --max-tokens 48"
+    args = ["--model", str(tiny_llama_dir), *args.split(), "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "bench_spec.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "bfloat16" in result["header"] and "greedy made decisive" in result["header"]
+    for r in result["end_to_end"]:
+        assert r["same"] == 2
+        assert r["mean_accepted"] == pytest.approx(r["target"] or 1.0, abs=0.25)
