@@ -32,6 +32,9 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(content, str):
         raise APIError(400, f"{where} needs 'content': a string or a list of text parts", "messages")
     message = {**m, "content": content}  # other keys (e.g. reasoning_content) as given
+    if isinstance(m.get("reasoning_content"), str) and "thinking" not in m and not content:
+        # gpt-oss's template reads an earlier turn's reasoning as `thinking` (and refuses it beside content)
+        message["thinking"] = m["reasoning_content"]
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None and not isinstance(m[key], str):
             raise APIError(400, f"{where}: '{key}' must be a string", "messages")

@@ -130,11 +130,11 @@ def write_mxfp4_experts(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def hf_gpt_oss(path: Path):
-    """transformers' model of a tiny checkpoint in float32 (MXFP4 experts dequantized), its experts the plain loop."""
+def hf_gpt_oss(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of a tiny checkpoint (MXFP4 experts dequantized), its experts the plain loop."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     config = json.loads((path / "config.json").read_text())
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if "quantization_config" in config else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager", **kwargs)
     return model.eval()

@@ -202,8 +202,9 @@ def gpt_oss(tmp_path_factory):
 
 def test_the_prompt_is_gpt_oss_chat_template(gpt_oss):
     """The system message with the request's reasoning_effort, the developer message with the instructions and the
-    tools as the template renders them (a TypeScript namespace), an earlier call and its result rendered back, the
-    prompt ending `<|start|>assistant`; the template's markup as special tokens."""
+    tools as the template renders them (a TypeScript namespace), an earlier call (its reasoning_content as the
+    template's `thinking`) and its result rendered back, the prompt ending `<|start|>assistant`; the template's markup
+    as special tokens."""
     from transformers import AutoTokenizer
 
     server, path = gpt_oss
@@ -213,6 +214,7 @@ def test_the_prompt_is_gpt_oss_chat_template(gpt_oss):
         {
             "role": "assistant",
             "content": None,
+            "reasoning_content": "Need the weather.",
             "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
             ],
@@ -231,6 +233,7 @@ def test_the_prompt_is_gpt_oss_chat_template(gpt_oss):
     assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\n" in prompt
     assert "// The weather in a city\ntype get_weather = (_: {\ncity: string,\n}) => any;" in prompt
     assert (
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
         '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
         "<|start|>user<|message|>And in Oslo?<|end|><|start|>assistant"
