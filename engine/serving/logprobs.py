@@ -53,7 +53,8 @@ def logprobs_body(
                     "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top],
                 }
                 for text, lp, top in zip(texts, sampled, tops)
-            ]
+            ],
+            "refusal": None,  # (a refusal's tokens: Kiln's models give none apart from the content)
         }
     tokens, token_logprobs, top = texts, sampled, [dict(t) for t in tops]
     offsets, pos = [], text_offset

@@ -123,6 +123,8 @@ class ChatReply:
                 message["tool_calls"] = calls
         if reasoning is not None:
             message["reasoning_content"] = reasoning or None
+            if reasoning and not message["content"]:  # a reply that only thought: no content (null, as vLLM's)
+                message["content"] = None
         return message
 
     @property

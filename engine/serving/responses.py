@@ -40,6 +40,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     start_time: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the engine says so with the first output)
     first_token_time: float | None = None
     last_token_time: float | None = None
     key: KeyState | None = None  # the API key charged for generated tokens (--api-keys-file)
@@ -88,6 +89,7 @@ def apply_output(state: ServerState, choice: Choice, out: messages.EngineCoreOut
         state.metrics.inter_token(now - choice.last_token_time, len(out.new_token_ids), choice.engine)
     choice.last_token_time = now
     choice.token_ids.extend(out.new_token_ids)
+    choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
     if choice.key is not None and out.new_token_ids:
         choice.key.charge(len(out.new_token_ids))
     if out.new_logprobs:
@@ -152,7 +154,8 @@ async def sse_response(
     APIError as a 500: the stream has begun, so no second response can say it), then `last_frame`, always.
     NOTE: a client that stops reading blocks a write once the socket buffers fill; after write_timeout seconds it is
     dropped (and its request aborted) instead of holding a seat forever."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # (OpenAI's type)
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     request[STREAM] = response
     watch = WriteWatch(state.write_timeout)
@@ -331,7 +334,7 @@ def final_body(state, parsed, choices, base, created, chat, texts) -> dict[str, 
                 if parsed.logprobs is None
                 else logprobs_body(state, c.token_ids, c.logprobs, True, parsed.logprobs)
             )
-            message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text.text, "refusal": None}
             if c.reply is not None:
                 message.update(c.reply.message(c.text.text))
             bodies.append(

@@ -36,17 +36,7 @@ class ResponseShape:
     def response(self, state: ServerState, status: str, output: list[dict[str, Any]], choice: Choice | None):
         body = self.body
         text = body.get("text") if isinstance(body.get("text"), dict) else None
-        usage = None
-        if choice is not None:
-            prompt, generated = len(choice.prompt_ids), len(choice.token_ids)
-            usage = {
-                "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": generated,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + generated,
-            }
-        return {
+        response = {
             "id": self.id,
             "object": "response",
             "created_at": self.created,
@@ -64,12 +54,22 @@ class ResponseShape:
             "temperature": self.parsed.params.temperature,
             "text": text or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
-            "tools": body.get("tools") or [],
+            "tools": [_function_tool(tool) for tool in body.get("tools") or []],
             "top_p": self.parsed.params.top_p,
             "truncation": "disabled",
-            "usage": usage,
             "metadata": body.get("metadata") or {},
         }
+        if choice is not None:  # (a response in progress has none yet: the spec's `usage` is an object or absent)
+            prompt, generated = len(choice.prompt_ids), len(choice.token_ids)
+            response["usage"] = {
+                "input_tokens": prompt,
+                # NOTE: Kiln bills nothing for caching a prompt, so nothing counts as written to the cache
+                "input_tokens_details": {"cached_tokens": choice.num_cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": generated,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + generated,
+            }
+        return response
 
     def whole(self, state: ServerState, choice: Choice) -> dict[str, Any]:
         message = choice.reply.message(choice.text.text)
@@ -148,6 +148,7 @@ class ResponseShape:
                     "type": "response.function_call_arguments.done",
                     "item_id": item["id"],
                     "output_index": index,
+                    "name": item["name"],
                     "arguments": item["arguments"],
                 }
             yield {"type": "response.output_item.done", "output_index": index, "item": item}
@@ -248,6 +249,17 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "status": status,
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
+def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool of the request as the response repeats it: each field the spec's FunctionTool requires."""
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
     }
 
 
