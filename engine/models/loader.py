@@ -20,6 +20,7 @@ from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.gemma4 import Gemma4ForCausalLM
 from kiln.engine.models.gguf_dir import gguf_file_of
 from kiln.engine.models.gguf_weights import gguf_tensors
+from kiln.engine.models.gpt_oss import GptOssForCausalLM
 from kiln.engine.models.layers import RMSNorm
 from kiln.engine.models.llama import LlamaForCausalLM
 from kiln.engine.models.parallel import ShardId, TensorParallelShard, checkpoint_parts, load_part
@@ -41,6 +42,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Tensors some checkpoints carry that Kiln recomputes or does not need.
@@ -274,6 +276,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
             continue
         module, param_name = _owner(model, name)
+        if hasattr(module, "dummy_source") and (source := module.dummy_source(param_name, generator)) is not None:
+            load_part(module, param_name, source, None)  # (weights of a format of their own: gpt-oss's MXFP4)
+            continue
         if quantization.is_fp8(module) and not quantization.quantized_at_load(module):
             raise ValueError("dummy weights of an FP8 checkpoint: give its 16-bit sibling with quantization='fp8'")
         parts = checkpoint_parts(module, param_name)
