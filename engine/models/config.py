@@ -207,11 +207,6 @@ class ModelConfig:
             raise ValueError(
                 f"FP8 quantization of {self.architecture}'s experts is not supported: serve its 16-bit weights"
             )
-        if self.quantization is not None and self.linear_layers:
-            raise ValueError(
-                f"FP8 quantization of {self.architecture} (a Gated DeltaNet hybrid) is not supported yet: serve its "
-                "16-bit weights"
-            )
 
     @property
     def attention_layers(self) -> tuple[int, ...]:

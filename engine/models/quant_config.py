@@ -5,6 +5,7 @@ format's tensors mean, are quantization.py's.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +33,20 @@ class QuantConfig:
         return f"fp8 ({self.origin}: weights per {self.weights}{block}, activations {self.activations}{kv})"
 
     def ignores(self, hf_name: str) -> bool:
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):  # (matched from the name's start, as compressed-tensors does)
-                if re.match(pattern[3:], hf_name):
-                    return True
-            elif hf_name == pattern or hf_name.endswith("." + pattern):
-                return True
-        return False
+        """Whether the checkpoint leaves the module `hf_name` unquantized: the list names it, or a name it ends in
+        (after a dot), or a "re:" pattern matches it from its start (as compressed-tensors matches).
+        NOTE: asked of every expert's projections (30,720 in Qwen3.6-35B-A3B) against lists that name each layer's
+        modules (Qwen's do): a set lookup a suffix, not a scan of the list."""
+        names, patterns = self._ignored
+        parts = hf_name.split(".")
+        if any(".".join(parts[i:]) in names for i in range(len(parts))):
+            return True
+        return any(pattern.match(hf_name) for pattern in patterns)
+
+    @functools.cached_property
+    def _ignored(self) -> tuple[frozenset[str], tuple[re.Pattern, ...]]:
+        names = frozenset(name for name in self.ignore if not name.startswith("re:"))
+        return names, tuple(re.compile(name[3:]) for name in self.ignore if name.startswith("re:"))
 
 
 def online_fp8() -> QuantConfig:
@@ -162,7 +170,20 @@ def _fine_grained_fp8(raw: dict[str, Any]) -> QuantConfig:
 
 
 def _ignore(raw: dict[str, Any], key: str = "ignore") -> tuple[str, ...]:
-    return tuple(raw.get(key) or ())
+    return tuple(_language_model_name(name) for name in raw.get(key) or ())
+
+
+# A multimodal checkpoint's list names its language model's modules as its module tree does (Qwen3.5's FP8 checkpoints:
+# "model.language_model.layers.0.linear_attn.in_proj_a"); Kiln serves that language model alone, its modules named as
+# the loader renames the tensors ("model.layers.0.linear_attn.in_proj_a")
+_LANGUAGE_MODEL = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.": ""}
+
+
+def _language_model_name(name: str) -> str:
+    for prefix, kiln in _LANGUAGE_MODEL.items():
+        if name.startswith(prefix):
+            return kiln + name.removeprefix(prefix)
+    return name
 
 
 def resolve(flag: str | None, checkpoint: QuantConfig | None) -> QuantConfig | None:

@@ -48,7 +48,7 @@ def quantize_layers(model: nn.Module, quant: QuantConfig, hf_names: dict[str, tu
         elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if quant.origin == "online" and not getattr(module, "quantize_online", True):
                 continue
-            parts = hf_names.get(name, (name,))
+            parts = module.hf_modules(name) if hasattr(module, "hf_modules") else hf_names.get(name, (name,))
         else:
             continue
         ignored = [quant.ignores(part) for part in parts]
@@ -138,6 +138,17 @@ def scale_parts(module: nn.Module, param_name: str, parts: list[tuple[Any, int]]
     block_rows, block_columns = quant.block
     full_columns = getattr(module, "full_in_features", columns)
     return [(shard, (-(-rows // block_rows), -(-full_columns // block_columns))) for shard, rows in parts]
+
+
+def rows_of(module: nn.Module, param_name: str) -> int | None:
+    """The weight rows that one row of the checkpoint's `param_name` stands for: 1 (the weight; a scale a row), a
+    block's rows (a scale a block), or None (one value for the whole tensor: a scale a tensor, a static input scale)."""
+    if param_name == "weight":
+        return 1
+    quant = module.quant
+    if param_name == "input_scale" or quant.weights == "tensor":
+        return None
+    return quant.block[0] if quant.weights == "block" else 1
 
 
 def load_scale(module: nn.Module, param_name: str, source: Any, offset: int, start: int, size: int) -> None:

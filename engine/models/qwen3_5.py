@@ -24,6 +24,7 @@ from torch import nn
 
 from kiln.backends.attention.op import attend
 from kiln.backends.linear_attention import gated_delta_net, torch_forms
+from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, RMSNorm, rms_norm, rope_inv_freq
 from kiln.engine.models.llama import MLP
@@ -56,7 +57,8 @@ class QKVZProjection(ColumnParallelLinear):
     """A linear layer's q, k, v and z in one matmul, this rank's key and value heads: rows [q | k | v | z].
 
     Qwen3.5 ships [q | k | v] (`in_proj_qkv`) and z (`in_proj_z`); Qwen3-Next one tensor grouped by key head, each
-    group [q k v z] of that head and its values' heads (`in_proj_qkvz`)."""
+    group [q k v z] of that head and its values' heads (`in_proj_qkvz`). An FP8 checkpoint's scales come in the same
+    layout (a block's scale where its weights are): each part takes its own, as the parts of a fused layer do."""
 
     def __init__(self, config: ModelConfig, shard: TensorParallelShard, grouped: bool) -> None:
         heads_k, heads_v = config.linear_num_key_heads, config.linear_num_value_heads
@@ -71,33 +73,49 @@ class QKVZProjection(ColumnParallelLinear):
         self.grouped, self.heads_k = grouped, heads_k
         self.dims = (config.linear_key_head_dim, config.linear_value_head_dim * heads_v // heads_k)
 
+    def hf_modules(self, name: str) -> tuple[str, ...]:
+        """The Hugging Face modules this layer (`name`) holds, as a checkpoint's ignore list names them."""
+        head = name.rpartition(".")[0]
+        return (name,) if self.grouped else (f"{head}.in_proj_qkv", f"{head}.in_proj_z")
+
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
         rows = {name: full for name, (full, _, _) in self.parts.items()}
         if self.grouped:
-            return [(None, (sum(rows.values()), self.in_features))]
-        return [("qkv", (rows["q"] + rows["k"] + rows["v"], self.in_features)), ("z", (rows["z"], self.in_features))]
+            tensors = [(None, sum(rows.values()))]
+        else:
+            tensors = [("qkv", rows["q"] + rows["k"] + rows["v"]), ("z", rows["z"])]
+        if param_name in ("weight_scale", "input_scale"):  # an FP8 layer's
+            return quantization.scale_parts(self, param_name, tensors)
+        return [(shard, (n, self.in_features)) for shard, n in tensors]
 
     def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
-        whole = source[:]
-        if self.grouped:  # [Hk, (q, k, v, z) of the head] -> each part whole
-            key_dim, values_dim = self.dims
+        """Each part the checkpoint tensor holds, loaded as a fused layer loads its parts (this rank's rows; an FP8
+        layer's scales, or its weights quantized at load)."""
+        whole = source[...]
+        unit = quantization.rows_of(self, param_name)
+        if unit is None:  # one value for the whole tensor (a scale a tensor, a static input scale): each part's
+            pieces = dict.fromkeys("qkvz" if self.grouped else "qkv" if shard == "qkv" else "z", whole)
+        elif self.grouped:  # [Hk, (q, k, v, z) of the head] -> each part whole
+            key_dim, values_dim = (_whole_units(d, unit, "linear head dims") for d in self.dims)
             groups = whole.reshape(self.heads_k, 2 * key_dim + 2 * values_dim, -1)
-            pieces = groups.split([key_dim, key_dim, values_dim, values_dim], dim=1)
-            named = {name: p.reshape(-1, whole.shape[-1]) for name, p in zip("qkvz", pieces)}
+            split = groups.split([key_dim, key_dim, values_dim, values_dim], dim=1)
+            pieces = {name: p.reshape(-1, whole.shape[-1]) for name, p in zip("qkvz", split)}
         elif shard == "qkv":
-            named = dict(zip("qkv", whole.split([self.parts[n][0] for n in "qkv"])))
+            sizes = [_whole_units(self.parts[n][0], unit, f"in_proj_qkv's {n}") for n in "qkv"]
+            pieces = dict(zip("qkv", whole.split(sizes)))
         else:
-            named = {"z": whole}
-        offset = 0
-        for name, (_, start, size) in self.parts.items():
-            if name in named:
-                self.weight[offset : offset + size].copy_(named[name][start : start + size])
-            offset += size
+            pieces = {"z": whole}
+        for name, piece in pieces.items():
+            super().load_weight(param_name, piece, name)
 
 
 class BAProjection(ColumnParallelLinear):
     """A linear layer's b (beta's logits) and a (the decay's), a row per value head, this rank's: [b | a]. Qwen3.5
     ships `in_proj_b` and `in_proj_a`; Qwen3-Next `in_proj_ba`, grouped by key head (its values' b, then their a)."""
+
+    # NOTE: `--quantization fp8` leaves it in 16 bits, as Qwen's FP8 checkpoints leave in_proj_a and in_proj_b (and
+    # Qwen3-Next's in_proj_ba): a row a head, each the gate of its decay or of its write strength
+    quantize_online = False
 
     def __init__(self, config: ModelConfig, shard: TensorParallelShard, grouped: bool) -> None:
         heads_v = config.linear_num_value_heads
@@ -105,24 +123,38 @@ class BAProjection(ColumnParallelLinear):
         super().__init__(config.hidden_size, parts, bias=False)
         self.grouped, self.heads_k = grouped, config.linear_num_key_heads
 
+    def hf_modules(self, name: str) -> tuple[str, ...]:
+        """The Hugging Face modules this layer (`name`) holds, as a checkpoint's ignore list names them."""
+        head = name.rpartition(".")[0]
+        return (name,) if self.grouped else (f"{head}.in_proj_b", f"{head}.in_proj_a")
+
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
         heads_v = self.parts["b"][0]
-        if self.grouped:
-            return [(None, (2 * heads_v, self.in_features))]
-        return [("b", (heads_v, self.in_features)), ("a", (heads_v, self.in_features))]
+        tensors = [(None, 2 * heads_v)] if self.grouped else [("b", heads_v), ("a", heads_v)]
+        if param_name in ("weight_scale", "input_scale"):  # an FP8 layer's
+            return quantization.scale_parts(self, param_name, tensors)
+        return [(shard, (n, self.in_features)) for shard, n in tensors]
 
     def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
-        whole = source[:]
-        if self.grouped:
-            b, a = whole.reshape(self.heads_k, 2, -1, whole.shape[-1]).unbind(1)
-            named = {"b": b.reshape(-1, whole.shape[-1]), "a": a.reshape(-1, whole.shape[-1])}
+        whole = source[...]
+        unit = quantization.rows_of(self, param_name)
+        if not self.grouped:
+            pieces = {shard: whole}
+        elif unit is None:
+            pieces = dict.fromkeys("ba", whole)
         else:
-            named = {shard: whole}
-        offset = 0
-        for name, (_, start, size) in self.parts.items():
-            if name in named:
-                self.weight[offset : offset + size].copy_(named[name][start : start + size])
-            offset += size
+            per_head = _whole_units(self.parts["b"][0] // self.heads_k, unit, "in_proj_ba's values a key head")
+            b, a = whole.reshape(self.heads_k, 2, per_head, whole.shape[-1]).unbind(1)
+            pieces = {"b": b.reshape(-1, whole.shape[-1]), "a": a.reshape(-1, whole.shape[-1])}
+        for name, piece in pieces.items():
+            super().load_weight(param_name, piece, name)
+
+
+def _whole_units(rows: int, unit: int, what: str) -> int:
+    """Rows of a checkpoint tensor that `rows` weight rows take (`unit` to one: a block's rows for its scales)."""
+    if rows % unit:
+        raise quantization.refuse(f"{what} of {rows} rows, not whole {unit}-row blocks of FP8 scales")
+    return rows // unit
 
 
 class CausalConv1d(nn.Module):

@@ -14,8 +14,9 @@ shortest prompt's (decode at 32k against 2k).
     python scripts/bench/bench_latency.py --model qwen3.6-35b-a3b --modes graphs --batches 1 --prompt-lens 2048,32768
     python scripts/bench/bench_latency.py --model gpt-oss-120b --modes graphs --batches 1,8,64   # 4-bit experts read
 
-`--quantization fp8` on a model Kiln does not quantize yet (a hybrid, a mixture of experts) prints the one-line
-refusal where the table would be, and exits 0.
+`--quantization fp8` times the 16-bit checkpoint's weights quantized at load (linear layers and experts in e4m3: their
+bytes and scales in the roofline), beside the bf16 run of another call; on a model Kiln does not quantize (a mixture
+whose experts are its own: Gemma 4's) it prints the one-line refusal where the table would be, and exits 0.
 
 `--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
 async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,
@@ -64,8 +65,8 @@ def weight_bytes_read(model: torch.nn.Module, num_tokens: int) -> int:
         row = embed.shape[1] * embed.element_size()
         weights -= embed.numel() * embed.element_size() - min(num_tokens, embed.shape[0]) * row
     for layer in model.model.layers:
-        if isinstance(layer.mlp, SparseMoeBlock):
-            experts, top_k = (layer.mlp.experts.w13, layer.mlp.experts.w2), layer.mlp.top_k
+        if isinstance(layer.mlp, SparseMoeBlock):  # (FP8 experts: their e4m3 bytes and their scales)
+            experts, top_k = tuple(layer.mlp.experts.parameters()), layer.mlp.top_k
         elif hasattr(layer, "experts"):  # (Gemma 4's, beside the dense MLP)
             experts, top_k = (layer.experts.gate_up_proj, layer.experts.down_proj), layer.top_k
         elif isinstance(layer.mlp, GptOssMoE):  # (gpt-oss's: MXFP4 bytes and their scales, or 16-bit; and biases)
@@ -351,7 +352,7 @@ def main() -> None:
             kwargs["cudagraph_capture_sizes"] = sizes
         try:
             llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
-        except ValueError as e:  # what the engine refuses to serve (FP8 of a hybrid): one line, and the next step runs
+        except ValueError as e:  # what the engine refuses (FP8 of Gemma 4's experts): one line, and the next step runs
             quantized = f" with --quantization {args.quantization}" if args.quantization else ""
             refused = f"kiln refused {args.model}{quantized}: {e}"
             print(refused, flush=True)

@@ -46,6 +46,8 @@ def round_fp8_inputs(
     modules, loaded with `experts_implementation="eager"`: the loop of F.linear calls) as `activations` says."""
     rounding = type("Rounds", (RoundsItsInputs,), {"activations": activations, "group": group})
     experts = set(experts)
+    missing = (set(linears) | experts) - {name for name, _ in hf.named_modules()}
+    assert not missing, f"no such modules in {type(hf).__name__}: {sorted(missing)[:3]}"
     for name, module in hf.named_modules():
         if name in linears:
             module.register_forward_pre_hook(

@@ -178,11 +178,6 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
     assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, TOL)
 
 
-def test_fp8_is_refused_in_one_line(tiny_qwen3_5_dir):
-    with pytest.raises(ValueError, match="FP8 quantization of Qwen3_5ForCausalLM .* not supported yet"):
-        LLM(str(tiny_qwen3_5_dir), enforce_eager=True, quantization="fp8")
-
-
 def test_the_triton_kernels_in_the_model_match_hf(tiny_qwen3_5_dir, monkeypatch):
     """The op with the Triton kernels (under the interpreter on the CPU) in place of the plain-torch forms: chunked
     prefill, mixed batches and decodes of the tiny model equal transformers'."""

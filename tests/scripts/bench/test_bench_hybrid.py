@@ -1,7 +1,7 @@
 """The benchmarks of the Gated DeltaNet hybrids run on the CPU with tiny models: bench_latency's roofline (weights,
 recurrent states, KV) against what the engine allocates, and gpu_check's steps end to end (decode at batch 1 and 4,
-a long context against a short one, the multi-turn time to first token with the prefix cache on and off, FP8's
-refusal), their tables and JSON rows checked for the rows they must have and sane values."""
+a long context against a short one, the multi-turn time to first token with the prefix cache on and off, FP8 after
+bf16), their tables and JSON rows checked for the rows they must have and sane values."""
 
 from __future__ import annotations
 
@@ -54,8 +54,11 @@ def test_the_roofline_counts_the_states_and_kv_the_engine_allocates(hybrid_dirs,
         assert one["weights"] == four["weights"] > 0  # dense: every weight whatever the batch (embedding rows aside)
 
 
-def test_a_hybrid_moe_step_reads_only_the_chosen_experts(hybrid_dirs, bench_latency):
-    with LLM(str(hybrid_dirs["qwen3_5_moe"]), enforce_eager=True, max_model_len=256, max_num_seqs=4) as llm:
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_hybrid_moe_step_reads_only_the_chosen_experts(hybrid_dirs, bench_latency, quantization):
+    """16-bit experts, and FP8 ones (`--quantization fp8`: their e4m3 bytes and a scale a row)."""
+    engine = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, quantization=quantization)
+    with LLM(str(hybrid_dirs["qwen3_5_moe"]), **engine) as llm:
         model = llm.engine.executor.model
         every = sum(p.numel() * p.element_size() for p in model.parameters())
         embed = model.model.embed_tokens.weight  # untied: a token reads its row only
@@ -64,6 +67,9 @@ def test_a_hybrid_moe_step_reads_only_the_chosen_experts(hybrid_dirs, bench_late
         experts = moe[0].experts
         assert (experts.num_experts, moe[0].top_k) == (4, 2)
         per_expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+        if quantization:
+            assert experts.w13.element_size() == 1
+            per_expert += (experts.w13_scale[0].numel() + experts.w2_scale[0].numel()) * 4
         # one token: its 2 of the 4 experts in every layer
         assert bench_latency["weight_bytes_read"](model, 1) == every - len(moe) * 2 * per_expert
 
@@ -128,10 +134,11 @@ def test_gpu_check_runs_the_hybrid_steps_on_the_cpu(hybrid_dirs, tmp_path):
     assert long["kv_bytes"] > short["kv_bytes"]
     assert "context 256 against 32: kiln eager batch 1" in summary
 
-    # FP8 of a hybrid MoE: refused in one line where its table would be, and the next step still ran
-    refusal = [line for line in summary.splitlines() if line.startswith("kiln refused")]
-    assert len(refusal) == 1 and "fp8" in refusal[0]
-    assert json.loads(logged(tmp_path, f"latency_{Path(moe).name}_tp1_QUANTfp8")) == []
+    # FP8 of a hybrid MoE (--quantization fp8, its experts too): its rows and its table's line; the bf16 steps after it
+    assert not [line for line in summary.splitlines() if line.startswith("kiln refused")]
+    rows = json.loads(logged(tmp_path, f"latency_{Path(moe).name}_tp1_QUANTfp8"))
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["tokens_per_s"] > 0 and r["weight_bytes"] > 0 for r in rows)
+    assert "fp8 weights" in summary
 
     # the multi-turn chat: turn N's prompt is turn N-1's, its answer and a new message; with the cache on, a later
     # turn hits at least the previous prompt's full blocks (the state snapshot there), with it off nothing
