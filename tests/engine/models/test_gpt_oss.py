@@ -242,3 +242,18 @@ def test_presets_of_the_published_shapes(preset, layers, experts, gigabytes):
     assert experts_module.down_proj_scales.dtype == torch.uint8
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert total == pytest.approx(gigabytes * 1e9, rel=1e-3)
+
+
+def test_dummy_mxfp4_experts_are_the_same_whatever_the_ranks(tmp_path):
+    """`--load-format dummy` (as the presets load) draws every expert's MXFP4 bytes whole and gives each rank its
+    blocks: scales of 2^-7, codes of every kind, and the same tokens on one rank and two."""
+    path = make_tiny_gpt_oss_dir(tmp_path / "m", mxfp4_experts=True)
+    kwargs = dict(load_format="dummy", enforce_eager=True, max_model_len=256, num_kv_blocks=64)
+    with LLM(str(path), **kwargs) as llm:
+        experts = llm.engine.executor.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj_scales.unique().tolist() == [127 - 7]
+        assert len((experts.down_proj_blocks & 15).unique()) == 16
+        single = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    with LLM(str(path), tensor_parallel_size=2, **kwargs) as llm:
+        double = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in double] == [o.outputs[0].token_ids for o in single]
