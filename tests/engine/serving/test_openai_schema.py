@@ -299,6 +299,14 @@ RESPONSES = {
         ),
     ),
     "reasoning": ("agent", dict()),
+    "reasoning, a message and a call": (
+        "agent",
+        dict(
+            tools=[{"type": "function", **WEATHER}],
+            guided_regex=THOUGHT + r"It is (rain|sun)\. " + HERMES_CALL,
+            max_output_tokens=120,
+        ),
+    ),
 }
 
 
@@ -317,6 +325,16 @@ def test_responses_whole_and_streamed(request, case):
         assert event["type"] in EVENTS, f"{event['type']} is not an event of the spec's ResponseStreamEvent vendored"
         assert_valid(EVENTS[event["type"]], event)
     assert json.loads(events[-1][1])["response"]["status"] == whole["status"]
+
+
+def test_reasoning_a_message_and_a_call_are_three_items_in_turn(agent):
+    body = {"model": agent.model, "input": "Weather?", "max_output_tokens": 120, "temperature": 0}
+    body.update(RESPONSES["reasoning, a message and a call"][1])
+    status, whole = post(agent, "/v1/responses", body)
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message", "function_call"]
+    events = [json.loads(data) for _, data in stream(agent, "/v1/responses", body)]
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message"), (2, "function_call")]
 
 
 def test_the_done_event_of_a_call_names_its_function(plain):
