@@ -64,7 +64,7 @@ def _grouped_fp8_matmul(
     A_ROWS_ARE_TOKENS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
-    FP8_DOT: tl.constexpr,  # the tensor cores' e4m3 dot (a GPU), else float32 (the interpreter)
+    FP8_DOT: tl.constexpr,  # the tensor cores' e4m3 dot (a GPU), else float32 (the interpreter; blocks under 32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -203,7 +203,7 @@ def grouped_fp8_matmul(
         A_ROWS_ARE_TOKENS=a_rows_are_tokens,
         SILU_MUL=silu_mul,
         MUL_WEIGHT=weights is not None,
-        FP8_DOT=a.is_cuda,
+        FP8_DOT=a.is_cuda and config["BLOCK_K"] >= 32,  # (the FP8 tensor cores take K 32 at a time)
         **config,
     )
 

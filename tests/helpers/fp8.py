@@ -54,6 +54,7 @@ def round_fp8_inputs(
                 lambda m, args, s=linears[name]: (round_input(args[0], activations, s, group), *args[1:])
             )
         elif name in experts:
-            gate_up, down = module.gate_up_proj.data, module.down_proj.data
-            del module.gate_up_proj, module.down_proj  # (parameters; plain attributes of the subclass in their place)
-            module.gate_up_proj, module.down_proj = gate_up.as_subclass(rounding), down.as_subclass(rounding)
+            for param_name in ("gate_up_proj", "down_proj"):  # (parameters; buffers of the subclass in their place)
+                stack = getattr(module, param_name).data.as_subclass(rounding)
+                delattr(module, param_name)
+                module.register_buffer(param_name, stack, persistent=False)

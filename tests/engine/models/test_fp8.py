@@ -137,7 +137,7 @@ def fp8_reference(src, layers, activations: str):
                 torch.stack([torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]]) for e in range(count)])
             )
             module.down_proj.data.copy_(torch.stack([weights[e, "down_proj"] for e in range(count)]))
-    input_scales = {name: input_scale for name, (_, input_scale) in layers.items() if name not in experts}
+    input_scales = {name: input_scale for name, (_, input_scale) in layers.items() if not _EXPERT.match(name)}
     round_fp8_inputs(hf, input_scales, experts, activations, BLOCK[1])
     return hf
 
@@ -275,7 +275,15 @@ def test_a_server_with_quantization_fp8_says_so_in_its_metrics_and_serves(tiny_l
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize(
-    "model,fmt", [("qwen3", "ct-fp8"), ("qwen3", "ct-fp8-dynamic"), ("qwen3", "hf-fp8"), ("llama", "ct-fp8-dynamic")]
+    "model,fmt",
+    [
+        ("qwen3", "ct-fp8"),
+        ("qwen3", "ct-fp8-dynamic"),
+        ("qwen3", "hf-fp8"),
+        ("llama", "ct-fp8-dynamic"),
+        ("qwen3_moe", "hf-fp8"),  # (the FP8 experts' grouped matmuls: 16 x 32 blocks)
+        ("qwen3_moe", "ct-fp8-dynamic"),  # (a scale a row)
+    ],
 )
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_fp8_on_the_gpu_matches_hf(request, model, tmp_path, fmt, eager):
@@ -286,7 +294,8 @@ def test_fp8_on_the_gpu_matches_hf(request, model, tmp_path, fmt, eager):
     The float32 run takes the torch attention backend: the Triton one's dots round their inputs to TF32, and a
     layer's input an ulp of TF32 away moves many e4m3 roundings (0.2 in a log-probability here); its IEEE float32
     still moves one now and then (up to a few 1e-2 here, where unquantized models agree to 1e-5): 5e-2."""
-    model_dir = request.getfixturevalue({"qwen3": "tiny_model_dir_qwen3", "llama": "tiny_llama_dir"}[model])
+    fixtures = {"qwen3": "tiny_model_dir_qwen3", "llama": "tiny_llama_dir", "qwen3_moe": "tiny_qwen3_moe_dir"}
+    model_dir = request.getfixturevalue(fixtures[model])
     layers = write_fp8_checkpoint(model_dir, tmp_path / fmt, fmt)
     hf = fp8_reference(model_dir, layers, FORMATS[fmt][1])
     engine = dict(enforce_eager=eager, max_model_len=128, compile_cache_dir=str(tmp_path / "c"), device="cuda")

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.quantization import FP8_DTYPE
 
 from helpers.fp8 import FP8_MAX, round_fp8_inputs
-from helpers.models import assert_greedy_matches_hf, tiny_hybrid_config
+from helpers.models import assert_bf16_as_close_as_hf, assert_greedy_matches_hf, tiny_hybrid_config
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9], list(range(20, 61)), [300, 12], list(range(1, 18))]
 MAX_TOKENS = 12
@@ -129,7 +129,10 @@ def _block_scales(w: torch.Tensor) -> torch.Tensor:
 
 def fp8_reference(fp8_dir: Path, quantized: list[str]):
     """Transformers' load of the FP8 checkpoint (dequantized on a CPU), its FP8 layers' inputs rounded per group."""
-    hf = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    dequantized = FineGrainedFP8Config(weight_block_size=[BLOCK, BLOCK], dequantize=True)  # (on a GPU too)
+    hf = AutoModelForCausalLM.from_pretrained(
+        fp8_dir, dtype=torch.float32, experts_implementation="eager", quantization_config=dequantized
+    ).eval()
     round_inputs(hf, quantized, "group", BLOCK)
     return hf
 
@@ -239,3 +242,24 @@ def test_tensor_parallel_fp8_hybrid_matches_one_rank(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             assert abs(x[token].logprob - y[token].logprob) < MAX_ERROR
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_fp8_hybrid_on_the_gpu_matches_hf(fp8_hybrid, eager, tmp_path):
+    """On the GPU (the FP8 one-row matmul, the block-scaled matmul and the FP8 experts' grouped matmuls on e4m3 tensor
+    cores, the linear-attention kernels; eager, and in CUDA graphs): float32 against transformers' load of the same
+    checkpoint (the torch attention backend: see test_fp8.py's GPU test), and bf16 as close to it as that model's own
+    bf16 run."""
+    fp8_dir, quantized, _ = fp8_hybrid
+    hf = fp8_reference(fp8_dir, quantized)
+    engine = dict(enforce_eager=eager, max_model_len=256, compile_cache_dir=str(tmp_path / "c"), device="cuda")
+    with LLM(str(fp8_dir), dtype="float32", attention_backend="torch", **engine) as llm:
+        together = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        alone = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]  # (one row a step)
+    assert_close_to_hf(hf, together)
+    assert_close_to_hf(hf, alone)
+    with LLM(str(fp8_dir), dtype="bfloat16", **engine) as llm:
+        bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_bf16_as_close_as_hf(hf, fp8_reference(fp8_dir, quantized).to(torch.bfloat16).cuda(), PROMPTS, bf16)
