@@ -13,6 +13,7 @@ from kiln.backends import environment
 from kiln.engine.config import (
     ATTENTION_BACKENDS,
     CUDAGRAPH_MODES,
+    EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
@@ -109,6 +110,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="(kiln serve) N engine cores behind the one API server, each a whole copy of the model on GPUs of its "
         "own (N x --tensor-parallel-size in all); requests go where their prefix is cached, else to the least loaded",
     )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default=d.distributed_executor_backend,
+        choices=EXECUTOR_BACKENDS,
+        help="where tensor-parallel ranks 1..N-1 run: mp (processes here, and on --nnodes' other nodes) or ray "
+        "(actors in a placement group over the Ray cluster this node belongs to; Kiln starts none)",
+    )
+    parser.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes the tensor-parallel ranks are spread over")
+    parser.add_argument("--node-rank", type=int, default=d.node_rank, help="this node's index among --nnodes")
+    parser.add_argument(
+        "--master-addr", default=d.master_addr, help="node 0's address, where the ranks of every node meet"
+    )
+    parser.add_argument("--master-port", type=int, default=d.master_port, help="node 0's port for the rendezvous")
     parser.add_argument(
         "--generation-config",
         default=d.generation_config,
@@ -220,6 +234,10 @@ def cmd_precompile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
+    if args.headless:  # tensor-parallel ranks of node --node-rank only: no engine core, no API server
+        from kiln.engine.core.headless import run_headless  # noqa: PLC0415
+
+        return run_headless(engine_config_from_args(args))
     from kiln.engine.serving.api_server import serve  # noqa: PLC0415
 
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"api_key"}
@@ -268,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         "limits; SIGHUP reloads it (see README)",
     )
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's tensor-parallel ranks only (node --node-rank of --nnodes; node 0 serves)",
+    )
     srv.add_argument(
         "--shutdown-timeout",
         type=float,

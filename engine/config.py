@@ -27,6 +27,7 @@ QUANTIZATIONS = ("fp8",)  # --quantization: a 16-bit checkpoint's linear layers 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (scaled as the checkpoint says)
 ATTENTION_BACKENDS = ("torch", "triton")  # kiln.backends.attention's registry (a test holds the two together)
 CUDAGRAPH_MODES = ("full_and_piecewise", "piecewise", "none")
+EXECUTOR_BACKENDS = ("mp", "ray")  # where tensor-parallel ranks 1..N-1 run (--distributed-executor-backend)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while the GPU runs step N
     tensor_parallel_size: int = 1  # ranks (GPUs) each layer is split across; ranks 1..N-1 are worker processes
     data_parallel_size: int = 1  # `kiln serve`: engine cores behind the API server, each a whole copy of the model
+    # Where the tensor-parallel ranks run (vLLM's names): "mp", processes on this node and, with nnodes > 1, on
+    # nodes that join through torch.distributed's store at master_addr:master_port (`kiln serve --headless` there);
+    # "ray", actors in a placement group over the Ray cluster Kiln joins (RAY_ADDRESS, else the local one)
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     generation_config: str = "auto"  # auto: generation_config.json's sampling fields are the defaults; vllm: not
     cpu_threads: int | None = None  # threads a rank computes with on the CPU (default: the free cores less one)
     # compiled grammars the engine keeps for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB); one may take a quarter
@@ -86,6 +95,7 @@ class EngineConfig:
             "kv_cache_memory_bytes",
             "tensor_parallel_size",
             "data_parallel_size",
+            "nnodes",
             "cpu_threads",
             "xgrammar_cache_mb",
         ):
@@ -117,8 +127,27 @@ class EngineConfig:
             raise ValueError(f"unknown generation_config {self.generation_config!r}; choose auto or vllm")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        self._check_nodes()
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"unknown device {self.device!r}; choose auto, cpu or cuda[:N]")
+
+    def _check_nodes(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
+                f"choose one of {list(EXECUTOR_BACKENDS)}"
+            )
+        if self.nnodes > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError("with the ray backend, Ray places the ranks: leave out nnodes")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not a whole number of ranks on each of "
+                f"{self.nnodes} nodes"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a port number, got {self.master_port!r}")
 
 
 # The formats `kiln serve --tool-call-parser` reads tool calls in (kiln.engine.serving.tool_parsers), vLLM's names:

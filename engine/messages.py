@@ -85,6 +85,11 @@ class StartupFailed:
     message: str  # a bad model or setting, said in a line (the engine core then exits)
 
 
+@dataclass
+class EngineFailed:
+    message: str  # why the engine core is stopping (a tensor-parallel rank gone), said before it exits
+
+
 @dataclass(slots=True)  # one per running request per step: slots make each lighter to build
 class EngineCoreOutput:
     """A request's new tokens from one step; `finish_reason` set on its last."""
@@ -118,6 +123,7 @@ _MESSAGES = (
     Alive,
     Ready,
     StartupFailed,
+    EngineFailed,
     EngineCoreOutput,
     RequestFailed,
     EngineOutputs,

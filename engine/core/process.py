@@ -26,6 +26,7 @@ import zmq
 from kiln.engine import messages
 from kiln.engine.core.engine_core import EngineCore
 from kiln.engine.core.kv_event_publisher import KVEventPublisher
+from kiln.engine.core.tensor_parallel import WorkerDiedError
 from kiln.engine.kv_events_config import KVEventsConfig
 from kiln.engine.sampling_params import SamplingParams
 
@@ -74,12 +75,15 @@ def main() -> None:
     threading.Thread(target=_heartbeat, args=(outputs,), daemon=True).start()
     try:
         _busy_loop(core, inputs, outputs, args.parent_pid, kv_events)
+    except WorkerDiedError as e:  # (the API server's /health says why, not only this log)
+        outputs.put(messages.EngineFailed(str(e)))
+        raise
     finally:
         core.close()  # tensor-parallel workers
         if kv_events is not None:
             kv_events.close()
-    outputs.put(None)
-    output_thread.join(timeout=5)
+        outputs.put(None)
+        output_thread.join(timeout=5)
     if os.getppid() != args.parent_pid:  # the server died without cleaning up: its IPC folder would stay behind
         _remove_ipc_folder(args.input_address, args.output_address)
     logger.info("engine core stopped")
@@ -129,6 +133,8 @@ def _busy_loop(
                 if os.getppid() != parent_pid:  # the API server is gone: nobody to serve
                     return
                 if block:  # idle: a heartbeat, so the server can tell an idle engine from a stuck one
+                    if core.executor.tp_workers is not None:  # (a rank gone while idle ends the engine now)
+                        core.executor.tp_workers.check_alive()
                     outputs.put(messages.EngineOutputs([], [], _stats(core)))
                     continue
                 break

@@ -32,7 +32,9 @@ import logging
 import multiprocessing.connection
 import multiprocessing.util
 import os
+import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -143,8 +145,43 @@ def min_across_ranks(value: int) -> int:
 # ---- rank 0 -----------------------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class WorkerLink:
+    """One of ranks 1..N-1 as rank 0 sees it: the connection its step headers go over and, for a rank this process
+    started, its process. A rank elsewhere (another node's, a Ray actor) sends nothing once it has joined, so its
+    connection turning readable means it closed: the rank is gone."""
+
+    rank: int
+    conn: multiprocessing.connection.Connection
+    where: str  # how messages name it
+    process: multiprocessing.Process | None = None
+
+    def waitable(self):
+        return self.process.sentinel if self.process is not None else self.conn
+
+    def death(self) -> str | None:
+        if self.process is not None:
+            alive = self.process.is_alive()
+            return None if alive else f"tensor-parallel {self.where} exited with code {self.process.exitcode}"
+        try:
+            if self.conn.poll(0):
+                self.conn.recv_bytes()
+        except (EOFError, OSError):
+            return f"tensor-parallel {self.where} is gone (its connection closed)"
+        return None
+
+
 class TensorParallelWorkers:
-    """Rank 0's handle on ranks 1..N-1: starts them, announces each step, watches them, stops them."""
+    """Rank 0's handle on ranks 1..N-1: starts them, announces each step, watches them, stops them.
+
+    Where the ranks run (config.distributed_executor_backend, config.nnodes):
+        mp, one node       ranks 1..N-1 are processes spawned here, headers over pipes, the store on loopback
+        mp, --nnodes M     this node's ranks 1..N/M-1 spawned here; the other nodes' ranks are started there
+                           (`kiln serve --headless`), find the store at --master-addr:--master-port and connect
+                           back for their headers
+        ray                ranks 1..N-1 are Ray actors in a placement group over the cluster Kiln joined
+                           (ray_workers.py), connecting back as another node's ranks do
+    """
 
     def __init__(
         self, config: EngineConfig, device: torch.device, release_graphs: Callable[[], None] | None = None
@@ -152,11 +189,13 @@ class TensorParallelWorkers:
         """Start ranks 1..N-1 and join their group. `release_graphs` drops rank 0's CUDA graphs: it runs before rank 0
         leaves the group (a graph that captured a collective holds its communicator)."""
         self.size = config.tensor_parallel_size
-        if device.type == "cuda":  # rank r runs on GPU first + r
+        ray = config.distributed_executor_backend == "ray"
+        local = 1 if ray else self.size // config.nnodes  # ranks on this node, rank 0 among them
+        if device.type == "cuda":  # local rank r runs on GPU first + r
             first, visible = device.index or 0, torch.cuda.device_count()
-            if first + self.size > visible:
+            if first + local > visible:
                 raise ValueError(
-                    f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}, "
+                    f"tensor_parallel_size {self.size} needs GPUs {first}..{first + local - 1}, "
                     f"but {visible} are visible"
                 )
         if dist.is_initialized():
@@ -165,12 +204,17 @@ class TensorParallelWorkers:
                 raise RuntimeError("a tensor-parallel engine is already running in this process; close() it first")
         # NOTE: NVLink multicast (NVLS) stays off: the GPU machines require it, and workers inherit the setting.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: loopback only
+        if local == self.size:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: loopback only
+        host, port = _store_address(config, ray)
         # NOTE: the store's server binds every interface when it makes its own socket, and it takes no address:
-        # it is handed one listening on loopback only (the ranks share this host), which it then owns
-        listener = socket.create_server(("127.0.0.1", 0))
+        # it is handed one listening on the address given, which it then owns
+        try:
+            listener = socket.create_server((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} for the tensor-parallel ranks ({e.strerror})") from None
         store = dist.TCPStore(
-            "127.0.0.1",
+            host,
             listener.getsockname()[1],
             self.size,
             is_master=True,
@@ -180,30 +224,25 @@ class TensorParallelWorkers:
         )
         threads = torch.get_num_threads()
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(self.size))
-        spawn = mp.get_context("spawn")
-        self.processes: list[multiprocessing.Process] = []
-        self.pipes: list[multiprocessing.connection.Connection] = []
+            torch.set_num_threads(cpu_threads_per_rank(self.size if ray else local))
+        self.links: list[WorkerLink] = []
         self._failure: str | None = None
+        self._ray = None  # the placement group and its actors, with backend ray
+        self._held: list = []  # what is let go of after the workers stop (the Ray placement group)
         # Stops the workers when this object is collected, and at exit (also in a spawned engine-core process,
         # where atexit handlers do not run but multiprocessing's finalizers do).
         self._finalizer = multiprocessing.util.Finalize(
-            self, _stop_workers, args=(self.processes, self.pipes, threads, release_graphs), exitpriority=10
+            self, _stop_workers, args=(self.links, threads, release_graphs, self._held), exitpriority=10
         )
-        # (the worker's module imports this one)
-        from kiln.engine.core.tensor_parallel_worker import worker_main  # noqa: PLC0415
-
         try:
-            for rank in range(1, self.size):
-                ours, theirs = spawn.Pipe()
-                process = spawn.Process(
-                    target=worker_main, args=(config, rank, store.port, theirs), name=f"kiln-tp-worker-{rank}"
-                )
-                process.start()
-                theirs.close()
-                self.processes.append(process)
-                self.pipes.append(ours)
-            self._wait_for_rendezvous()
+            remote = _HeaderListener(host, store) if local < self.size else None
+            self._start_local(config, host, store.port, range(1, local))
+            if ray:
+                from kiln.engine.core.ray_workers import RayWorkers  # noqa: PLC0415  (ray only where asked for)
+
+                self._ray = RayWorkers(config, range(1, self.size), host, store.port)
+                self._held.append(self._ray)
+            self._wait_for_rendezvous(remote, self.size - local)
             dist.init_process_group(
                 _backend(device), store=store, rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT
             )
@@ -212,22 +251,53 @@ class TensorParallelWorkers:
             # would wait at the rendezvous until its timeout.
             self.close()
             raise
-        logger.info("tensor parallel: %d ranks (workers %s)", self.size, [p.pid for p in self.processes])
+        logger.info("tensor parallel: %d ranks (%s)", self.size, ", ".join(link.where for link in self.links))
 
-    def _wait_for_rendezvous(self) -> None:
-        """Every worker says it has imported and is joining; one that dies first fails start-up at once."""
-        waiting = dict(zip(self.pipes, self.processes))
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while waiting:
-            ready = multiprocessing.connection.wait(
-                [*waiting, *(p.sentinel for p in waiting.values())], timeout=max(deadline - time.monotonic(), 0)
+    @property
+    def processes(self) -> list[multiprocessing.Process]:
+        """The worker processes this process started (ranks on this node)."""
+        return [link.process for link in self.links if link.process is not None]
+
+    def _start_local(self, config: EngineConfig, host: str, port: int, ranks: range) -> None:
+        # (the worker's module imports this one)
+        from kiln.engine.core.tensor_parallel_worker import worker_main  # noqa: PLC0415
+
+        spawn = mp.get_context("spawn")
+        for rank in ranks:
+            ours, theirs = spawn.Pipe()
+            process = spawn.Process(
+                target=worker_main, args=(config, rank, host, port, rank, theirs), name=f"kiln-tp-worker-{rank}"
             )
-            if not ready:
-                raise WorkerDiedError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT:.0f}s")
+            process.start()
+            theirs.close()
+            self.links.append(WorkerLink(rank, ours, f"worker {process.name} (pid {process.pid})", process))
+
+    def _wait_for_rendezvous(self, remote: _HeaderListener | None, num_remote: int) -> None:
+        """Every worker says it has imported and is joining (one elsewhere by connecting back); one that dies first
+        fails start-up at once."""
+        waiting = {link.conn: link for link in self.links}
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while waiting or num_remote:
+            if time.monotonic() > deadline:
+                missing = num_remote + len(waiting)
+                raise WorkerDiedError(f"{missing} tensor-parallel ranks did not start within {STARTUP_TIMEOUT:.0f}s")
+            sources = [*waiting, *(link.process.sentinel for link in waiting.values())]
+            if remote is not None and num_remote:
+                sources.append(remote.socket)
+            ready = multiprocessing.connection.wait(sources, timeout=1.0)
             self.check_alive()
+            if self._ray is not None:
+                self._ray.check_started()
             for pipe in [p for p in ready if p in waiting]:
                 pipe.recv_bytes()
                 del waiting[pipe]
+            if remote is not None and remote.socket in ready:
+                link = remote.accept(self._ray)
+                if link is not None:
+                    self.links.append(link)
+                    num_remote -= 1
+        if remote is not None:
+            remote.close()
 
     # ---- each step --------------------------------------------------------------------------------------
 
@@ -264,8 +334,8 @@ class TensorParallelWorkers:
             [[list(pair) for pair in copies] for copies in state_copies],
         )
         frame = header.encode()
-        for pipe in self.pipes:
-            pipe.send_bytes(frame)
+        for link in self.links:
+            link.conn.send_bytes(frame)
         for tensor in step_tensors(runner, header):
             dist.broadcast(tensor, src=0)
 
@@ -278,11 +348,9 @@ class TensorParallelWorkers:
 
     def check_alive(self) -> None:
         if self._failure is None:
-            dead = [p for p in self.processes if not p.is_alive()]
+            dead = [death for link in self.links if (death := link.death()) is not None]
             if dead:
-                self._failure = ", ".join(
-                    f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead
-                )
+                self._failure = ", ".join(dead)
         if self._failure is not None:
             raise WorkerDiedError(f"{self._failure}; the engine cannot continue")
 
@@ -294,11 +362,12 @@ class TensorParallelWorkers:
         every rank raises at start-up, say), and it is the one to report."""
         if isinstance(error, WorkerDiedError) or not isinstance(error, RuntimeError):
             return
-        processes = {p.sentinel: p for p in self.processes}
-        for sentinel in multiprocessing.connection.wait(list(processes), timeout=grace):
+        links = {link.waitable(): link for link in self.links}
+        for ready in multiprocessing.connection.wait(list(links), timeout=grace):
             # NOTE: a killed process closes its sockets and sentinel before it can be reaped (its threads still
             # exiting), and `is_alive` is true until then: wait for that too.
-            processes[sentinel].join(grace)
+            if links[ready].process is not None:
+                links[ready].process.join(grace)
         try:
             self.check_alive()
         except WorkerDiedError as died:
@@ -309,27 +378,77 @@ class TensorParallelWorkers:
         self._finalizer()
 
 
-def _stop_workers(
-    processes: list[multiprocessing.Process], pipes: list, threads: int, release_graphs: Callable[[], None] | None
-) -> None:
+def _stop_workers(links: list[WorkerLink], threads: int, release_graphs: Callable[[], None] | None, held: list) -> None:
     frame = _shutdown_header().encode()
-    for pipe in pipes:
+    for link in links:
         with contextlib.suppress(OSError):  # a worker already gone
-            pipe.send_bytes(frame)
+            link.conn.send_bytes(frame)
     deadline = time.monotonic() + SHUTDOWN_GRACE
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0))
-    for process in processes:
-        if process.is_alive():
-            logger.warning("tensor-parallel worker %s (pid %d) did not exit; killing it", process.name, process.pid)
-            process.kill()
-            process.join()
-    for pipe in pipes:
-        pipe.close()
+    for link in links:
+        if link.process is not None:
+            link.process.join(max(deadline - time.monotonic(), 0))
+        else:  # (a rank elsewhere closes its connection as it exits)
+            multiprocessing.connection.wait([link.conn], timeout=max(deadline - time.monotonic(), 0))
+    for link in links:
+        if link.process is not None and link.process.is_alive():
+            logger.warning("tensor-parallel %s did not exit; killing it", link.where)
+            link.process.kill()
+            link.process.join()
+    for link in links:
+        link.conn.close()
+    for thing in held:  # (Ray's actors and placement group, once the ranks are out)
+        thing.release()
     if release_graphs is not None:
         release_graphs()
     leave_group()
     torch.set_num_threads(threads)
+
+
+def _store_address(config: EngineConfig, ray: bool) -> tuple[str, int]:
+    """Where rank 0's store listens: loopback when every rank is on this host, --master-addr:--master-port for
+    several nodes, this node's address (a free port) for Ray's actors."""
+    if ray:
+        from kiln.engine.core.ray_workers import node_address  # noqa: PLC0415
+
+        return node_address(), 0
+    if config.nnodes > 1:
+        return config.master_addr, config.master_port
+    return "127.0.0.1", 0
+
+
+class _HeaderListener:
+    """Where ranks on other nodes (or Ray actors) connect for their step headers: a socket on the store's address,
+    its port and key in the store; each connection authenticated with the key (multiprocessing's challenge) and
+    naming its rank."""
+
+    def __init__(self, host: str, store: dist.TCPStore) -> None:
+        self.socket = socket.create_server((host, 0))
+        self.key = secrets.token_bytes(32)
+        store.set("kiln/header_address", f"{host}:{self.socket.getsockname()[1]}")
+        store.set("kiln/header_key", self.key.hex())
+
+    def accept(self, ray) -> WorkerLink | None:
+        """The rank that connected, or None for a connection that failed the challenge."""
+        sock, peer = self.socket.accept()
+        # NOTE: an OS-level receive timeout (the connection reads its file descriptor itself, blocking): a peer that
+        # connects and says nothing fails its challenge instead of holding rank 0's start-up
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 30, 0))
+        conn = multiprocessing.connection.Connection(sock.detach())
+        try:
+            multiprocessing.connection.deliver_challenge(conn, self.key)
+            multiprocessing.connection.answer_challenge(conn, self.key)
+            rank = int(conn.recv_bytes().decode().removeprefix("joining "))
+            with socket.socket(fileno=os.dup(conn.fileno())) as view:  # (no timeout once joined: idle is normal)
+                view.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        except (OSError, EOFError, ValueError, multiprocessing.AuthenticationError) as e:
+            logger.warning("a connection from %s to the tensor-parallel header socket failed: %s", peer[0], e)
+            conn.close()
+            return None
+        where = ray.describe(rank) if ray is not None else f"rank {rank} on {peer[0]}"
+        return WorkerLink(rank, conn, where)
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 def leave_group(timeout: float = LEAVE_TIMEOUT) -> None:

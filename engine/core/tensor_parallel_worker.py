@@ -3,6 +3,7 @@ then runs each step rank 0 announces, until rank 0 says stop or is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection
 import signal
@@ -30,26 +31,37 @@ if TYPE_CHECKING:
     from kiln.engine.worker.model_runner import ModelRunner
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessing.connection.Connection) -> None:
-    """A worker process: join the group, build this rank's executor, then run rank 0's steps."""
+def worker_main(
+    config: EngineConfig,
+    rank: int,
+    host: str,
+    port: int,
+    local_index: int,
+    pipe: multiprocessing.connection.Connection | None = None,
+) -> None:
+    """A worker process: join the group whose store is at `host:port`, build this rank's executor, then run rank 0's
+    steps. `local_index`: this rank's GPU among those visible here. `pipe`: rank 0's end for headers, when rank 0
+    started this process; a rank started elsewhere (another node, a Ray actor) connects back for them."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-worker-{rank}: %(message)s")
     # Ctrl-C and SIGHUP reach the whole process group; rank 0 decides when workers stop (and its exit ends them).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with contextlib.suppress(ValueError):  # (a Ray actor's method runs off the main thread: it has no say)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from kiln.engine.core.startup import build_executor, resolve_device  # noqa: PLC0415  (startup imports this module)
 
     device = resolve_device(config)
+    size = config.tensor_parallel_size
     if device.type == "cuda":
-        torch.cuda.set_device((device.index or 0) + rank)
+        torch.cuda.set_device((device.index or 0) + local_index)
     else:
-        torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
-    store = dist.TCPStore(
-        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT)
-    )
-    pipe.send_bytes(b"joining")
-    dist.init_process_group(
-        _backend(device), store=store, rank=rank, world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT
-    )
+        torch.set_num_threads(cpu_threads_per_rank(max(1, size // config.nnodes)))  # (the ranks on this node)
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT))
+    if pipe is None:
+        address, key = store.get("kiln/header_address").decode(), bytes.fromhex(store.get("kiln/header_key").decode())
+        header_host, header_port = address.rsplit(":", 1)
+        pipe = multiprocessing.connection.Client((header_host, int(header_port)), authkey=key)
+    pipe.send_bytes(f"joining {rank}".encode())
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     executor = None
     try:
         executor = build_executor(config, rank)
@@ -58,6 +70,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, pipe: multiprocessin
         if executor is not None and executor.compiled is not None:
             executor.compiled.release_graphs()
         leave_group()
+        pipe.close()  # (rank 0 of another node sees this rank gone)
 
 
 def serve_steps(runner: ModelRunner, pipe: multiprocessing.connection.Connection) -> None:

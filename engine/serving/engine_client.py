@@ -201,6 +201,9 @@ class AsyncEngineClient:
 
     def _dispatch(self, message: Any) -> None:
         self.last_heard = asyncio.get_running_loop().time()  # (its heartbeat, `Alive`, says no more than that)
+        if isinstance(message, messages.EngineFailed):  # it exits next: dead from now on, and /health says why
+            self.death = self.death or message.message
+            self._on_death()
         if not isinstance(message, messages.EngineOutputs):
             return
         self.stats = message.stats
@@ -239,8 +242,10 @@ class AsyncEngineClient:
             return
         self.alive = False
         self.stats = {}  # its last gauges are no longer true: /metrics shows an empty engine
-        logger.error("the engine core process exited (code %s)", self.process.returncode)
-        if self.death is None:
+        if self.death is not None:  # (it said why before exiting)
+            logger.error("the engine core is stopping: %s", self.death)
+        else:
+            logger.error("the engine core process exited (code %s)", self.process.returncode)
             code = self.process.returncode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
             self.death = f"the engine core process {how}"
