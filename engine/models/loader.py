@@ -177,6 +177,9 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
             continue  # tied to the embedding, which is loaded under its own name
         if hasattr(model, "unused_checkpoint_tensor") and model.unused_checkpoint_tensor(name):
             continue
+        if (fused := _FUSED_EXPERTS.match(name)) and _stacked_experts(fused) in params:  # (moe.py's experts)
+            filled.update(_load_fused_experts(model, fused, file_name, source))
+            continue
         target, shard = _target_of(model, name)
         if target.endswith((".k_scale", ".v_scale")) and target not in params:
             continue  # KV cache scales with a 16-bit KV cache (startup says so)
@@ -221,6 +224,40 @@ _EXPERT = re.compile(
 )
 _EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
 _EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+# Every expert of a layer in one tensor, as transformers holds them and Qwen's 16-bit Qwen3.5/3.6 MoE checkpoints ship
+# them (`mlp.experts.gate_up_proj` [E, 2I, H]: each expert's gate's rows then up's; `mlp.experts.down_proj` [E, H, I])
+_FUSED_EXPERTS = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _stacked_experts(fused: re.Match) -> str:
+    """The parameter of moe.py's `Experts` a fused experts tensor goes to."""
+    return f"{fused['layer']}.mlp.experts.{'w13' if fused['proj'] == 'gate_up_proj' else 'w2'}"
+
+
+def _load_fused_experts(model: nn.Module, fused: re.Match, file_name: str, source: Any) -> list[tuple[str, ShardId]]:
+    """Each expert's part of a fused experts tensor loaded as the checkpoint's tensor of that expert and projection
+    would be (moe.py `Experts`: this rank's rows or columns, quantized at load under `--quantization fp8`)."""
+    target = _stacked_experts(fused)
+    module, param_name = _owner(model, target)
+    if quantization.is_fp8(module) and not quantization.quantized_at_load(module):
+        raise WeightLoadError(f"{file_name}: tensor {fused.string!r}: an FP8 checkpoint's experts are read one by one")
+    parts = checkpoint_parts(module, param_name)
+    num_experts = len(parts) // (2 if param_name == "w13" else 1)
+    part_shape = parts[0][1]
+    expected = (num_experts, 2 * part_shape[0], part_shape[1]) if param_name == "w13" else (num_experts, *part_shape)
+    shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+    if shape != expected:
+        raise WeightLoadError(f"{file_name}: tensor {fused.string!r} has shape {shape}, expected {expected}")
+    for expert in range(num_experts):
+        weights = source[expert : expert + 1][0]  # (one expert read at a time)
+        if param_name == "w2":
+            load_part(module, param_name, weights, (expert, None))
+        else:
+            for part, rows in enumerate(weights.split(part_shape[0])):
+                load_part(module, param_name, rows, (expert, part))
+    return [(target, shard) for shard, _ in parts]
 
 
 def _shape_fits(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:

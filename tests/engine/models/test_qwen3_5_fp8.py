@@ -222,6 +222,47 @@ def test_quantization_fp8_of_a_16_bit_hybrid(fp8_hybrid):
     assert_close_to_hf(hf, outputs)
 
 
+def test_quantization_fp8_of_qwens_16_bit_moe_with_its_experts_fused(tmp_path):
+    """Qwen's 16-bit Qwen3.5/3.6 MoE checkpoints ship each layer's experts as one tensor (`mlp.experts.gate_up_proj`
+    [E, 2I, H], `mlp.experts.down_proj` [E, H, I], as transformers holds them; their FP8 ones, one by one): such a
+    checkpoint serves as transformers reads it, and `--quantization fp8` of it equals that of the same weights one by
+    one."""
+    src = qwen_checkpoint(tmp_path / "experts", "qwen3_5_moe")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (fused / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".mlp.experts.0.down_proj.weight")]:
+        experts = name.removesuffix(".0.down_proj.weight")
+        count = sum(1 for n in tensors if n.startswith(experts + ".") and n.endswith(".down_proj.weight"))
+        per_expert = {proj: [tensors.pop(f"{experts}.{e}.{proj}.weight") for e in range(count)] for proj in _PROJ}
+        tensors[f"{experts}.gate_up_proj"] = torch.stack(
+            [torch.cat([gate, up]) for gate, up in zip(per_expert["gate_proj"], per_expert["up_proj"])]
+        )
+        tensors[f"{experts}.down_proj"] = torch.stack(per_expert["down_proj"])
+    save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+    assert not any(".experts.0." in name for name in tensors)
+    engine = dict(enforce_eager=True, max_model_len=256)
+    with LLM(str(fused), **engine) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32).eval()
+    assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, 1e-4)
+    with LLM(str(fused), quantization="fp8", **engine) as llm:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(src), quantization="fp8", **engine) as llm:
+        want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == [
+            lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)
+        ]
+
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
 def _per_row(w: torch.Tensor) -> torch.Tensor:
     """w through e4m3 a scale a row (its largest |w| / 448), dequantized: what `--quantization fp8` serves."""
     scale = w.abs().amax(dim=-1, keepdim=True) / FP8_MAX
