@@ -84,10 +84,12 @@ def device_target(device: torch.device) -> str:
 
 
 def source_hash(model: torch.nn.Module, input_sources: tuple[Path, ...] = ()) -> str:
-    """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes'
-    modules, the attention and collective ops, this package, and `input_sources`, the caller's files that lay out
-    the traced inputs (the saved graph was traced with their strides and offsets)."""
-    files = {Path(inspect.getfile(type(m))) for m in model.modules()}
+    """Hash of every file whose code Dynamo traces or that shapes the split: the model's classes' modules (and their
+    base classes': gpt-oss's attention runs the Llama attention's forward), the attention and collective ops, this
+    package, and `input_sources`, the caller's files that lay out the traced inputs (the saved graph was traced with
+    their strides and offsets)."""
+    classes = {cls for m in model.modules() for cls in type(m).__mro__ if cls.__module__.startswith("kiln.")}
+    files = {Path(inspect.getfile(cls)) for cls in classes}
     files |= set(Path(__file__).parent.glob("*.py"))
     files |= {Path(f) for f in input_sources}
     files.add(Path(inspect.getfile(unified_attention_module)))
