@@ -230,9 +230,9 @@ def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
 def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch):
     """speculative_config method mtp: the MTP layer the checkpoint ships proposes what transformers' own decoder layer
     wired as Qwen's MTP proposes, and greedy output with its drafts equals the run without them."""
-    from helpers.mtp import add_mtp_layer, reference_mtp_drafts
-
     from kiln.engine.spec_decode.eagle_proposer import EagleProposer
+
+    from helpers.mtp import add_mtp_layer, reference_mtp_drafts
 
     model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
     proposals = []
