@@ -208,6 +208,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = DecoderModel  # (a family with layers of its own kind names its model here)
     # Hugging Face projection name -> (Kiln fused parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         shard = shard or TensorParallelShard()
-        self.model = DecoderModel(config, max_positions or config.max_position_embeddings, shard)
+        self.model = self.model_class(config, max_positions or config.max_position_embeddings, shard)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

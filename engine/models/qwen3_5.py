@@ -27,11 +27,10 @@ from kiln.backends.linear_attention import gated_delta_net, torch_forms
 from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, RMSNorm, rms_norm, rope_inv_freq
-from kiln.engine.models.llama import MLP
+from kiln.engine.models.llama import MLP, LlamaForCausalLM
 from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     ShardId,
     TensorParallelShard,
@@ -349,33 +348,15 @@ class HybridModel(nn.Module):
         return hidden
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    # Hugging Face projection name -> (Kiln fused parameter, shard id)
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """The Llama family's wrapper (embedding, LM head, their tie) around the hybrid model."""
+
+    model_class = HybridModel
+    # Hugging Face projection name -> (Kiln fused parameter, shard id): the Llama family's and the linear layers'
     stacked_params = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+        **LlamaForCausalLM.stacked_params,
         "in_proj_qkv": ("in_proj_qkvz", "qkv"),
         "in_proj_z": ("in_proj_qkvz", "z"),
         "in_proj_b": ("in_proj_ba", "b"),
         "in_proj_a": ("in_proj_ba", "a"),
     }
-
-    def __init__(
-        self, config: ModelConfig, max_positions: int | None = None, shard: TensorParallelShard | None = None
-    ) -> None:
-        super().__init__()
-        self.config = config
-        shard = shard or TensorParallelShard()
-        self.model = HybridModel(config, max_positions or config.max_position_embeddings, shard)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
