@@ -33,10 +33,10 @@ from kiln.backends.attention.op import attend
 from kiln.backends.kernels import moe_triton
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, linear
+from kiln.engine.models.llama import LlamaForCausalLM
 from kiln.engine.models.parallel import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     ShardId,
     TensorParallelShard,
@@ -289,26 +289,15 @@ class Gemma4Model(nn.Module):
         return (projected + tokens.view(-1, self.num_layers, self.per_layer_size)) * 2**-0.5
 
 
-class Gemma4ForCausalLM(nn.Module):
-    # Hugging Face projection name -> (Kiln fused parameter, shard id)
-    stacked_params = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+class Gemma4ForCausalLM(LlamaForCausalLM):
+    """The Llama family's wrapper (embedding, LM head and their tie, the final soft-cap) around Gemma 4's model."""
+
+    model_class = Gemma4Model
 
     def __init__(
         self, config: ModelConfig, max_positions: int | None = None, shard: TensorParallelShard | None = None
     ) -> None:
-        super().__init__()
-        self.config = config
-        shard = shard or TensorParallelShard()
-        self.model = Gemma4Model(config, max_positions or config.max_position_embeddings, shard)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, max_positions, shard)
         first_shared = config.num_layers - config.num_kv_shared_layers
         self._unused = tuple(
             f"model.layers.{layer}.self_attn.{part}."
@@ -319,12 +308,3 @@ class Gemma4ForCausalLM(nn.Module):
     def unused_checkpoint_tensor(self, name: str) -> bool:
         """The checkpoints keep k and v projections and norms for the shared layers, which never compute them."""
         return name.startswith(self._unused)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.config.final_softcap:
-            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
-        return logits

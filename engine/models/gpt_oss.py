@@ -29,8 +29,8 @@ from kiln.backends.attention.op import attend
 from kiln.backends.kernels import mxfp4
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, RotaryEmbedding, linear
-from kiln.engine.models.llama import Attention
-from kiln.engine.models.parallel import ParallelLMHead, ShardId, TensorParallelShard, VocabParallelEmbedding
+from kiln.engine.models.llama import Attention, LlamaForCausalLM
+from kiln.engine.models.parallel import ShardId, TensorParallelShard, VocabParallelEmbedding
 
 
 class GptOssAttention(Attention):
@@ -233,23 +233,9 @@ class GptOssModel(nn.Module):
         return hidden
 
 
-class GptOssForCausalLM(nn.Module):
-    # Hugging Face projection name -> (Kiln fused parameter, shard id)
+class GptOssForCausalLM(LlamaForCausalLM):
+    """The Llama family's wrapper (embedding, LM head, their tie) around gpt-oss's model."""
+
+    model_class = GptOssModel
+    # Hugging Face projection name -> (Kiln fused parameter, shard id): the experts come whole, no gate/up to join
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
-
-    def __init__(
-        self, config: ModelConfig, max_positions: int | None = None, shard: TensorParallelShard | None = None
-    ) -> None:
-        super().__init__()
-        self.config = config
-        shard = shard or TensorParallelShard()
-        self.model = GptOssModel(config, max_positions or config.max_position_embeddings, shard)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
