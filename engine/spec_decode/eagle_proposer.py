@@ -46,9 +46,6 @@ class EagleProposer:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         self.lookahead = num_speculative_tokens  # positions the chain writes past a step's
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:  # (the n-gram drafter's call: unused)
-        return []
-
     @torch.inference_mode()
     def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Run the draft over the step's kept positions, then chain; leave each decoding request's drafts in
