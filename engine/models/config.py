@@ -396,8 +396,9 @@ def _gpt_oss(hf_config: Any) -> dict[str, Any]:
         moe_intermediate_size=hf_config.intermediate_size,
         moe_layers=tuple(range(hf_config.num_hidden_layers)),
         norm_topk_prob=True,
-        swiglu_alpha=float(hf_config.swiglu_alpha),
-        swiglu_limit=float(hf_config.swiglu_limit),
+        # (OpenAI's config.json and older transformers name no alpha: 1.702 is the reference code's constant)
+        swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)),
         attention_sinks=True,
         mxfp4_experts=quant_method(getattr(hf_config, "quantization_config", None)) == "mxfp4",
     )

@@ -1,7 +1,8 @@
 """Decode latency: tokens/s and memory-bandwidth use at batch 1, 8, 64, in eager, compiled, and
 compiled + CUDA graphs modes, with Hugging Face `generate()` (static cache + compile) as the peer.
 
-Bandwidth use = bytes a decode step moves / step time / 4.3 TB/s (the roofline: those bytes at 4.3 TB/s), counting
+Bandwidth use = bytes a decode step moves / step time / the card's achievable bandwidth (roofline.py: 4.3 TB/s on
+an H200; the roofline: those bytes at that rate), counting
 what a step must move on one GPU (`step_bytes`): every weight once, but of an untied input embedding only the batch's
 rows and of a mixture of experts only the experts its tokens chose (`weight_bytes_read`); the attention layers' KV
 read; and, for a Gated DeltaNet hybrid (Qwen3.5/3.6, Qwen3-Next), each request's recurrent state read and written
@@ -36,6 +37,7 @@ import statistics
 import time
 
 import torch
+from roofline import peak_bytes_per_s
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.models.config import ModelConfig
@@ -44,7 +46,7 @@ from kiln.engine.models.moe import SparseMoeBlock
 from kiln.engine.models.parallel import kv_heads_per_rank
 from kiln.engine.models.source import resolve_model
 
-PEAK_BYTES_PER_S = 4.3e12
+PEAK_BYTES_PER_S = peak_bytes_per_s()
 PROMPT_LEN, DECODE_STEPS = 32, 128
 
 MODES = {
@@ -208,7 +210,7 @@ def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> li
                 MODES[mode],
                 max_model_len=args.max_model_len,
                 max_num_seqs=max(batches),
-                gpu_memory_utilization=0.8,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 async_scheduling=async_scheduling,
             )
             if mode == "graphs" and sizes:
@@ -304,6 +306,7 @@ def main() -> None:
     )
     p.add_argument("--json")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="(a 35B model on an 80 GB card: 0.93)")
     p.add_argument(
         "--prompt-lens",
         default=str(PROMPT_LEN),
@@ -344,7 +347,7 @@ def main() -> None:
             MODES[mode],
             max_model_len=args.max_model_len,
             max_num_seqs=max(batches),
-            gpu_memory_utilization=0.8,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
         )

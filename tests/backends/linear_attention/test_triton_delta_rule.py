@@ -164,8 +164,10 @@ def test_chunked_16_bit():
     out = run_chunked(q, k, v, g, beta, states, query_start_loc, seq_lens, slot_tensor, DK**-0.5, torch.float16)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
+    # the 16-bit path's A and score products are TF32 on the GPU (a 10-bit mantissa; the interpreter's are exact)
+    state_tol = 1e-4 if DEVICE == "cpu" else 2e-3
     for slot in slots:
-        torch.testing.assert_close(states[slot].double(), want_states[slot], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(states[slot].double(), want_states[slot], atol=state_tol, rtol=state_tol)
 
 
 def test_recurrent_decode_steps_follow_the_reference():

@@ -51,11 +51,14 @@ def test_gated_rms_norm_bfloat16():
 
 @pytest.mark.gpu
 def test_gated_rms_norm_rounds_as_transformers():
-    """On the GPU, at Qwen3.6's head width: transformers' module to within one bf16 rounding (it casts the normalised
-    row to bf16 before the weight, as the kernel does)."""
+    """On the GPU, at Qwen3.6's head width: as close to float64 as transformers' module (both cast the normalised row to
+    bf16 before the weight; their rsqrt and exp differ in the last float32 bits, which may move one of those roundings),
+    and never more than a few bf16 roundings from it."""
     x, z, module = bfloat16_inputs(4096, 128, "cuda")
     out = gated_rms_norm(x, z, module.weight.detach(), 1e-6)
     with torch.no_grad():
         want = module(x, z)
+    exact = reference(x, z, module.weight.detach(), 1e-6)
+    assert (out.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max()
     ulp = want.float().abs().clamp_min(1e-3) * 2**-7
-    assert ((out.float() - want.float()).abs() <= ulp).all()
+    assert ((out.float() - want.float()).abs() <= 4 * ulp).all()
