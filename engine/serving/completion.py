@@ -172,8 +172,8 @@ async def check_structured_output(
         problem = await state.grammar_checks.problem(constraint, None if key is None else key.name)
     except TimeoutError:
         raise APIError(400, f"the {param} constraint took too long to parse", param) from None
-    except ChecksBusy:
-        raise APIError(503, "constraint checks are busy; retry later", type_="service_unavailable") from None
+    except ChecksBusy:  # (other clients' constraints hold the shared workers: the server itself is fine)
+        raise RateLimited("constraint checks are busy; retry later", "rate_limit_exceeded", 2) from None
     except OwnerBusy:
         key.reject("constraint_checks")
         message = "this API key has a constraint being checked already; wait for it"

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -163,3 +164,31 @@ def test_slow_checks_neither_hold_up_a_small_one_nor_outlive_their_requests(serv
 def test_slow_compiles_neither_hold_up_a_small_one_nor_outlive_their_requests(server):
     warm_up(server)
     assert_quick_schema_served_beside(server, attack(server, [slow_to_compile(tag) for tag in range(6)], 4))
+
+
+def test_checks_past_the_shared_capacity_are_a_429_not_a_5xx(server):
+    """Six minute-long parses at once hold the two general check workers and the first-try one through the 10 s a
+    check may wait: those that find no worker are told to come back later (429, Retry-After, an OpenAI error
+    object), the others time out (400); the server itself is well, so nothing is a 5xx."""
+    warm_up(server)
+
+    def send(schema: dict) -> tuple[int, str | None, dict]:
+        payload = json.dumps({"messages": HI, "max_tokens": 2, "response_format": json_schema(schema)}).encode()
+        request = urllib.request.Request(server.url + "/v1/chat/completions", payload, method="POST")
+        request.add_header("Content-Type", "application/json")
+        request.add_header("Authorization", f"Bearer {API_KEY}")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, r.headers.get("Retry-After"), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After"), json.loads(e.read())
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(send, [slow_to_parse(100 + tag) for tag in range(6)]))
+    statuses = sorted(status for status, _, _ in answers)
+    assert set(statuses) <= {400, 429} and 429 in statuses, answers
+    for status, retry_after, body in answers:
+        if status == 429:
+            assert int(retry_after) > 0 and body["error"]["code"] == "rate_limit_exceeded", body
+            assert "busy" in body["error"]["message"]
+    assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})[0] == 200
