@@ -70,7 +70,8 @@ class CompiledModel:
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
         self._forward = None  # torch.compile's wrapper, made for the trace (a warm start never needs it)
-        self.full_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # keyed (tokens, requests): a decode's (n, n), a verification of k drafts a request's ((1 + k) r, r)
+        self.full_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced or loaded
 
     def load_saved(self, every_rank: Callable[[bool], bool] | None = None) -> None:
@@ -161,18 +162,19 @@ class CompiledModel:
     def capture_full_graph(
         self,
         size: int,
+        num_reqs: int,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         head: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
-        """Record the whole forward for `size` tokens, then `head(hidden)` (the runner's LM head and greedy argmax)
-        in the same graph. The caller has set a forward context whose metadata lives in persistent buffers, and
-        has run every kernel variant this size uses (the runner's warm-up)."""
+        """Record the whole forward for `size` tokens of `num_reqs` requests, then `head(hidden)` (the runner's LM
+        head and greedy argmax) in the same graph. The caller has set a forward context whose metadata lives in
+        persistent buffers, and has run every kernel variant this size uses (the runner's warm-up)."""
         graph = torch.cuda.CUDAGraph()
         with self.backend.graph_pool.capture(graph):
             hidden = self(input_ids[:size], positions[:size])
             outputs = (hidden, *(head(hidden) if head is not None else ()))
-        self.full_graphs[size] = (graph, weak_ref(outputs))
+        self.full_graphs[size, num_reqs] = (graph, weak_ref(outputs))
         self.counters.cudagraphs_captured += 1
 
     def release_graphs(self) -> None:
@@ -184,9 +186,9 @@ class CompiledModel:
         self.full_graphs.clear()
         self.backend.release_graphs()
 
-    def replay_full_graph(self, size: int) -> tuple[torch.Tensor, ...]:
-        """The hidden states, then the head's outputs, of the graph of `size` (views of the graphs' shared pool:
-        valid until the next replay)."""
-        graph, outputs = self.full_graphs[size]
+    def replay_full_graph(self, size: int, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """The hidden states, then the head's outputs, of the graph of `size` tokens and `num_reqs` requests (views
+        of the graphs' shared pool: valid until the next replay)."""
+        graph, outputs = self.full_graphs[size, num_reqs]
         graph.replay()
         return outputs

@@ -259,6 +259,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
                 tp_workers,
                 kv_spec.groups,
                 recurrent_states,
+                config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0,
             )
 
         cache = compiled.backend.cache if compiled is not None else None

@@ -66,11 +66,13 @@ class ModelRunner:
         tp_workers: TensorParallelWorkers | None = None,
         kv_groups: KVGroups | None = None,
         recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
+        num_speculative_tokens: int = 0,
     ) -> None:
         """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too.
         `kv_groups`: the layers' KV groups (kiln.cache.groups), each with block tables of its own when several.
         `recurrent_states`: each recurrent layer's (conv, delta-rule) state tensors, a row a slot
-        (kiln.cache.state_cache)."""
+        (kiln.cache.state_cache). `num_speculative_tokens`: speculative decoding's k, for whose verification steps
+        full graphs are captured too."""
         self.model = model
         self.compiled = compiled
         self.kv_caches = kv_caches
@@ -102,6 +104,14 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens, *self.capture_sizes, 1)
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
+        # A step verifying k drafts of every request (1 + k query tokens each) replays a full graph of its own, sizes
+        # up to `largest_full` requests. (Not a recurrent model's: its multi-token state update runs outside graphs.)
+        self.verify_len = 1 + num_speculative_tokens if num_speculative_tokens and not recurrent_states else 1
+        self.verify_sizes: list[int] = []
+        self.full_verifications = 0  # steps that verified drafts in a full graph
+        if self.verify_len > 1 and self.cudagraph_mode == "full_and_piecewise":
+            fits = [s for s in self.capture_sizes if s <= self.largest_full and s * self.verify_len <= max_tokens]
+            self.verify_sizes = fits
         num_groups = kv_groups.num_groups if kv_groups is not None else 1
         self.layer_groups = kv_groups.layer_group if num_groups > 1 else ()
         self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups)
@@ -136,7 +146,7 @@ class ModelRunner:
         self.last_hidden = hidden  # (an MTP drafter's first states; valid until the next forward)
         self.copy_states(after)  # (snapshots of states the step leaves on a block boundary)
         if handle.sample_rows and drafts is not None:
-            self._verify_drafts(batch, handle, hidden, *drafts)
+            self._verify_drafts(batch, handle, hidden, head, *drafts)
         elif handle.sample_rows:
             requests = batch.requests
             if len(handle.sample_rows) != len(requests):
@@ -172,14 +182,17 @@ class ModelRunner:
         batch: SchedulerOutput,
         handle: StepHandle,
         hidden: torch.Tensor,
+        head: Head | None,
         rows: list[int],
         row_drafts: list[int],
         spans: list[tuple[int, int]],
     ) -> None:
         """Speculative decoding's sampling: every query row of a request with drafts is scored, and the rejection
-        sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them."""
+        sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them. A full graph
+        (`head`) has run the LM head over every row already."""
         row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        rows_index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
         grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
         for (first, count), i in zip(spans, handle.sample_rows):
             if count == 1:
@@ -293,10 +306,15 @@ class ModelRunner:
     # ---- graph dispatch -------------------------------------------------------------------------------
 
     def plan(self, batch: SchedulerOutput) -> GraphPlan:
-        """Decode-only batches replay a full graph, others a piecewise one, padded up to the nearest
-        capture size; batches beyond the largest size run the compiled pieces without graphs."""
+        """Decode-only batches replay a full graph, and so do steps verifying k drafts of every request; others a
+        piecewise one, padded up to the nearest capture size; batches beyond the largest size run the compiled
+        pieces without graphs."""
         num_tokens = batch.total_num_tokens
         num_reqs = len(batch.requests)
+        if self.verify_sizes and num_tokens == num_reqs * self.verify_len and self._uniform_drafts(batch):
+            reqs = next((s for s in self.verify_sizes if s >= num_reqs), None)
+            if reqs is not None:  # (padded with one-token requests of no context, as a decode graph's)
+                return GraphPlan("full", reqs * self.verify_len, reqs)
         size = next((s for s in self.capture_sizes if s >= num_tokens), None)
         if size is None:
             return GraphPlan("none", num_tokens, num_reqs)
@@ -304,10 +322,16 @@ class ModelRunner:
             return GraphPlan("full", size, size)
         return GraphPlan("piecewise", size, num_reqs)
 
+    def _uniform_drafts(self, batch: SchedulerOutput) -> bool:
+        """Whether every request verifies k drafts (with 1 + k tokens a request in all: each exactly that)."""
+        k = self.verify_len - 1
+        return len(batch.spec_token_ids) == len(batch.requests) and all(len(d) == k for d in batch.spec_token_ids)
+
     def forward(self, metadata: AttentionMetadata, plan: GraphPlan) -> tuple[torch.Tensor, Head | None]:
         """The hidden states, and with a full graph its head's outputs: the logits and greedy tokens of every row."""
         if plan.mode == "full":
-            hidden, *head = self.compiled.replay_full_graph(plan.num_tokens)
+            self.full_verifications += plan.num_tokens != plan.num_reqs
+            hidden, *head = self.compiled.replay_full_graph(plan.num_tokens, plan.num_reqs)
             return hidden, tuple(head)
         piecewise_size = plan.num_tokens if plan.mode == "piecewise" else None
         context = self._context(metadata, piecewise_size)
@@ -392,19 +416,31 @@ class ModelRunner:
                 self._dummy_forward(size, False, "piecewise")  # captures each piece for this size
                 counters.cudagraphs_captured += 1
                 if self.cudagraph_mode == "full_and_piecewise" and size <= self.largest_full:
-                    metadata, _ = self._dummy_metadata(size, True, "full")
-                    context = self._context(metadata)
-                    inputs = self.inputs.views(size, size)
-                    with set_forward_context(context):
-                        self.compiled.capture_full_graph(size, inputs.input_ids, inputs.positions, self.head)
+                    self._capture_full(size, 1)
+                if size in self.verify_sizes:
+                    self._capture_full(size, self.verify_len, warm=True)
         torch.cuda.synchronize()
 
-    def _dummy_metadata(self, num_tokens: int, decode: bool, mode: str) -> tuple[AttentionMetadata, GraphPlan]:
-        """`num_tokens` one-token requests (decode) or as few prefills as fit in max_model_len, every
-        K/V slot in the scratch block."""
+    def _capture_full(self, num_reqs: int, query_len: int, warm: bool = False) -> None:
+        """The full graph of `num_reqs` requests of `query_len` tokens each; with `warm`, one uncaptured forward of
+        that shape first (a verification's: warm_up ran no step of that shape)."""
+        metadata, plan = self._dummy_metadata(num_reqs * query_len, True, "full", query_len)
+        if warm:
+            self.forward(metadata, GraphPlan("none", plan.num_tokens, plan.num_reqs))
+        inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
+        with set_forward_context(self._context(metadata)):
+            self.compiled.capture_full_graph(
+                plan.num_tokens, plan.num_reqs, inputs.input_ids, inputs.positions, self.head
+            )
+
+    def _dummy_metadata(
+        self, num_tokens: int, decode: bool, mode: str, query_len: int = 1
+    ) -> tuple[AttentionMetadata, GraphPlan]:
+        """`num_tokens` requests of `query_len` tokens (decode; a verification's with query_len > 1) or as few
+        prefills as fit in max_model_len, every K/V slot in the scratch block."""
         # NOTE: not the block table's rounded-up capacity: positions past max_model_len index past the
         # rotary table.
-        per_req = 1 if decode else min(num_tokens, self.max_model_len)
+        per_req = query_len if decode else min(num_tokens, self.max_model_len)
         num_new = np.full(-(-num_tokens // per_req), per_req, dtype=np.int64)
         num_new[-1] = num_tokens - per_req * (len(num_new) - 1)
         blocks = [[0] * -(-int(n) // self.block_size) for n in num_new]

@@ -36,7 +36,7 @@ def test_graph_replay_matches_eager(tiny_llama_dir, tmp_path, mode, max_num_seqs
     full = [s for s in SIZES if s <= max_num_seqs or s == min(s for s in SIZES if s >= max_num_seqs)]
     full = full if mode == "full_and_piecewise" else []
     assert stats["dynamo_traces"] == 1 and stats["cudagraphs_captured"] == len(SIZES) + len(full)
-    assert sorted(graphs.engine.executor.compiled.full_graphs) == full
+    assert sorted(graphs.engine.executor.compiled.full_graphs) == [(s, s) for s in full]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     # Different requests at each replay: decode-only steps (full graphs), mixed prefill + decode steps
     # (piecewise), and a batch larger than the biggest size (no graph).

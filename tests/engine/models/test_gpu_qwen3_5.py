@@ -1,7 +1,7 @@
 """The Gated DeltaNet hybrids on the GPU: the Triton kernels (chunked delta rule, recurrent step, causal conv, gated
 norm) eager, and compiled with the linear-attention op inside the full decode CUDA graphs; float32 against
 transformers token for token, bf16 as close to transformers' float32 as its own bf16 run is; a next turn from a
-snapshot; speculative decoding's drafts verified in piecewise graphs."""
+snapshot; speculative decoding's drafts verified in full graphs (every request k drafts) and piecewise ones."""
 
 from __future__ import annotations
 
@@ -61,5 +61,6 @@ def test_ngram_drafts_in_graphs_equal_no_drafts(tiny_llama_dir, tmp_path):
     with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_draft_tokens > 0
+        assert llm.engine.runner.verify_sizes and llm.engine.runner.full_verifications > 0
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -254,3 +254,28 @@ def test_tp2_with_drafts_equals_without(tiny_llama_dir, baseline):
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_accepted_tokens > 0
     assert_same_as_baseline(outputs, baseline)
+
+
+def test_a_step_verifying_k_drafts_of_every_request_plans_a_full_graph(tiny_llama_dir):
+    """The graph plan alone (graphs need a GPU: test_gpu_qwen3_5 replays them): a step whose every request verifies
+    k drafts replays the full graph of the next captured request count, padded; any other step with drafts a
+    piecewise one."""
+    from kiln.engine.core.scheduler import SchedulerOutput  # noqa: PLC0415
+    from kiln.engine.worker.inputs import GraphPlan  # noqa: PLC0415
+
+    with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=ngram(3)) as llm:
+        runner = llm.engine.runner
+    assert runner.verify_len == 4 and runner.verify_sizes == []  # (no graphs on the CPU)
+    # what a GPU runner captures with sizes 1, 2, 4, 8, 16 and max_num_seqs 8
+    runner.cudagraph_mode, runner.capture_sizes, runner.largest_full = "full_and_piecewise", [1, 2, 4, 8, 16], 8
+    runner.verify_sizes = [1, 2, 4]  # (8 requests of 4 tokens: past the 16 of this runner's inputs)
+
+    def plan(drafts: list[list[int]]) -> GraphPlan:
+        num_new = [1 + len(d) for d in drafts]
+        return runner.plan(SchedulerOutput([None] * len(drafts), num_new, [[]] * len(drafts), spec_token_ids=drafts))
+
+    assert plan([[1, 2, 3]] * 3) == GraphPlan("full", 16, 4)
+    assert plan([[1, 2, 3]]) == GraphPlan("full", 4, 1)
+    assert plan([[1, 2, 3], [4, 5]]) == GraphPlan("piecewise", 8, 2)
+    assert plan([[1, 2, 3]] * 5) == GraphPlan("none", 20, 5)  # (past the largest size)
+    assert plan([[]] * 3) == GraphPlan("full", 4, 4)  # a decode step: the decode graph
