@@ -45,3 +45,20 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
         dict: "an object",
     }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def context_overflow(
+    max_model_len: int, where: str, prompt_tokens: int | str, completion_tokens: int | None = None, param: str = ""
+) -> APIError:
+    """A request past the context, in OpenAI's words (clients such as LiteLLM recognise "maximum context length" and
+    the code). `where`: "prompt" or "messages"; `completion_tokens`: the completion's part when the prompt alone
+    fits; `param`: the parameter named (default `where`)."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if completion_tokens is None:
+        message = f"your {where} resulted in {prompt_tokens} tokens. Please reduce the length of the {where}."
+    else:
+        message = (
+            f"you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, "
+            f"{completion_tokens} in the completion). Please reduce the length of the {where} or completion."
+        )
+    return APIError(400, head + message, param or where, code="context_length_exceeded")

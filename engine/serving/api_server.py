@@ -450,5 +450,6 @@ async def _serve_ready(config, server, client, ready, keys, server_metrics, toke
     await runner.cleanup()
     state.pool.shutdown(wait=False)
     state.grammar_checks.close()
+    state.body_parsers.close()
     logger.info("server stopped")
     return 0

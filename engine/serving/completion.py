@@ -18,7 +18,9 @@ from aiohttp import web
 
 from kiln.engine.messages import RequestFailed
 from kiln.engine.sampling_params import StructuredOutputParams
+from kiln.engine.serving import api_errors
 from kiln.engine.serving.api_keys import RateLimited
+from kiln.engine.serving.body_parsers import BodyParsers
 from kiln.engine.serving.engine_client import AsyncEngineClient, Inbox
 from kiln.engine.serving.grammar_checks import ChecksBusy, GrammarChecks, OwnerBusy
 from kiln.engine.serving.metrics import ServerMetrics
@@ -52,6 +54,7 @@ class ServerState:
     metrics: ServerMetrics
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tokenize"))
     grammar_checks: GrammarChecks = field(default_factory=GrammarChecks)  # processes of their own, not `pool`
+    body_parsers: BodyParsers = field(default_factory=BodyParsers)  # large bodies' parse, in processes too
     max_num_seqs: int = 256
     max_num_queued_requests: int | None = None  # admission limit beyond the running batch; None = no limit
     max_sequences_per_request: int = 256  # prompts x n
@@ -96,18 +99,8 @@ def encode_within(state: ServerState, text: str, param: str, special_tokens: boo
 def context_overflow(
     state: ServerState, where: str, prompt_tokens: int | str, completion_tokens: int | None = None, param: str = ""
 ) -> APIError:
-    """A request past the context, in OpenAI's words (clients such as LiteLLM recognise "maximum context length" and
-    the code). `where`: "prompt" or "messages"; `completion_tokens`: the completion's part when the prompt alone
-    fits; `param`: the parameter named (default `where`)."""
-    head = f"This model's maximum context length is {state.max_model_len} tokens. However, "
-    if completion_tokens is None:
-        message = f"your {where} resulted in {prompt_tokens} tokens. Please reduce the length of the {where}."
-    else:
-        message = (
-            f"you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, "
-            f"{completion_tokens} in the completion). Please reduce the length of the {where} or completion."
-        )
-    return APIError(400, head + message, param or where, code="context_length_exceeded")
+    """`api_errors.context_overflow` at this server's --max-model-len."""
+    return api_errors.context_overflow(state.max_model_len, where, prompt_tokens, completion_tokens, param)
 
 
 async def encode_chat(

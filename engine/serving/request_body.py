@@ -14,7 +14,7 @@ from aiohttp import web
 from kiln.engine.serving.api_errors import APIError
 
 MAX_BODY_BYTES = 16 << 20
-PARSE_ON_LOOP_BYTES = 256 << 10  # larger bodies are parsed (and checked) on a thread
+PARSE_ON_LOOP_BYTES = 256 << 10  # larger bodies are parsed in a worker process (body_parsers), checked on a thread
 LARGE_BODY = "kiln.large_body"  # on a request: its body is larger than that
 T = TypeVar("T")
 
@@ -22,12 +22,13 @@ T = TypeVar("T")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _decoded(raw: bytes, encoding: str) -> bytes:
+def decoded(raw: bytes, encoding: str, limit: int = MAX_BODY_BYTES) -> bytes | None:
     """The body as sent before its Content-Encoding: gzip and deflate are undone here (aiohttp's own decoding is off:
-    its failures were a 500 or a text/plain 400), with the result held to the body limit (a small bomb stays small)."""
+    its failures were a 500 or a text/plain 400), with the result held to the body limit (a small bomb stays small).
+    With a `limit` under that, None for a body larger than it (decoded no further)."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
-        return raw
+        return raw if len(raw) <= limit else None
     if encoding not in ("gzip", "x-gzip", "deflate"):
         message = f"Content-Encoding {encoding[:40]!r} is not supported: send the body as is, gzip or deflate"
         raise APIError(415, message, type_="invalid_request_error")
@@ -35,10 +36,12 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
     for wbits in (47,) if encoding != "deflate" else (15, -15):
         decoder = zlib.decompressobj(wbits)
         try:
-            body = decoder.decompress(raw, MAX_BODY_BYTES + 1)
+            body = decoder.decompress(raw, limit + 1)
         except zlib.error:
             continue
-        if len(body) > MAX_BODY_BYTES or decoder.unconsumed_tail:
+        if len(body) > limit or decoder.unconsumed_tail:
+            if limit < MAX_BODY_BYTES:
+                return None
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes once decoded")
         if decoder.eof and decoder.unused_data:  # NOTE: zlib stops at a member's end; what follows would be lost
             what = "a second gzip member" if decoder.unused_data[:2] == b"\x1f\x8b" else "bytes"
@@ -54,11 +57,13 @@ async def read_json(request: web.Request) -> Any:
         raw = await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", type_="timeout") from None
-    raw = _decoded(raw, request.headers.get("Content-Encoding", ""))
-    request[LARGE_BODY] = len(raw) > PARSE_ON_LOOP_BYTES
-    if request[LARGE_BODY]:  # (parsing megabytes takes a while: the other streams go on meanwhile)
-        return await asyncio.get_running_loop().run_in_executor(None, _parsed, raw)
-    return _parsed(raw)
+    encoding = request.headers.get("Content-Encoding", "")
+    body = decoded(raw, encoding, PARSE_ON_LOOP_BYTES)
+    request[LARGE_BODY] = body is None
+    if body is None:  # NOTE: parsing megabytes holds the interpreter for up to a second: it is done in a worker
+        state = request.app["state"]
+        return await state.body_parsers.parse(raw, encoding, state.max_model_len, state.max_sequences_per_request)
+    return parsed(body)
 
 
 async def checked(request: web.Request, check: Callable[..., T], *args: Any) -> T:
@@ -70,7 +75,7 @@ async def checked(request: web.Request, check: Callable[..., T], *args: Any) -> 
     return check(*args)
 
 
-def _parsed(raw: bytes) -> Any:
+def parsed(raw: bytes) -> Any:
     try:
         # strict UTF-8 first: json.loads(bytes) would let an encoded lone surrogate (ED A0 80) through
         body = json.loads(raw.decode("utf-8-sig"))  # (a leading byte-order mark is allowed, as json.loads allows it)
