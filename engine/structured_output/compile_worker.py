@@ -4,7 +4,7 @@ compile on a thread would hold its share of the engine's compile capacity (and a
 
 The engine side (`CompileProcess`) hands the worker xgrammar's tokenizer info once, as JSON, then one constraint at a
 time; the worker answers with the compiled grammar serialized (xgrammar's own JSON form), which the engine turns back
-into a `CompiledGrammar` for its matchers. The worker is started with `python -m` rather than `multiprocessing`, so an
+into a `CompiledGrammar` for its matchers. The worker is started with `python -c` rather than `multiprocessing`, so an
 offline script without a `__main__` guard is never imported again in it.
 """
 
@@ -26,6 +26,8 @@ from kiln.engine.structured_output.constraints import WHAT, GrammarError
 
 START_TIMEOUT_S = 120.0
 CANCEL_POLL_S = 0.05  # how soon a cancelled compile's process is killed
+# NOTE: nice before any import: xgrammar's takes ~4 s of CPU, and cancelled compiles' processes are replaced often
+_LAUNCH = "import os; os.nice(10); from kiln.engine.structured_output.compile_worker import main; main()"
 
 
 class CompileCancelled(Exception):
@@ -43,7 +45,7 @@ class CompileProcess:
         ours, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", _LAUNCH, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
             )
@@ -104,7 +106,6 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _serve(conn: Connection) -> None:
-    os.nice(10)  # a compile yields the CPU to the engine's loop and the API server
     import xgrammar as xgr  # noqa: PLC0415
 
     from kiln.engine.structured_output.constraints import xgrammar_errors, xgrammar_grammar  # noqa: PLC0415
@@ -133,6 +134,7 @@ def _serve(conn: Connection) -> None:
             conn.send((None, f"internal error while compiling the grammar: {type(e).__name__}: {e}"))
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The worker (at nice 10: a compile yields the CPU to the engine's loop and the API server)."""
     _die_with_parent(int(sys.argv[2]))
     _serve(Connection(int(sys.argv[1])))

@@ -192,3 +192,22 @@ def test_checks_past_the_shared_capacity_are_a_429_not_a_5xx(server):
             assert int(retry_after) > 0 and body["error"]["code"] == "rate_limit_exceeded", body
             assert "busy" in body["error"]["message"]
     assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})[0] == 200
+
+
+def test_helper_processes_yield_the_cpu(server):
+    """Every constraint check and grammar compile process runs at nice 10, its start included (a compile process's
+    imports take ~4 s of CPU, and one replaces each cancelled compile): their floods slow each other, not the
+    server or the engine."""
+    warm_up(server)
+    helpers = {}
+    for pid in set(server.descendants()) - {server.engine_pid()}:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        except OSError:
+            continue
+        if b"compile_worker" in cmdline or b"spawn_main" in cmdline:
+            helpers[pid] = (nice, cmdline[-120:])
+    assert len(helpers) >= 3 and all(nice == 10 for nice, _ in helpers.values()), helpers
