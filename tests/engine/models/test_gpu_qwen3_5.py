@@ -52,15 +52,36 @@ def test_next_turn_from_a_snapshot_on_the_gpu(tiny_qwen3_5_dir, tmp_path):
     assert hit.outputs[0].token_ids == want.outputs[0].token_ids
 
 
-def test_ngram_drafts_in_graphs_equal_no_drafts(tiny_llama_dir, tmp_path):
+class ContinuationDrafter:
+    """Drafts k tokens every step from the run without drafts (its last one wrong every other call): steps whose
+    every request verifies k drafts, which replay the full verification graphs, and kept and rejected drafts."""
+
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.k, self.continuations, self.calls = k, continuations, 0
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        for prompt, continuation in self.continuations.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                draft = continuation[len(token_ids) - len(prompt) :][: min(self.k, limit)]
+                self.calls += 1
+                if draft and self.calls % 2:
+                    draft[-1] = (draft[-1] + 1) % 512
+                return draft
+        return []
+
+
+def test_drafts_verified_in_full_graphs_equal_no_drafts(tiny_llama_dir, tmp_path):
     prompts = [[5, 17, 33, 2, 101, 45, 9] * 4, list(range(20, 60)) * 2]
-    kwargs = dict(max_model_len=256, compile_cache_dir=str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    kwargs = dict(dtype="float32", max_model_len=256, compile_cache_dir=str(tmp_path))
     with LLM(str(tiny_llama_dir), **kwargs) as llm:
-        want = llm.generate(prompts, GREEDY, use_tqdm=False)
+        want = llm.generate(prompts, params, use_tqdm=False)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
-        got = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert llm.engine.scheduler.num_draft_tokens > 0
-        assert llm.engine.runner.verify_sizes and llm.engine.runner.full_verifications > 0
+        continuations = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
+        llm.engine.scheduler.drafter = ContinuationDrafter(3, continuations)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_accepted_tokens > 0
+        assert llm.engine.runner.full_verifications > 0
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
