@@ -3,7 +3,7 @@ plan, on e4m3 operands.
 
     route:   moe_routing.py, as for 16-bit experts (the pairs laid out by expert in blocks of BLOCK_M rows)
     round:   x to e4m3 with its scales (fp8_quant.py: a scale a token and block_k columns, or a token)
-    gemm 1:  act[pair] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T)      in x's dtype
+    gemm 1:  act[pair] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T)      in x's dtype (GELU-tanh for Gemma 4)
     round:   act to e4m3 with its scales
     gemm 2:  y[pair]   = weight[pair] * act[pair] @ down_e^T
     sum:     out[t]    = sum over its k pairs of y
@@ -63,6 +63,7 @@ def _grouped_fp8_matmul(
     TOP_K: tl.constexpr,
     A_ROWS_ARE_TOKENS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    GELU: tl.constexpr,  # SILU_MUL's activation GELU's tanh form, not SiLU
     MUL_WEIGHT: tl.constexpr,
     FP8_DOT: tl.constexpr,  # the tensor cores' e4m3 dot (a GPU), else float32 (the interpreter; blocks under 32)
     BLOCK_M: tl.constexpr,
@@ -117,7 +118,10 @@ def _grouped_fp8_matmul(
         acc *= a_s * tl.load(w_scales, mask=n_ok[None, :], other=0.0)
         if SILU_MUL:
             acc_up *= a_s * tl.load(up_scales, mask=n_ok[None, :], other=0.0)
-    if SILU_MUL:
+    if SILU_MUL and GELU:  # x * sigmoid(2z) is 0.5 x (1 + tanh z), z = sqrt(2 / pi) (x + 0.044715 x^3)
+        inner = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc / (1.0 + tl.exp(-inner)) * acc_up
+    elif SILU_MUL:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -161,9 +165,11 @@ def grouped_fp8_matmul(
     block_k: int,
     silu_mul: bool = False,
     weights: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> None:
     """out[pair] = dequant(a[row]) @ dequant(w[e])^T for every pair (row: the pair's token, or the pair itself);
-    with silu_mul, w holds gate's rows then up's. `block_n` 0: a weight scale a row."""
+    with silu_mul, w holds gate's rows then up's (and `gelu` makes the activation GELU-tanh). `block_n` 0: a weight
+    scale a row."""
     num_pairs, n = out.shape
     k = a.shape[1]
     config = dict(config)
@@ -202,6 +208,7 @@ def grouped_fp8_matmul(
         TOP_K=top_k,
         A_ROWS_ARE_TOKENS=a_rows_are_tokens,
         SILU_MUL=silu_mul,
+        GELU=gelu,
         MUL_WEIGHT=weights is not None,
         FP8_DOT=a.is_cuda and config["BLOCK_K"] >= 32,  # (the FP8 tensor cores take K 32 at a time)
         **config,
@@ -220,12 +227,13 @@ def experts_forward_fp8(
     block_k: int,
     activations: str,
     config: dict[str, int] | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """The FP8 experts for a given routing (weights, experts [T, k]): align, then the two grouped matmuls."""
     config = config or fp8_tile_config(experts.numel(), w13.shape[1], w13.shape[2])
     sorted_pairs, block_expert = align(experts, w13.shape[0], config["BLOCK_M"])
     scales = (w13_scale, w2, w2_scale, weights, sorted_pairs, block_expert, experts.shape[1], config)
-    return _grouped(x, w13, *scales, block_n, block_k, activations)
+    return _grouped(x, w13, *scales, block_n, block_k, activations, gelu)
 
 
 def fused_moe_fp8(
@@ -242,15 +250,20 @@ def fused_moe_fp8(
     block_k: int,
     activations: str,
     config: dict[str, int] | None = None,
+    expert_scales: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """`kiln::fused_moe_fp8` on the GPU (and under Triton's interpreter): routing and alignment (one launch for a
-    decode), then the roundings and the two grouped matmuls, and the sum over k."""
+    decode), the weights times the chosen experts' `expert_scales` where given, then the roundings and the two
+    grouped matmuls (GELU-tanh with `gelu`), and the sum over k."""
     config = config or fp8_tile_config(x.shape[0] * top_k, w13.shape[1], w13.shape[2])
-    weights, _, sorted_pairs, block_expert = route_and_align(
+    weights, experts, sorted_pairs, block_expert = route_and_align(
         router_logits, top_k, renormalise, weights_dtype, config["BLOCK_M"]
     )
+    if expert_scales is not None:
+        weights = weights * expert_scales[experts]
     scales = (w13_scale, w2, w2_scale, weights, sorted_pairs, block_expert, top_k, config)
-    return _grouped(x, w13, *scales, block_n, block_k, activations)
+    return _grouped(x, w13, *scales, block_n, block_k, activations, gelu)
 
 
 def _grouped(
@@ -267,6 +280,7 @@ def _grouped(
     block_n: int,
     block_k: int,
     activations: str,
+    gelu: bool = False,
 ) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_pairs, inter = num_tokens * top_k, w13.shape[1] // 2
@@ -274,7 +288,7 @@ def _grouped(
     layout = (sorted_pairs, block_expert, top_k, config)
     x_q, x_scale = quantize_activations(x, block_k, activations)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    grouped_fp8_matmul(x_q, x_scale, w13, w13_scale, act, *layout, True, block_n, block_k, silu_mul=True)
+    grouped_fp8_matmul(x_q, x_scale, w13, w13_scale, act, *layout, True, block_n, block_k, silu_mul=True, gelu=gelu)
     act_q, act_scale = quantize_activations(act, block_k, activations)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.flatten().contiguous()

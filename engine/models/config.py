@@ -33,9 +33,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 # Gated DeltaNet hybrids: three of every four layers linear attention with a recurrent state (qwen3_5.py)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-# mixtures whose experts (moe.py `Experts`) take FP8 weights: an FP8 checkpoint's, or `--quantization fp8`'s
+# mixtures whose experts take FP8 weights: moe.py's `Experts` (an FP8 checkpoint's, or `--quantization fp8`'s) and
+# Gemma 4's (`--quantization fp8`'s; quantization.py refuses an FP8 checkpoint's)
 _FP8_EXPERTS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
-_FP8_EXPERTS += ("Qwen3NextForCausalLM",)
+_FP8_EXPERTS += ("Qwen3NextForCausalLM", "Gemma4ForCausalLM")
 # multimodal checkpoints served as their language model (the loader skips the vision tower; warned once)
 _LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",

@@ -14,7 +14,7 @@ Sliding and full layers as Gemma 3's, with layers of kinds no other Kiln model h
     per-layer embeddings (E2B, E4B): a second embedding of every token, a slice for each layer, mixed with a projection
                     of the token's embedding; each layer adds gate(h) * its slice, projected back and normed
     MoE (26B-A4B):  beside the dense MLP of every layer, experts (GELU-tanh) routed from the MLP's input, the two
-                    outputs normed apart and summed
+                    outputs normed apart and summed; with `--quantization fp8` the experts in e4m3 too, a scale a row
 
 Every norm scales by its weight as the checkpoint has it (no 1 +). `forward(input_ids[T], positions[T]) ->
 hidden[T, H]`, as the Llama family's (llama.py).
@@ -29,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.backends.kernels.moe  # noqa: F401  (registers torch.ops.kiln.fused_moe)
+import kiln.backends.kernels.moe_fp8  # noqa: F401  (registers torch.ops.kiln.fused_moe_fp8)
 from kiln.backends.attention.op import attend
-from kiln.backends.kernels import moe_triton
+from kiln.backends.kernels import moe_fp8_triton, moe_triton
+from kiln.engine.models import quantization
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, linear
 from kiln.engine.models.llama import LlamaForCausalLM
@@ -179,10 +181,14 @@ class Gemma4Router(nn.Module):
 
 class Gemma4Experts(nn.Module):
     """Every expert's gate/up (`gate_up_proj` [E, 2I, H], gate's rows then up's) and down (`down_proj` [E, H, I])
-    projections, stacked as the checkpoints ship them; this rank's intermediate columns of each."""
+    projections, stacked as the checkpoints ship them; this rank's intermediate columns of each. With `--quantization
+    fp8` they hold e4m3 values, quantized as they load, and a scale a row beside them (quantization.py)."""
+
+    weight_names = ("gate_up_proj", "down_proj")  # (the checkpoints' names; FP8 scales beside them: quantization.py)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard: TensorParallelShard):
         super().__init__()
+        self.num_experts, self.hidden_size = num_experts, hidden_size
         self.full_intermediate = intermediate_size
         self.intermediate = shard.split(intermediate_size, "moe_intermediate_size")
         self.start = shard.rank * self.intermediate
@@ -190,8 +196,9 @@ class Gemma4Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[ShardId, tuple[int, ...]]]:
-        num_experts, hidden, _ = self.down_proj.shape
-        full = self.full_intermediate
+        if param_name.endswith("_scale"):
+            return []  # (made as the weights are quantized at load: an FP8 checkpoint's Gemma 4 experts are refused)
+        num_experts, hidden, full = self.num_experts, self.hidden_size, self.full_intermediate
         return [
             (None, (num_experts, 2 * full, hidden) if param_name == "gate_up_proj" else (num_experts, hidden, full))
         ]
@@ -199,15 +206,27 @@ class Gemma4Experts(nn.Module):
     def load_weight(self, param_name: str, source: Any, shard: ShardId) -> None:
         size, start, full = self.intermediate, self.start, self.full_intermediate
         if param_name == "gate_up_proj":
-            self.gate_up_proj[:, :size].copy_(source[:, start : start + size])
-            self.gate_up_proj[:, size:].copy_(source[:, full + start : full + start + size])
+            self._store(param_name, slice(None, size), source[:, start : start + size])
+            self._store(param_name, slice(size, None), source[:, full + start : full + start + size])
         else:
-            self.down_proj.copy_(source[:, :, start : start + size])
+            self._store(param_name, slice(None), source[:, :, start : start + size])
+
+    def _store(self, param_name: str, rows: slice, source: torch.Tensor) -> None:
+        """Every expert's `rows` of `param_name` from `source` [E, rows, columns]: copied, or with `--quantization fp8`
+        quantized a scale a row, an expert at a time."""
+        weight = getattr(self, param_name)
+        if not quantization.quantized_at_load(self):
+            weight[:, rows].copy_(source)
+            return
+        scale = getattr(self, f"{param_name}_scale")
+        for expert in range(self.num_experts):
+            quantization.quantize_into(weight[expert, rows], scale[expert, rows], source[expert])
 
 
 class Gemma4MoeDecoderLayer(FusedKernelsMixin, Gemma4DecoderLayer):
     """A layer whose feed-forward is the dense MLP and the experts side by side (26B-A4B). Eager on the GPU (`fused`)
-    the experts are the Triton kernels called directly; otherwise the `kiln::fused_moe` op."""
+    the experts are the Triton kernels called directly; otherwise the `kiln::fused_moe` op (FP8 experts:
+    `kiln::fused_moe_fp8`, with the same GELU-tanh and scales a chosen expert)."""
 
     def __init__(self, config: ModelConfig, layer: int, kv_index: int, stores_kv: bool, shard: TensorParallelShard):
         super().__init__(config, layer, kv_index, stores_kv, shard)
@@ -222,12 +241,24 @@ class Gemma4MoeDecoderLayer(FusedKernelsMixin, Gemma4DecoderLayer):
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(hidden)))
         logits = self.router(hidden, self.eps)  # (the experts are routed from the MLP's input, as it enters)
         x = self.pre_feedforward_layernorm_2(hidden)
-        args = (x, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, True)
-        scales = self.router.per_expert_scale
-        if self.fused:
-            out = moe_triton.fused_moe(*args, torch.float32, expert_scales=scales, gelu=True)
-        else:  # (the routing weights in float32, as the reference keeps them)
-            out = torch.ops.kiln.fused_moe(*args, True, scales, True)
+        experts, scales = self.experts, self.router.per_expert_scale
+        routing = (self.top_k, True)  # (renormalised; the weights in float32, as the reference keeps them)
+        if quantization.is_fp8(experts):
+            weights = (experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj, experts.down_proj_scale)
+            fp8 = (*quantization.expert_block(experts), experts.quant.activations)
+            if self.fused:
+                args = (x, logits, *weights, *routing, torch.float32, *fp8)
+                out = moe_fp8_triton.fused_moe_fp8(*args, expert_scales=scales, gelu=True)
+            else:
+                out = torch.ops.kiln.fused_moe_fp8(x, logits, *weights, *routing, True, *fp8, scales, True)
+        else:
+            weights = (experts.gate_up_proj, experts.down_proj)
+            if self.fused:
+                out = moe_triton.fused_moe(
+                    x, logits, *weights, *routing, torch.float32, expert_scales=scales, gelu=True
+                )
+            else:
+                out = torch.ops.kiln.fused_moe(x, logits, *weights, *routing, True, scales, True)
         if self.tp_size > 1:
             torch.ops.kiln.all_reduce_(out)
         return dense + self.post_feedforward_layernorm_2(out)

@@ -31,6 +31,8 @@ from kiln.engine.models.parallel import MergedColumnParallelLinear, RowParallelL
 class Experts(nn.Module):
     """Every expert's gate/up (`w13`) and down (`w2`) projections, this rank's intermediate columns of each."""
 
+    weight_names = ("w13", "w2")  # (FP8 experts' scales beside them: quantization.py)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard: TensorParallelShard) -> None:
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size

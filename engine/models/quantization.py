@@ -13,6 +13,7 @@
 A mixture's experts (moe.py `Experts`: every expert's gate/up and down stacked) take the same formats, a scale (or
 a block of scales) an expert and projection, the checkpoint's `experts.N.gate_proj.weight_scale_inv` and the like,
 and the `kiln::fused_moe_fp8` op; their activations are rounded per token or per group (not from a static scale).
+Gemma 4's experts (gemma4.py `Gemma4Experts`, stacked as its checkpoints ship them) take `--quantization fp8`'s.
 
 A weight is stored as e4m3 values q and float32 scales s, w = q * s. A fused projection (qkv, gate_up) keeps each
 part's scales: a per-tensor scale becomes a per-channel one over its part's rows, so no weight is requantized.
@@ -37,13 +38,15 @@ FP8_MAX = 448.0  # the largest finite e4m3 value
 def quantize_layers(model: nn.Module, quant: QuantConfig, hf_names: dict[str, tuple[str, ...]]) -> None:
     """Turn every linear layer and every mixture's experts the checkpoint quantizes into FP8 ones (weights not yet
     filled). `hf_names`: the Hugging Face modules each Kiln layer holds (qkv_proj: q_proj, k_proj, v_proj)."""
-    from kiln.engine.models.moe import Experts  # noqa: PLC0415 (a cycle)
+    from kiln.engine.models.gemma4 import Gemma4Experts  # noqa: PLC0415 (a cycle)
+    from kiln.engine.models.moe import Experts  # noqa: PLC0415
     from kiln.engine.models.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: PLC0415
 
     if quant.origin != "online" and not quant.ignores("lm_head"):
         raise refuse("an FP8 lm_head (a checkpoint whose ignore list leaves lm_head quantized)")
     for name, module in model.named_modules():
-        if isinstance(module, Experts):
+        experts = isinstance(module, Experts | Gemma4Experts)
+        if experts:
             parts = tuple(f"{name}.{e}.{proj}" for e in range(module.num_experts) for proj in _EXPERT_PROJECTIONS)
         elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if quant.origin == "online" and not getattr(module, "quantize_online", True):
@@ -55,9 +58,13 @@ def quantize_layers(model: nn.Module, quant: QuantConfig, hf_names: dict[str, tu
         if all(ignored):
             continue
         if any(ignored):
-            what = f"{name}'s experts" if isinstance(module, Experts) else ", ".join(parts)
+            what = f"{name}'s experts" if experts else ", ".join(parts)
             raise refuse(f"ignoring only some of {what} (they are one fused layer)")
-        if isinstance(module, Experts):
+        if isinstance(module, Gemma4Experts) and quant.origin != "online":
+            raise refuse(
+                f"an FP8 checkpoint's Gemma 4 experts ({name}: --quantization fp8 of the 16-bit one quantizes them)"
+            )
+        if experts:
             _make_fp8_experts(module, quant, name)
         else:
             _make_fp8(module, quant, name)
@@ -89,14 +96,16 @@ def _make_fp8(module: nn.Module, quant: QuantConfig, name: str) -> None:
 
 
 def _make_fp8_experts(experts: nn.Module, quant: QuantConfig, name: str) -> None:
-    """Every expert's e4m3 gate/up [E, 2I, H] and down [E, H, I] (this rank's I columns), and their scales: [E, rows]
-    a scale a row (per tensor or channel), or [E, rows / block rows, columns / block columns] a scale a block."""
+    """Every expert's e4m3 gate/up [E, 2I, H] and down [E, H, I] (this rank's I columns), and their scales beside
+    them (`w13_scale`, `w2_scale`; Gemma 4's `gate_up_proj_scale`, `down_proj_scale`): [E, rows] a scale a row (per
+    tensor or channel), or [E, rows / block rows, columns / block columns] a scale a block."""
     if quant.activations not in ("token", "group"):
         raise refuse(f"{name}: FP8 experts whose activations are {quant.activations!r} (Kiln's: per token or group)")
     num_experts, inter, hidden = experts.num_experts, experts.intermediate, experts.hidden_size
-    device = experts.w13.device
+    gate_up, down = experts.weight_names
+    device = getattr(experts, gate_up).device
     experts.quant = quant
-    for param_name, shape in (("w13", (num_experts, 2 * inter, hidden)), ("w2", (num_experts, hidden, inter))):
+    for param_name, shape in ((gate_up, (num_experts, 2 * inter, hidden)), (down, (num_experts, hidden, inter))):
         weight = torch.empty(shape, dtype=FP8_DTYPE, device=device)
         setattr(experts, param_name, nn.Parameter(weight, requires_grad=False))
     if quant.weights == "block":
@@ -109,7 +118,7 @@ def _make_fp8_experts(experts: nn.Module, quant: QuantConfig, name: str) -> None
         shapes = ((num_experts, *w13_blocks), (num_experts, *w2_blocks))
     else:
         shapes = ((num_experts, 2 * inter), (num_experts, hidden))
-    for param_name, shape in zip(("w13_scale", "w2_scale"), shapes):
+    for param_name, shape in zip((f"{gate_up}_scale", f"{down}_scale"), shapes):
         scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
         setattr(experts, param_name, scale)
 

@@ -17,7 +17,7 @@ shortest prompt's (decode at 32k against 2k).
 
 `--quantization fp8` times the 16-bit checkpoint's weights quantized at load (linear layers and experts in e4m3: their
 bytes and scales in the roofline), beside the bf16 run of another call; on a model Kiln does not quantize (a mixture
-whose experts are its own: Gemma 4's) it prints the one-line refusal where the table would be, and exits 0.
+whose experts are its own: gpt-oss's) it prints the one-line refusal where the table would be, and exits 0.
 
 `--breakdown` measures where a decode step's time goes, per batch size, in each mode with and without
 async scheduling: step time (wall), host time (the engine's CPU work: schedule, prepare, launch,

@@ -2,7 +2,7 @@
 experts on the same e4m3 values: block-scaled experts (Qwen's FP8 checkpoints: 128 x 128 blocks; smaller ones here)
 with activations rounded per token and group, per-channel experts with activations rounded per token; uneven expert
 loads, experts no token chose, tied routing, one token and many, every prefill tile; the op from the router's logits
-against its plain-torch form, the CPU's."""
+against its plain-torch form, the CPU's; Gemma 4's experts (GELU-tanh, a scale an expert on the routing weights)."""
 
 from __future__ import annotations
 
@@ -47,14 +47,15 @@ def _rounded(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     return quantize_activations(x, "group" if block else "token", None, block[1] if block else 0).double()
 
 
-def reference(x, w13, s13, w2, s2, weights, experts, block) -> torch.Tensor:
-    """The experts in float64 on the e4m3 values: each input rounded as the kernels round it (act from x's dtype)."""
+def reference(x, w13, s13, w2, s2, weights, experts, block, gelu: bool = False) -> torch.Tensor:
+    """The experts in float64 on the e4m3 values: each input rounded as the kernels round it (act from x's dtype);
+    the activation SiLU, or GELU's tanh form."""
     w13, w2 = _dequantize(w13, s13, block), _dequantize(w2, s2, block)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for expert in torch.unique(experts).tolist():
         tokens, slot = torch.where(experts == expert)
         gate, up = (_rounded(x[tokens], block) @ w13[expert].T).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
+        act = ((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up).to(x.dtype)
         out.index_add_(0, tokens, (_rounded(act, block) @ w2[expert].T) * weights[tokens, slot, None].double())
     return out
 
@@ -136,3 +137,29 @@ def test_the_op_from_router_logits_against_its_cpu_form(block):
     args = [t.to(DEVICE) for t in (x, logits, w13, s13, w2, s2)]
     out = fused_moe_fp8(*args, top_k, True, torch.float32, *fp8)
     close(out.cpu(), cpu, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 70], ids=["decode", "prefill"])
+@pytest.mark.parametrize("block", [(16, 16), None], ids=["blocks", "rows"])
+def test_gemma4s_experts_gelu_and_scales_against_float64(num_tokens, block):
+    """Gemma 4's FP8 experts (`--quantization fp8`'s: a scale a row and a token; blocks too): GELU's tanh form, the
+    renormalised top-k weights in float32 times each chosen expert's scale; the kernels and the op's plain form (the
+    CPU's) against float64 on the same e4m3 values."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden, inter, num_experts, top_k = 64, 48, 8, 2
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    w13, s13 = _experts(num_experts, 2 * inter, hidden, block, generator)
+    w2, s2 = _experts(num_experts, hidden, inter, block, generator)
+    scales = torch.rand(num_experts, generator=generator) + 0.5
+    probs, experts = torch.topk(logits.double().softmax(-1), top_k, dim=-1)
+    weights = probs / probs.sum(-1, keepdim=True) * scales.double()[experts]
+    want = reference(x, w13, s13, w2, s2, weights, experts, block, gelu=True).float()
+    fp8 = (*(block or (0, 0)), "group" if block else "token")
+    args = [t.to(DEVICE) for t in (x, logits, w13, s13, w2, s2)]
+    out = fused_moe_fp8(*args, top_k, True, torch.float32, *fp8, expert_scales=scales.to(DEVICE), gelu=True)
+    close(out.cpu(), want, torch.float32)
+    plain = torch.ops.kiln.fused_moe_fp8(x, logits, w13, s13, w2, s2, top_k, True, True, *fp8, scales, True)
+    close(plain, want, torch.float32)
+    silu = torch.ops.kiln.fused_moe_fp8(x, logits, w13, s13, w2, s2, top_k, True, True, *fp8)
+    assert (silu - plain).abs().max() > 1e-2  # (the activation and the scales matter here)

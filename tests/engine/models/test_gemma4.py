@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -187,38 +189,128 @@ def test_the_language_model_of_a_gemma4_for_conditional_generation_checkpoint(tm
     assert_greedy_matches_hf(hf, PROMPTS, outputs, MAX_TOKENS, TOL)
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# (a float32 difference in a layer's input can move a value across an e4m3 rounding boundary: test_fp8's TOL; the
+# experts' inputs, rounded a token at a time, more so: here one log-probability moves 4e-3, the rest stay at 3e-7)
+FP8_TOL, FP8_MOE_TOL = 2e-3, 1e-2
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x through e4m3 a scale a token (a row), as `--quantization fp8` rounds a layer's input."""
+    scale = x.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)
+    return ((x * (1 / scale)).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def _quantized(w: torch.Tensor) -> torch.Tensor:
+    """w through e4m3 a scale a row (the last dim's), and back."""
+    scale = w.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    return ((w / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+
+
+def _fp8_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+    """Hugging Face's expert loop (Gemma4TextExperts.forward, its own weights, routing and GELU-tanh) with each
+    projection's input rounded through e4m3 a scale a token."""
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():
+        tokens, slot = torch.where(top_k_index == expert)
+        gate, up = F.linear(_rounded(hidden_states[tokens]), experts.gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(_rounded(experts.act_fn(gate) * up), experts.down_proj[expert])
+        out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
+    return out
+
+
 def _fp8_reference(model_dir):
-    """Hugging Face's model with every projection's weight quantized to e4m3 a scale a row and back, and its input
-    rounded through e4m3 a scale a token: what `--quantization fp8` computes."""
+    """Hugging Face's model with every projection's weight (and every expert's) quantized to e4m3 a scale a row and
+    back, and its input rounded through e4m3 a scale a token: what `--quantization fp8` computes."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-
-    def rounded(x: torch.Tensor, dim: int) -> torch.Tensor:
-        scale = x.abs().amax(dim=dim, keepdim=True) * (1 / fp8_max)
-        return (x * (1 / scale)).to(torch.float8_e4m3fn).float() * scale
-
     for name, module in hf.named_modules():
         if name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            w = module.weight.data
-            scale = w.abs().amax(dim=1, keepdim=True) / fp8_max
-            module.weight.data.copy_((w / scale).to(torch.float8_e4m3fn).float() * scale)
-            module.register_forward_pre_hook(lambda m, args: (rounded(args[0], -1),) + args[1:])
+            module.weight.data.copy_(_quantized(module.weight.data))
+            module.register_forward_pre_hook(lambda m, args: (_rounded(args[0]),) + args[1:])
+        elif name.endswith(".experts"):
+            for param in (module.gate_up_proj, module.down_proj):
+                param.data.copy_(_quantized(param.data))
+            module.forward = types.MethodType(_fp8_experts_forward, module)
     return hf
 
 
 def test_quantization_fp8_matches_hf_with_e4m3_weights_and_inputs(gemma4_dir):
-    """--quantization fp8 of the dense models (q/k/v, o, gate/up, down: a scale a row, inputs a scale a token; the
-    per-layer embeddings' small projections and the norms stay 16-bit); FP8 of the experts is refused in one line."""
-    if gemma4_dir.name.startswith("gemma4_moe"):
-        with pytest.raises(ValueError, match="FP8 quantization of .*experts.* not supported"):
-            LLM(str(gemma4_dir), enforce_eager=True, max_model_len=64, device="cpu", quantization="fp8")
-        return
+    """--quantization fp8 (q/k/v, o, gate/up, down and 26B-A4B's experts: a scale a row, inputs a scale a token; the
+    per-layer embeddings' small projections, the router and the norms stay 16-bit)."""
     with LLM(str(gemma4_dir), enforce_eager=True, max_model_len=256, device="cpu", quantization="fp8") as llm:
-        attn = llm.engine.executor.model.model.layers[-1].self_attn
+        layer = llm.engine.executor.model.model.layers[-1]
+        attn = layer.self_attn
         assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.weight.dtype == torch.float8_e4m3fn
+        if hasattr(layer, "experts"):
+            assert layer.experts.gate_up_proj.dtype == layer.experts.down_proj.dtype == torch.float8_e4m3fn
+            assert layer.experts.down_proj_scale.shape == (4, 64) and layer.router.proj.weight.dtype == torch.float32
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    # (a float32 difference in a layer's input can move a value across an e4m3 rounding boundary: test_fp8's TOL)
-    assert_greedy_matches_hf(_fp8_reference(gemma4_dir), PROMPTS, outputs, MAX_TOKENS, 2e-3, near_tie=True)
+    tol = FP8_MOE_TOL if gemma4_dir.name.startswith("gemma4_moe") else FP8_TOL
+    assert_greedy_matches_hf(_fp8_reference(gemma4_dir), PROMPTS, outputs, MAX_TOKENS, tol, near_tie=True)
+
+
+def test_fp8_experts_through_the_triton_kernels_and_compiled(tmp_path):
+    """26B-A4B's FP8 experts eager through the GPU path's Triton kernels (under the interpreter, which is slow: a short
+    prompt and a few tokens; GELU-tanh and the scales a chosen expert in the grouped FP8 matmuls), and compiled (the
+    op in the graph, chunked prefill)."""
+    skip_uninterpreted_triton("triton")
+    model_dir = make_tiny_model_dir(tmp_path / "gemma4_moe", "gemma4_moe")
+    hf = _fp8_reference(model_dir)
+    engine = dict(max_model_len=128, device="cpu", quantization="fp8", compile_cache_dir=str(tmp_path / "c"))
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    with LLM(str(model_dir), enforce_eager=True, **engine) as llm:
+        for layer in llm.engine.executor.model.model.layers:
+            layer.fused = True  # (the experts' kernels only; the norms and attention stay plain torch)
+        fused = llm.generate([PROMPTS[1][:20]], short, use_tqdm=False)
+    assert_greedy_matches_hf(hf, [PROMPTS[1][:20]], fused, 4, FP8_MOE_TOL)
+    with LLM(str(model_dir), enforce_eager=False, max_num_batched_tokens=13, **engine) as llm:
+        compiled = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(hf, PROMPTS, compiled, MAX_TOKENS, FP8_MOE_TOL, near_tie=True)
+
+
+def test_an_fp8_checkpoints_gemma4_experts_are_refused_in_one_line(tmp_path):
+    """Kiln quantizes Gemma 4's experts at load; an FP8 checkpoint of them (stacked e4m3 experts and scales of a
+    format of their own) is refused, naming the layer, rather than served with scales of one."""
+    d = make_tiny_model_dir(tmp_path / "m", "gemma4_moe")
+    config = json.loads((d / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": fp8}))
+    with pytest.raises(
+        ValueError, match=r"an FP8 checkpoint's Gemma 4 experts \(model\.layers\.0\.experts: .*not supported"
+    ):
+        LLM(str(d), enforce_eager=True, max_model_len=64, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_fp8_experts_on_the_gpu_match_hf(tmp_path, enforce_eager):
+    """`--quantization fp8` of 26B-A4B's tiny model on the GPU (the FP8 experts' grouped matmuls on e4m3 tensor cores,
+    with GELU-tanh and the scales a chosen expert; eager, and in CUDA graphs): float32 greedy tokens and
+    log-probabilities those of Hugging Face's model with e4m3 weights and inputs (the torch attention backend and
+    test_fp8.py's tolerance: see its GPU test), together and one row a step; bf16 as close to it as that model's own
+    bf16 run."""
+    from helpers.models import assert_bf16_as_close_as_hf
+
+    model_dir = make_tiny_model_dir(tmp_path / "gemma4_moe", "gemma4_moe")
+    hf = _fp8_reference(model_dir)
+    engine = dict(
+        enforce_eager=enforce_eager,
+        max_model_len=256,
+        quantization="fp8",
+        compile_cache_dir=str(tmp_path / "c"),
+        device="cuda",
+        cudagraph_capture_sizes=(1, 2, 4),
+    )
+    with LLM(str(model_dir), dtype="float32", attention_backend="torch", **engine) as llm:
+        assert llm.engine.executor.model.model.layers[0].experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        together = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        alone = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]  # (one row a step)
+    assert_greedy_matches_hf(hf, PROMPTS, together, MAX_TOKENS, 5e-2, near_tie=True)
+    assert_greedy_matches_hf(hf, PROMPTS, alone, MAX_TOKENS, 5e-2, near_tie=True)
+    with LLM(str(model_dir), dtype="bfloat16", **engine) as llm:
+        bf16 = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_bf16_as_close_as_hf(hf, _fp8_reference(model_dir).to(torch.bfloat16).cuda(), PROMPTS, bf16)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
