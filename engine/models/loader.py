@@ -180,23 +180,13 @@ def load_checkpoint(model: LlamaForCausalLM, model_dir: Path, load_format: str =
         if (fused := _FUSED_EXPERTS.match(name)) and _stacked_experts(fused) in params:  # (moe.py's experts)
             filled.update(_load_fused_experts(model, fused, file_name, source))
             continue
-        target, shard = _target_of(model, name)
+        target, shard = place_of(model, name)
         if target.endswith((".k_scale", ".v_scale")) and target not in params:
             continue  # KV cache scales with a 16-bit KV cache (startup says so)
-        if target not in params:
-            raise WeightLoadError(f"{file_name}: tensor {name!r} has no place in {model.config.architecture}")
-        module, param_name = _owner(model, target)
-        expected = dict(checkpoint_parts(module, param_name))[shard]
-        shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
-        if not _shape_fits(shape, expected):
-            raise WeightLoadError(f"{file_name}: tensor {name!r} has shape {shape}, expected {expected}")
-        fp8_weight = getattr(module, param_name).dtype == quantization.FP8_DTYPE  # (a layer's weight, experts' w13, w2)
-        if fp8_weight and not quantization.quantized_at_load(module) and _dtype_name(source) != "F8_E4M3":
-            raise WeightLoadError(f"{file_name}: tensor {name!r} is {_dtype_name(source)}, expected F8_E4M3")
-        load_part(module, param_name, source, shard)
+        load_tensor(model, target, shard, source, f"{file_name}: tensor {name!r}")
         filled.add((target, shard))
         del source  # NOTE: a dequantized GGUF tensor is freed before the next one is made
-    missing = [_describe(target, shard) for target, shard in _expected_parts(model) if (target, shard) not in filled]
+    missing = [_describe(target, shard) for target, shard in expected_parts(model) if (target, shard) not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightLoadError(f"{model_dir}: checkpoint is missing {len(missing)} tensors: {shown}")
@@ -240,7 +230,7 @@ def _load_fused_experts(model: nn.Module, fused: re.Match, file_name: str, sourc
     """Each expert's part of a fused experts tensor loaded as the checkpoint's tensor of that expert and projection
     would be (moe.py `Experts`: this rank's rows or columns, quantized at load under `--quantization fp8`)."""
     target = _stacked_experts(fused)
-    module, param_name = _owner(model, target)
+    module, param_name = owner_of(model, target)
     if quantization.is_fp8(module) and not quantization.quantized_at_load(module):
         raise WeightLoadError(f"{file_name}: tensor {fused.string!r}: an FP8 checkpoint's experts are read one by one")
     parts = checkpoint_parts(module, param_name)
@@ -265,7 +255,28 @@ def _shape_fits(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
     return shape == expected or (len(shape) <= 1 and len(expected) <= 1 and math.prod(shape) == math.prod(expected))
 
 
-def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
+def load_tensor(model: nn.Module, target: str, shard: ShardId, source: Any, what: str) -> None:
+    """A checkpoint tensor (`what` names it in errors) into parameter `target` of `model`, or its `shard` of it (a
+    part of a fused or stacked parameter, this rank's rows or columns): its place, shape and dtype checked."""
+    try:
+        module, param_name = owner_of(model, target)
+    except AttributeError:
+        module, param_name = None, ""
+    if not isinstance(getattr(module, param_name, None), nn.Parameter):
+        where = model.config.architecture if hasattr(model, "config") else type(model).__name__
+        raise WeightLoadError(f"{what} has no place in {where}")
+    expected = dict(checkpoint_parts(module, param_name))[shard]
+    shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+    if not _shape_fits(shape, expected):
+        raise WeightLoadError(f"{what} has shape {shape}, expected {expected}")
+    fp8_weight = getattr(module, param_name).dtype == quantization.FP8_DTYPE  # (a layer's weight, experts' w13, w2)
+    if fp8_weight and not quantization.quantized_at_load(module) and _dtype_name(source) != "F8_E4M3":
+        raise WeightLoadError(f"{what} is {_dtype_name(source)}, expected F8_E4M3")
+    load_part(module, param_name, source, shard)
+
+
+def place_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
+    """The parameter a checkpoint tensor (a Hugging Face name) goes to, and its shard of it (None: all of it)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router and experts
     name = name.replace(".k_proj.output_scale", ".k_scale").replace(".v_proj.output_scale", ".v_scale")  # (older)
     if name.endswith(".weight_scale_inv"):  # Hugging Face's fine-grained FP8: multiplied, as compressed-tensors' is
@@ -280,14 +291,15 @@ def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, ShardId]:
     return name, None
 
 
-def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:
+def owner_of(model: nn.Module, param: str) -> tuple[nn.Module, str]:
     module_name, _, param_name = param.rpartition(".")
     return model.get_submodule(module_name), param_name
 
 
-def _expected_parts(model: nn.Module) -> list[tuple[str, ShardId]]:
+def expected_parts(model: nn.Module) -> list[tuple[str, ShardId]]:
+    """Every (parameter, shard) a checkpoint must fill."""
     return [
-        (name, shard) for name, _ in model.named_parameters() for shard, _ in checkpoint_parts(*_owner(model, name))
+        (name, shard) for name, _ in model.named_parameters() for shard, _ in checkpoint_parts(*owner_of(model, name))
     ]
 
 
@@ -312,7 +324,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if "norm" in name or name.endswith(_SCALES):
             param.fill_(1.0)
             continue
-        module, param_name = _owner(model, name)
+        module, param_name = owner_of(model, name)
         if hasattr(module, "dummy_source") and (source := module.dummy_source(param_name, generator)) is not None:
             load_part(module, param_name, source, None)  # (weights of a format of their own: gpt-oss's MXFP4)
             continue

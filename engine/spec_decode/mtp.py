@@ -19,8 +19,8 @@ from torch import nn
 
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import Linear, RMSNorm
-from kiln.engine.models.loader import _owner, _target_of, checkpoint_tensors
-from kiln.engine.models.parallel import TensorParallelShard, checkpoint_parts, load_part
+from kiln.engine.models.loader import checkpoint_tensors, expected_parts, load_tensor, place_of
+from kiln.engine.models.parallel import TensorParallelShard
 from kiln.engine.models.qwen3_5 import HybridDecoderLayer, Qwen3_5ForCausalLM
 
 
@@ -76,19 +76,17 @@ def load_mtp(
     finally:
         torch.set_default_dtype(default_dtype)
     filled = set()
-    for _, stored, source in checkpoint_tensors(model_dir, config, load_format):
+    for file_name, stored, source in checkpoint_tensors(model_dir, config, load_format):
         if not stored.startswith(("mtp.", "model.mtp.")):
             continue
         name = stored.removeprefix("model.").removeprefix("mtp.").replace("layers.0.", "layer.")
         name = name.replace("layer.linear_attn.", "layer.self_attn.")
-        target_name, shard = _target_of(draft, name)
         if name.startswith("layers."):
             raise ValueError(f"{model_dir}: {stored!r}: Kiln reads one MTP layer (mtp.layers.0)")
-        module, param = _owner(draft, target_name)
-        load_part(module, param, source, shard)
-        filled.add((target_name, shard))
-    expected = {(n, s) for n, _ in draft.named_parameters() for s, _ in checkpoint_parts(*_owner(draft, n))}
-    missing = sorted(str(part) for part in expected - filled)
+        target, shard = place_of(draft, name)
+        load_tensor(draft, target, shard, source, f"{file_name}: tensor {stored!r}")
+        filled.add((target, shard))
+    missing = sorted(str(part) for part in set(expected_parts(draft)) - filled)
     if not filled:
         raise ValueError(f"{model_dir} has no multi-token-prediction layer (mtp.*) for speculative_config method mtp")
     if missing:
