@@ -355,7 +355,7 @@ def main() -> None:
             kwargs["cudagraph_capture_sizes"] = sizes
         try:
             llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
-        except ValueError as e:  # what the engine refuses (FP8 of Gemma 4's experts): one line, and the next step runs
+        except ValueError as e:  # what the engine refuses (FP8 of gpt-oss's experts): one line, and the next step runs
             quantized = f" with --quantization {args.quantization}" if args.quantization else ""
             refused = f"kiln refused {args.model}{quantized}: {e}"
             print(refused, flush=True)
