@@ -270,9 +270,13 @@ class Scheduler:
         return new_tokens, finished
 
     def needs_sync(self) -> bool:
-        """Whether the next step must see the previous step's tokens before it is scheduled (drafts are made from
-        them, and how many a step keeps moves the next step's positions)."""
-        return self.num_sync_requests > 0 or self.drafter is not None
+        """Whether the next step must see the previous step's tokens before it is scheduled: drafts are made from
+        them, and how many a step keeps moves the next step's positions. A step that drafts nothing (past
+        disable_by_batch_size) overlaps as any; a drafter that runs after every step (EAGLE-3, MTP: over the states
+        the step left, which the next step's would overwrite) always syncs."""
+        if self.drafter is None:
+            return self.num_sync_requests > 0
+        return self.num_sync_requests > 0 or getattr(self.drafter, "drafts_after_step", False) or self._drafting()
 
     def _drafting(self) -> bool:
         """Whether this step drafts: below speculative_config's disable_by_batch_size running requests."""

@@ -229,7 +229,8 @@ def test_served_with_drafts_the_metrics_count_them(tiny_llama_dir):
 
 
 def test_no_drafts_from_disable_by_batch_size_running_requests(tiny_llama_dir, baseline):
-    """disable_by_batch_size 3: four requests running draft nothing; one alone drafts."""
+    """disable_by_batch_size 3: four requests running draft nothing, and their steps overlap (asynchronous
+    scheduling, as without speculation); one alone drafts, its steps synchronous; the tokens as without drafts."""
     spec = {**ngram(3), "disable_by_batch_size": 3}
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=spec)
     with_oracle(llm, baseline, 3)
@@ -237,13 +238,29 @@ def test_no_drafts_from_disable_by_batch_size_running_requests(tiny_llama_dir, b
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), list(prompt), GREEDY)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    schedule, in_flight_at_schedule = scheduler.schedule, []
+
+    def spy():  # whether a step is scheduled while its requests' last tokens are still in flight
+        in_flight_at_schedule.append(any(r.num_output_placeholders for r in scheduler.running))
+        return schedule()
+
+    scheduler.schedule = spy
+
+    def step() -> None:
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+
     for _ in range(4):
-        engine.step()
+        step()
     assert scheduler.num_draft_tokens == 0 and len(scheduler.running) == 4
+    assert in_flight_at_schedule[2:] == [True, True]  # (after the prefill and the first decode)
     engine.abort_requests(["0", "1", "2"])
+    in_flight_at_schedule.clear()
     while engine.has_unfinished_requests():
-        engine.step()
-    assert scheduler.num_draft_tokens > 0
+        step()
+    assert scheduler.num_draft_tokens > 0 and not any(in_flight_at_schedule[1:])
+    assert tokens["3"] == baseline[tuple(PROMPTS[3])].token_ids
 
 
 def test_tp2_with_drafts_equals_without(tiny_llama_dir, baseline):
