@@ -81,21 +81,32 @@ class EagleProposer:
         position = np.asarray([computed[j] + num_new[j] for j, _ in decoding])  # the chain's first position
         chain_tables = [tables[j] for j, _ in decoding]
         ones = np.ones(len(decoding), dtype=np.int64)
-        for step in range(1, self.k):
-            inputs = tokens[-1].cpu().numpy()
-            normed, hidden = self._pass(inputs, position + step - 1, ones, chain_tables, hidden)
+        for step in range(1, self.k):  # (the chain's tokens stay on the device: one sync for all k drafts, below)
+            normed, hidden = self._pass(tokens[-1], position + step - 1, ones, chain_tables, hidden)
             tokens.append(self.draft.draft_tokens(normed))
         drafts = torch.stack(tokens, dim=1).tolist()
         for (_, request), proposal in zip(decoding, drafts):
             request.spec_token_ids = proposal
 
     def _pass(
-        self, ids: np.ndarray, computed: np.ndarray, num_new: np.ndarray, tables: list, hidden: torch.Tensor
+        self,
+        ids: np.ndarray | torch.Tensor,
+        computed: np.ndarray,
+        num_new: np.ndarray,
+        tables: list,
+        hidden: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the draft over these tokens (each request's new ones at its computed positions)."""
+        """One forward of the draft over these tokens (each request's new ones at its computed positions); `ids` on
+        the device (the chain's last drafts) are copied into the inputs there, as a step's carried tokens are."""
         runner = self.runner
         plan = GraphPlan("none", len(ids), len(num_new))
-        metadata, _ = runner.writer.write(ids.astype(np.int64), computed.astype(np.int64), num_new, tables, plan)
+        writer_args = (computed.astype(np.int64), num_new, tables, plan)
+        if isinstance(ids, torch.Tensor):
+            rows = list(range(len(ids)))
+            placeholders = np.zeros(len(ids), dtype=np.int64)
+            metadata, _ = runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids)
+        else:
+            metadata, _ = runner.writer.write(ids.astype(np.int64), *writer_args)
         inputs = runner.inputs.views(plan.num_tokens, plan.num_reqs)
         context = ForwardContext(metadata, [self.kv_cache], runner.backend)
         with set_forward_context(context):
