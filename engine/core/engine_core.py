@@ -244,10 +244,9 @@ class EngineCore:
             return None
         if spec.method == "mtp":
             executor = self.executor
-            if not self.model_config.linear_layers or executor.shard.size > 1 or executor.load_format == "dummy":
+            if not self.model_config.linear_layers or executor.load_format == "dummy":
                 raise ValueError(
-                    "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships, on "
-                    "one rank (tensor parallelism: not yet)"
+                    "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships"
                 )
             draft = load_mtp(
                 executor.source.model_dir,
@@ -257,6 +256,10 @@ class EngineCore:
                 executor.dtype,
                 executor.device,
             )
+            if executor.shard.size > 1:  # (the draft runs on rank 0, over the whole vocabulary)
+                draft.embed_tokens = self._whole_embedding(executor)
+                tied = self.model_config.tie_word_embeddings
+                draft.lm_head_weight = draft.embed_tokens.weight if tied else _whole_tensor(executor, "lm_head.weight")
             return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         if spec.method == "eagle3":
             executor = self.executor
@@ -273,15 +276,10 @@ class EngineCore:
         embedding = executor.model.model.embed_tokens
         if executor.shard.size == 1:
             return embedding
-        if executor.load_format == "dummy":
-            raise ValueError("EAGLE-3 drafts with tensor parallelism need the target's checkpoint, not dummy weights")
         config = executor.model_config
-        for _, name, tensor in checkpoint_tensors(executor.source.model_dir, config, executor.load_format):
-            if name.endswith("embed_tokens.weight"):
-                whole = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=executor.device)
-                whole.weight.data = tensor[:].to(executor.device, executor.dtype)
-                return whole.requires_grad_(False)
-        raise ValueError(f"{executor.source.model_dir}: no embed_tokens.weight for the EAGLE-3 draft")
+        whole = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=executor.device, dtype=executor.dtype)
+        whole.weight.data = _whole_tensor(executor, "embed_tokens.weight")
+        return whole.requires_grad_(False)
 
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""
@@ -378,3 +376,15 @@ class EngineCore:
         weights) even while the engine object itself stays referenced. Idempotent; the engine cannot step after."""
         self.executor.close()
         self.runner = None
+
+
+def _whole_tensor(executor: ModelExecutor, suffix: str) -> torch.Tensor:
+    """The target's checkpoint tensor whose name ends with `suffix`, whole, on this rank's device: a draft on rank 0
+    reads what the ranks hold a slice each of."""
+    if executor.load_format == "dummy":
+        raise ValueError("speculative drafts with tensor parallelism need the target's checkpoint, not dummy weights")
+    config = executor.model_config
+    for _, name, tensor in checkpoint_tensors(executor.source.model_dir, config, executor.load_format):
+        if name.endswith(suffix):
+            return tensor[:].to(executor.device, executor.dtype)
+    raise ValueError(f"{executor.source.model_dir}: no {suffix} for the draft")

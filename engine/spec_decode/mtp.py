@@ -39,6 +39,9 @@ class MtpDraft(nn.Module):
         self.layer = HybridDecoderLayer(layer_config, config.num_layers, 0, TensorParallelShard())
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self._target = [target]  # (not a submodule: its weights are the model's)
+        # with tensor parallelism (the draft on rank 0), the whole vocabulary's embedding and LM head (engine_core.py)
+        self.embed_tokens: nn.Module | None = None
+        self.lm_head_weight: torch.Tensor | None = None
         attention = self.layer.self_attn
         self.num_kv_heads, self.head_dim = attention.num_kv_heads, attention.head_dim
 
@@ -47,7 +50,8 @@ class MtpDraft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the state the LM head reads, the next pass's `hidden`: the same)."""
         target = self._target[0].model
-        embeds = self.pre_fc_norm_embedding(target.embed_tokens(input_ids))
+        embed = self.embed_tokens if self.embed_tokens is not None else target.embed_tokens
+        embeds = self.pre_fc_norm_embedding(embed(input_ids))
         x = self.fc(torch.cat([embeds, self.pre_fc_norm_hidden(hidden)], dim=-1))
         rope = target.cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
         x, residual = self.layer(rope, x, None)
@@ -55,6 +59,8 @@ class MtpDraft(nn.Module):
         return out, out
 
     def draft_tokens(self, normed: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_weight is not None:
+            return torch.nn.functional.linear(normed, self.lm_head_weight).argmax(dim=-1)
         return self._target[0].compute_logits(normed).argmax(dim=-1)
 
     def first_hidden(self, runner, rows: torch.Tensor) -> torch.Tensor:
