@@ -10,6 +10,7 @@ kept in full, in part and not at all, each path of the verification.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
-from kiln.engine.spec_decode.ngram import NgramProposer
+from kiln.engine.spec_decode.ngram import MAX_LOOKBACK, NgramProposer
 from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker.sampler import SamplingMetadata
 
@@ -186,6 +187,37 @@ def test_the_ngram_proposer():
     assert proposer.propose([4, 5, 6, 4, 5, 7, 4, 5], 10) == [7, 4, 5]  # the latest earlier (4, 5)
     assert proposer.propose([1, 2, 3, 4], 10) == []  # no suffix occurred before
     assert NgramProposer(3, 2, 3).propose([1, 2, 5, 2], 10) == []  # a 1-gram match is below prompt_lookup_min
+
+
+def brute_force_lookup(token_ids: list[int], k: int, min_n: int, max_n: int, limit: int) -> list[int]:
+    """Prompt lookup as its definition reads: the longest suffix first, its latest earlier occurrence."""
+    tokens = token_ids[-MAX_LOOKBACK:]
+    if min(k, limit) < 1 or len(token_ids) <= min_n:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + min(k, limit)]
+    return []
+
+
+def test_the_ngram_proposer_as_its_definition_reads():
+    """Random texts of small vocabularies (many matches) grown a few tokens at a time, two of them through one
+    proposer in turns (each keeps its own array), one past the lookback, against a brute-force search."""
+    rng = random.Random(0)
+    for _ in range(40):
+        k, min_n = rng.randint(1, 5), rng.randint(1, 3)
+        max_n, vocab = rng.randint(min_n, 5), rng.choice([3, 8, 50])
+        proposer = NgramProposer(k, min_n, max_n)
+        texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(2)]
+        for step in range(60):
+            text, limit = texts[step % 2], rng.randint(0, 6)
+            assert proposer.propose(text, limit) == brute_force_lookup(text, k, min_n, max_n, limit)
+            text.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 4)))
+    proposer, text = NgramProposer(3, 1, 3), [rng.randrange(300) for _ in range(MAX_LOOKBACK - 50)]
+    for _ in range(8):
+        assert proposer.propose(text, 3) == brute_force_lookup(text, 3, 1, 3, 3)
+        text.extend(rng.randrange(300) for _ in range(40))
 
 
 @pytest.mark.parametrize(
