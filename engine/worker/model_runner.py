@@ -6,6 +6,7 @@ never change from step to step: what CUDA-graph replay needs, and one allocation
 
 from __future__ import annotations
 
+import logging
 import operator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from kiln.engine.core.scheduler import SchedulerOutput
     from kiln.engine.core.tensor_parallel import TensorParallelWorkers
     from kiln.engine.structured_output.grammar import GrammarBitmask
+
+logger = logging.getLogger("kiln")
 
 Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and their argmax [rows]
 
@@ -418,7 +421,11 @@ class ModelRunner:
                 if self.cudagraph_mode == "full_and_piecewise" and size <= self.largest_full:
                     self._capture_full(size, 1)
                 if size in self.verify_sizes:
-                    self._capture_full(size, self.verify_len, warm=True)
+                    try:
+                        self._capture_full(size, self.verify_len, warm=True)
+                    except Exception:  # (verification then replays the piecewise graphs, as a mixed step does)
+                        logger.exception("capturing the full graphs of %d-token verifications failed", self.verify_len)
+                        self.verify_sizes = []
         torch.cuda.synchronize()
 
     def _capture_full(self, num_reqs: int, query_len: int, warm: bool = False) -> None:
