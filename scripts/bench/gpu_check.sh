@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs under $OUT, a short table last.
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
-#   tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
+#   install (first: the wheels carried in .whl — pyzmq, xgrammar, gguf... the device lacks — and this checkout,
+#   editable, with the device's own python3 -m pip, no build isolation: the device reaches no index)
+#   | tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
@@ -81,6 +83,11 @@ for step in $steps; do
       # sweep, once made a name past the 255 a file may have); a name taken twice is numbered by `fresh`
       export "${step#env:}"; short=${step#env:}; short=${short//[=,]/}; tag="${tag}_${short:0:32}"
       echo "-- from here on: ${step#env:}" >> "$summary" ;;
+    install)
+      # NOTE: `pip` on the device is another interpreter's; `python3 -m pip` is the one the benchmarks run
+      python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v "as the 'root' user" | tail -n 3
+      python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "as the 'root' user" | tail -n 3
+      python3 -c "import kiln.engine, zmq, gguf" && echo "installed kiln and the carried wheels" | tee -a "$summary" ;;
     resources)
       # registers, spills and shared memory of the hot kernels, compiled with the toolchain the engine uses here
       timeout -s ABRT -k 15 300 python3 scripts/dev/kernel_resources.py --check > "$OUT/resources.txt" 2>&1
