@@ -227,9 +227,11 @@ def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
     assert_nothing_held(llm)
 
 
-def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch, tp):
     """speculative_config method mtp: the MTP layer the checkpoint ships proposes what transformers' own decoder layer
-    wired as Qwen's MTP proposes, and greedy output with its drafts equals the run without them."""
+    wired as Qwen's MTP proposes, and greedy output with its drafts equals the run without them. With two ranks (gloo)
+    it runs on rank 0 over the whole vocabulary (the embedding and the tied LM head read whole from the checkpoint)."""
     from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 
     from helpers.mtp import add_mtp_layer, reference_mtp_drafts
@@ -244,45 +246,15 @@ def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(EagleProposer, "after_step", recording)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    llm = LLM(str(model_dir), enforce_eager=True, max_model_len=256, max_num_batched_tokens=64, speculative_config=spec)
-    prompt = PROMPTS[2]
-    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0].outputs[0]
-    drafted = next(p[0] for p in proposals if p and p[0])  # (the step that sampled the first token: the prefill's last)
-    assert drafted == reference_mtp_drafts(model_dir, prompt, first.token_ids[0], 3)
-    plain = LLM(str(model_dir), enforce_eager=True, max_model_len=256).generate(PROMPTS, GREEDY, use_tqdm=False)
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for got, want in zip(outputs, plain, strict=True):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-    assert llm.engine.scheduler.num_draft_tokens > 0
-    assert_nothing_held(llm)
-
-
-def test_mtp_drafts_with_tp2(tiny_qwen3_5_dir, tmp_path, monkeypatch):
-    """Two ranks over gloo: the MTP layer runs on rank 0 over the whole vocabulary (the embedding and the tied LM head
-    read whole from the checkpoint), proposes what transformers' reference proposes, and greedy output with its drafts
-    equals the run without them."""
-    from kiln.engine.spec_decode.eagle_proposer import EagleProposer
-
-    from helpers.mtp import add_mtp_layer, reference_mtp_drafts
-
-    model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
-    proposals = []
-    after_step = EagleProposer.after_step
-
-    def recording(self, batch, result):
-        after_step(self, batch, result)
-        proposals.append([list(r.spec_token_ids) for r in batch.requests])
-
-    monkeypatch.setattr(EagleProposer, "after_step", recording)
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
-    kwargs = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=64)
+    kwargs = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
     plain = LLM(str(model_dir), **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
-    with LLM(str(model_dir), tensor_parallel_size=2, speculative_config=spec, **kwargs) as llm:
+    with LLM(str(model_dir), tensor_parallel_size=tp, speculative_config=spec, **kwargs) as llm:
         prompt = PROMPTS[2]
         first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0].outputs[0]
-        drafted = next(p[0] for p in proposals if p and p[0])
+        drafted = next(p[0] for p in proposals if p and p[0])  # (the step that sampled the first token: the prefill's)
         assert drafted == reference_mtp_drafts(model_dir, prompt, first.token_ids[0], 3)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_draft_tokens > 0
+        assert_nothing_held(llm)
     for got, want in zip(outputs, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
