@@ -26,8 +26,12 @@ from kiln.engine.structured_output.constraints import WHAT, GrammarError
 
 START_TIMEOUT_S = 120.0
 CANCEL_POLL_S = 0.05  # how soon a cancelled compile's process is killed
-# NOTE: nice before any import: xgrammar's takes ~4 s of CPU, and cancelled compiles' processes are replaced often
-_LAUNCH = "import os; os.nice(10); from kiln.engine.structured_output.compile_worker import main; main()"
+# NOTE: nice 10 before any import (xgrammar's takes ~4 s of CPU, and cancelled compiles' processes are replaced
+# often), set outright: the engine's thread that starts it runs at nice 10 already
+_LAUNCH = (
+    "import os; os.setpriority(os.PRIO_PROCESS, 0, 10); "
+    "from kiln.engine.structured_output.compile_worker import main; main()"
+)
 
 
 class CompileCancelled(Exception):
