@@ -64,7 +64,9 @@ def test_compiled_grammars_stay_within_the_cache_bound(server):
     status, body = constrained(server, optional_properties(600, "big"))
     assert status == 400 and body["error"]["param"] == "response_format" and "MiB" in body["error"]["message"]
     grown = resident_bytes(engine) - before
-    assert grown <= CACHE_MB << 20, f"the engine core grew by {grown / 2**20:.0f} MiB"
+    # the cache's bound, and what its three grammar threads may hold while reading grammars back (each at most a
+    # quarter of the bound): the allocator keeps some of that (without the bound: 1,158 MiB)
+    assert grown <= (CACHE_MB + 3 * CACHE_MB // 4) << 20, f"the engine core grew by {grown / 2**20:.0f} MiB"
     assert server.engine_pid() == engine
     assert server.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2})[0] == 200
     assert constrained(server, optional_properties(3, "a"))[0] == 200  # a cached grammar still serves
