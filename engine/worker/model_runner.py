@@ -20,17 +20,15 @@ from kiln.backends.attention import AttentionBackend, AttentionMetadata, Forward
 from kiln.compile import CompiledModel
 from kiln.engine.messages import TokenLogprobs
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker import input_writer, prompt_logprobs
 from kiln.engine.worker import inputs as runner_io
+from kiln.engine.worker.draft_verification import DraftVerification, Head, draft_rows
 from kiln.engine.worker.input_writer import InputWriter, Rows
 from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput, StepHandle, logprob_lists
 from kiln.engine.worker.sampler import (
-    LogprobsTensors,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
-    gather_logprobs,
     plain_greedy,
     row_argmax,
 )
@@ -44,13 +42,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln")
 
-Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and their argmax [rows]
-
 # The files that lay out the traced model's inputs (their strides and offsets): the compile cache's key covers them.
 INPUT_SOURCES = (Path(__file__), Path(runner_io.__file__), Path(input_writer.__file__))
 
 
-class ModelRunner:
+class ModelRunner(DraftVerification):
     def __init__(
         self,
         model: nn.Module,
@@ -137,7 +133,7 @@ class ModelRunner:
         plan = self.plan(batch)
         metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
         prompt_spec = prompt_logprobs.prompt_rows(batch) if batch.prompt_logprobs else []
-        drafts = _draft_rows(batch, handle.sample_rows) if batch.spec_token_ids and any(batch.spec_token_ids) else None
+        drafts = draft_rows(batch, handle.sample_rows) if batch.spec_token_ids and any(batch.spec_token_ids) else None
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
             slices = prompt_logprobs.logit_slices(prompt_spec)
             rows, copies = handle.sample_rows, batch.state_copies
@@ -171,58 +167,14 @@ class ModelRunner:
             self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
             if result.logprobs is not None:
-                handle.logprobs_cpu = _to_host(result.logprobs)
+                handle.logprobs_cpu = result.logprobs.to_host()
         if prompt_spec:  # (after the sampling's LM head: tensor-parallel ranks run theirs in this order)
             computed = prompt_logprobs.compute(self.model.compute_logits, hidden, batch, prompt_spec)
-            handle.prompt_logprobs_cpu = [(i, start, _to_host(tensors)) for i, start, tensors in computed]
+            handle.prompt_logprobs_cpu = [(i, start, tensors.to_host()) for i, start, tensors in computed]
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
         return handle
-
-    def _verify_drafts(
-        self,
-        batch: SchedulerOutput,
-        handle: StepHandle,
-        hidden: torch.Tensor,
-        head: Head | None,
-        rows: list[int],
-        row_drafts: list[int],
-        spans: list[tuple[int, int]],
-    ) -> None:
-        """Speculative decoding's sampling: every query row of a request with drafts is scored, and the rejection
-        sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them. A full graph
-        (`head`) has run the LM head over every row already."""
-        row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
-        rows_index = torch.tensor(rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
-        grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
-        for (first, count), i in zip(spans, handle.sample_rows):
-            if count == 1:
-                grammars[first] = batch.requests[i].grammar
-        if any(g is not None for g in grammars):
-            self.grammar_bitmask().apply(logits, grammars)
-        self._sampling_cache = None
-        sampling = SamplingMetadata.build(
-            params=[r.sampling_params for r in row_requests],
-            prompt_token_ids=[r.prompt_token_ids for r in row_requests],
-            output_token_ids=[r.output_token_ids for r in row_requests],
-            generators=[r.generator for r in row_requests],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-        drafts = torch.tensor(row_drafts, device=self.device)
-        accepted, token = verify(logits, drafts, sampling)
-        emitted = torch.where(accepted, drafts, token)
-        self._prev_sampled, self._prev_rows = None, {}  # (steps with drafts are synchronous: nothing to carry)
-        handle.draft_spans = spans
-        handle.sampled_cpu = emitted.to("cpu", non_blocking=True)
-        handle.accepted_cpu = accepted.to("cpu", non_blocking=True)
-        if sampling.max_num_logprobs is not None:
-            raw = logits.to(torch.float32).log_softmax(dim=-1)
-            handle.logprobs_cpu = _to_host(gather_logprobs(raw, emitted, sampling.max_num_logprobs))
-            handle.logprob_requests = row_requests
 
     def sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         """The sampling rows' metadata. When every row's parameters and generator are the ones of the
@@ -277,26 +229,6 @@ class ModelRunner:
             if row_logprobs is not None:
                 logprobs[row] = row_logprobs[j]
         return ModelRunnerOutput(sampled, logprobs, prompt)
-
-    def _collect_drafts(self, handle: StepHandle, sampled: list, logprobs: list, prompt) -> ModelRunnerOutput:
-        """Each request's kept drafts (up to its first row whose draft the model did not keep) and the token of that
-        row, with their logprobs."""
-        emitted, accepted = handle.sampled_cpu.tolist(), handle.accepted_cpu.tolist()
-        row_logprobs = None
-        if handle.logprobs_cpu is not None:
-            row_logprobs = logprob_lists(handle.logprobs_cpu, handle.logprob_requests)
-        kept_tokens: list[list[int]] = [[] for _ in sampled]
-        kept_logprobs: list[list] = [[] for _ in sampled]
-        for (first, count), row in zip(handle.draft_spans, handle.sample_rows):
-            kept = 0
-            while kept < count - 1 and accepted[first + kept]:
-                kept += 1
-            kept_tokens[row] = emitted[first : first + kept]
-            sampled[row] = emitted[first + kept]
-            if row_logprobs is not None:
-                kept_logprobs[row] = row_logprobs[first : first + kept]
-                logprobs[row] = row_logprobs[first + kept]
-        return ModelRunnerOutput(sampled, logprobs, prompt, kept_tokens, kept_logprobs)
 
     def grammar_bitmask(self) -> GrammarBitmask:
         """Structured output's token mask; xgrammar is loaded with it, on the first constrained batch."""
@@ -458,23 +390,3 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int, decode: bool, mode: str) -> None:
         self.forward(*self._dummy_metadata(num_tokens, decode, mode))
-
-
-def _draft_rows(batch: SchedulerOutput, sample_rows: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """A step with drafts: the hidden rows to score (each sampled request's input token and drafts), each row's draft
-    (-1 on a request's last row), and each request's (first row, rows)."""
-    ends = np.cumsum(batch.num_new_tokens)
-    rows, row_drafts, spans = [], [], []
-    for i in sample_rows:
-        drafts = batch.spec_token_ids[i]
-        spans.append((len(rows), len(drafts) + 1))
-        rows += range(int(ends[i]) - 1 - len(drafts), int(ends[i]))
-        row_drafts += [*drafts, -1]
-    return rows, row_drafts, spans
-
-
-def _to_host(tensors: LogprobsTensors) -> LogprobsTensors:
-    """A copy on the host, in flight until the step's event fires."""
-    return LogprobsTensors(
-        *(t.to("cpu", non_blocking=True) for t in (tensors.token_ids, tensors.logprobs, tensors.ranks))
-    )

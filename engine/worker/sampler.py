@@ -185,6 +185,10 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [B, K+1] float32, from the raw logits
     ranks: torch.Tensor  # [B] int64, rank of the sampled token (1 = the most likely)
 
+    def to_host(self) -> LogprobsTensors:
+        """A copy on the host, in flight until the step's event fires."""
+        return LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (self.token_ids, self.logprobs, self.ranks)))
+
 
 @dataclass
 class SamplerOutput:

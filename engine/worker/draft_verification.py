@@ -1,0 +1,100 @@
+"""Speculative decoding's side of the model runner: every query row of the requests that verify drafts is scored,
+the rejection sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them, and each
+request gets its kept drafts and that token, with their logprobs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kiln.engine.spec_decode.rejection import verify
+from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle, logprob_lists
+from kiln.engine.worker.sampler import SamplingMetadata, gather_logprobs
+
+if TYPE_CHECKING:
+    from kiln.engine.core.scheduler import SchedulerOutput
+
+Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and their argmax [rows]
+
+
+class DraftVerification:
+    """Mixed into ModelRunner (model_runner.py), whose model, grammar mask and sampling state it uses."""
+
+    def _verify_drafts(
+        self,
+        batch: SchedulerOutput,
+        handle: StepHandle,
+        hidden: torch.Tensor,
+        head: Head | None,
+        rows: list[int],
+        row_drafts: list[int],
+        spans: list[tuple[int, int]],
+    ) -> None:
+        """Speculative decoding's sampling: every query row of a request with drafts is scored, and the rejection
+        sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them. A full graph
+        (`head`) has run the LM head over every row already."""
+        row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
+        rows_index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
+        grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
+        for (first, count), i in zip(spans, handle.sample_rows):
+            if count == 1:
+                grammars[first] = batch.requests[i].grammar
+        if any(g is not None for g in grammars):
+            self.grammar_bitmask().apply(logits, grammars)
+        self._sampling_cache = None
+        sampling = SamplingMetadata.build(
+            params=[r.sampling_params for r in row_requests],
+            prompt_token_ids=[r.prompt_token_ids for r in row_requests],
+            output_token_ids=[r.output_token_ids for r in row_requests],
+            generators=[r.generator for r in row_requests],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        drafts = torch.tensor(row_drafts, device=self.device)
+        accepted, token = verify(logits, drafts, sampling)
+        emitted = torch.where(accepted, drafts, token)
+        self._prev_sampled, self._prev_rows = None, {}  # (steps with drafts are synchronous: nothing to carry)
+        handle.draft_spans = spans
+        handle.sampled_cpu = emitted.to("cpu", non_blocking=True)
+        handle.accepted_cpu = accepted.to("cpu", non_blocking=True)
+        if sampling.max_num_logprobs is not None:
+            raw = logits.to(torch.float32).log_softmax(dim=-1)
+            handle.logprobs_cpu = gather_logprobs(raw, emitted, sampling.max_num_logprobs).to_host()
+            handle.logprob_requests = row_requests
+
+    def _collect_drafts(self, handle: StepHandle, sampled: list, logprobs: list, prompt) -> ModelRunnerOutput:
+        """Each request's kept drafts (up to its first row whose draft the model did not keep) and the token of that
+        row, with their logprobs."""
+        emitted, accepted = handle.sampled_cpu.tolist(), handle.accepted_cpu.tolist()
+        row_logprobs = None
+        if handle.logprobs_cpu is not None:
+            row_logprobs = logprob_lists(handle.logprobs_cpu, handle.logprob_requests)
+        kept_tokens: list[list[int]] = [[] for _ in sampled]
+        kept_logprobs: list[list] = [[] for _ in sampled]
+        for (first, count), row in zip(handle.draft_spans, handle.sample_rows):
+            kept = 0
+            while kept < count - 1 and accepted[first + kept]:
+                kept += 1
+            kept_tokens[row] = emitted[first : first + kept]
+            sampled[row] = emitted[first + kept]
+            if row_logprobs is not None:
+                kept_logprobs[row] = row_logprobs[first : first + kept]
+                logprobs[row] = row_logprobs[first + kept]
+        return ModelRunnerOutput(sampled, logprobs, prompt, kept_tokens, kept_logprobs)
+
+
+def draft_rows(batch: SchedulerOutput, sample_rows: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A step with drafts: the hidden rows to score (each sampled request's input token and drafts), each row's draft
+    (-1 on a request's last row), and each request's (first row, rows)."""
+    ends = np.cumsum(batch.num_new_tokens)
+    rows, row_drafts, spans = [], [], []
+    for i in sample_rows:
+        drafts = batch.spec_token_ids[i]
+        spans.append((len(rows), len(drafts) + 1))
+        rows += range(int(ends[i]) - 1 - len(drafts), int(ends[i]))
+        row_drafts += [*drafts, -1]
+    return rows, row_drafts, spans
