@@ -20,14 +20,20 @@ import torch
 from kiln.engine.worker.sampler import (
     SamplingMetadata,
     exponential_race,
+    needs_processing,
     process_logits,
     row_argmax,
     sampling_probs,
 )
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [R] bool, token [R] int64) for logit rows [R, V] and their drafts [R] (-1: none)."""
+def verify(
+    logits: torch.Tensor, drafts: torch.Tensor, metadata: SamplingMetadata, argmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [R] bool, token [R] int64) for logit rows [R, V] and their drafts [R] (-1: none). `argmax`: the
+    rows' argmax of the raw logits where a full graph computed it, taken as is when greedy needs no processing."""
+    if argmax is not None and metadata.all_greedy and not needs_processing(metadata):
+        return (drafts >= 0) & (argmax == drafts), argmax
     processed = process_logits(logits.to(torch.float32), metadata)
     greedy = None if metadata.all_random else row_argmax(processed)
     has_draft = drafts >= 0

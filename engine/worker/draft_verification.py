@@ -11,7 +11,7 @@ import torch
 
 from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle, logprob_lists
-from kiln.engine.worker.sampler import SamplingMetadata, gather_logprobs
+from kiln.engine.worker.sampler import SamplingMetadata, gather_logprobs, to_device
 
 if TYPE_CHECKING:
     from kiln.engine.core.scheduler import SchedulerOutput
@@ -36,13 +36,15 @@ class DraftVerification:
         sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them. A full graph
         (`head`) has run the LM head over every row already."""
         row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
-        rows_index = torch.tensor(rows, device=self.device)
+        # (pinned, asynchronous copies: the host goes on enqueueing while the forward runs)
+        rows_index = to_device(rows, torch.int64, self.device)
         logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
         grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
         for (first, count), i in zip(spans, handle.sample_rows):
             if count == 1:
                 grammars[first] = batch.requests[i].grammar
-        if any(g is not None for g in grammars):
+        constrained = any(g is not None for g in grammars)
+        if constrained:
             self.grammar_bitmask().apply(logits, grammars)
         self._sampling_cache = None
         sampling = SamplingMetadata.build(
@@ -54,8 +56,9 @@ class DraftVerification:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        drafts = torch.tensor(row_drafts, device=self.device)
-        accepted, token = verify(logits, drafts, sampling)
+        drafts = to_device(row_drafts, torch.int64, self.device)
+        argmax = head[1][rows_index] if head is not None and not constrained else None
+        accepted, token = verify(logits, drafts, sampling, argmax)
         emitted = torch.where(accepted, drafts, token)
         self._prev_sampled, self._prev_rows = None, {}  # (steps with drafts are synchronous: nothing to carry)
         handle.draft_spans = spans

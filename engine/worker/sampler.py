@@ -97,7 +97,7 @@ class SamplingMetadata:
             raise ValueError(
                 f"params, prompt_token_ids, output_token_ids and generators must have one entry per row ({num_rows})"
             )
-        tensor = lambda data, dtype: _to_device(data, dtype, device)
+        tensor = lambda data, dtype: to_device(data, dtype, device)
         greedy = [p.is_greedy for p in params]
         random_rows = [i for i in range(num_rows) if not greedy[i]]
         all_greedy, all_random = not random_rows, len(random_rows) == num_rows
@@ -349,7 +349,7 @@ def _padded(rows: list[Sequence[int]], pad: int) -> np.ndarray:
     return out
 
 
-def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     cpu = torch.as_tensor(data, dtype=dtype)
     if device.type == "cuda":
         # From pinned memory the copy is asynchronous, so building metadata never waits on the GPU.

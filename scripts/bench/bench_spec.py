@@ -132,6 +132,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def full_verifications(llm: LLM) -> int:
+    """Steps that verified drafts in a full CUDA graph (the runner's counter; 0 where the runner is in another
+    process, as with tensor parallelism)."""
+    runner = getattr(llm.engine, "runner", None)
+    return getattr(runner, "full_verifications", 0)
+
+
 def spec_counters(llm: LLM) -> tuple[int, int, int]:
     scheduler = llm.engine.scheduler
     return scheduler.num_spec_steps, scheduler.num_draft_tokens, scheduler.num_accepted_tokens
@@ -153,6 +160,7 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
     for _ in range(warmup):
         engine.step()
     before, preemptions, times = spec_counters(llm), engine.scheduler.num_preemptions, []
+    full_before = full_verifications(llm)
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
@@ -161,6 +169,7 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
         sync()
         times.append((time.perf_counter() - start) / steps)
     spec_steps, drafted, kept = (now - then for now, then in zip(spec_counters(llm), before))
+    full = full_verifications(llm) - full_before
     engine.abort_requests(list(engine.scheduler.requests))
     while engine.has_unfinished_requests():
         engine.step()
@@ -173,6 +182,7 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
         "query_tokens": batch * (1 + (drafts or 0)),
         "step_ms": statistics.median(times) * 1e3,
         "drafts_kept": kept,
+        "full_graph_share": full / (steps * repeats),
         "preemptions": engine.scheduler.num_preemptions - preemptions,
     }
 
@@ -208,9 +218,10 @@ def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: i
         keep = keep_for(target, k)
         scheduler.drafter = OracleDrafter(k, continuations, keep, vocab_size)
         timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
-        before = spec_counters(llm)
+        before, full_before = spec_counters(llm), full_verifications(llm)
         runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
         spec_steps, drafted, kept = (now - then for now, then in zip(spec_counters(llm), before))
+        full = full_verifications(llm) - full_before
         rate = batch * max_tokens / statistics.median(seconds for seconds, _ in runs)
         rows.append(
             {
@@ -222,6 +233,7 @@ def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: i
                 "tokens_per_s": rate,
                 "speedup": rate / base,
                 "same": same_requests(runs, reference),
+                "full_graph_share": full / spec_steps * batch if spec_steps else 0.0,
             }
         )
     scheduler.drafter = None
@@ -233,14 +245,21 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
     print(f"\nspeculative decoding, the engine's side: {header}")
     if step_rows:
         print("step cost: B decoding requests each verifying k drafts (1 + k query tokens) against a plain decode step")
-        print(f"{'batch':>5} {'drafts':>6} {'tokens':>6} {'ms/step':>9} {'x plain':>8} {'kept':>5} {'preempt':>7}")
+        print(
+            f"{'batch':>5} {'drafts':>6} {'tokens':>6} {'ms/step':>9} {'x plain':>8} {'kept':>5} {'preempt':>7} "
+            f"{'full graph':>10}"
+        )
         plain = {r["batch"]: r["step_ms"] for r in step_rows if r["drafts"] == "none"}
         for r in step_rows:
             print(
                 f"{r['batch']:>5} {r['drafts']:>6} {r['query_tokens']:>6} {r['step_ms']:>9.3f} "
-                f"{r['step_ms'] / plain[r['batch']]:>8.2f} {r['drafts_kept']:>5} {r['preemptions']:>7}"
+                f"{r['step_ms'] / plain[r['batch']]:>8.2f} {r['drafts_kept']:>5} {r['preemptions']:>7} "
+                f"{r['full_graph_share']:>10.0%}"
             )
-        print("(a verification step pays for itself once the mean accepted length passes its 'x plain')")
+        print(
+            "(a verification step pays for itself once the mean accepted length passes its 'x plain'; 'full graph': "
+            "the timed steps replayed as one CUDA graph, captured for num_speculative_tokens drafts a request)"
+        )
     if e2e_rows:
         k = e2e_rows[0]["k"]
         print(
@@ -249,16 +268,17 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
         )
         print(
             f"{'batch':>5} {'target':>6} {'corrupt':>7} {'mean accepted':>13} {'kept':>6} {'tok/s':>9} "
-            f"{'speedup':>8} {'same':>6}"
+            f"{'speedup':>8} {'same':>6} {'full graph':>10}"
         )
         for r in e2e_rows:
             target = "none" if r["target"] is None else f"{r['target']:g}"
             corrupt = "-" if r["corrupt"] is None else f"{r['corrupt']:.0%}"
             acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
             same = f"{r['same']}/{r['batch']}"
+            full = f"{r['full_graph_share']:.0%}" if "full_graph_share" in r else "-"
             print(
                 f"{r['batch']:>5} {target:>6} {corrupt:>7} {r['mean_accepted']:>13.2f} {acceptance:>6} "
-                f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6}"
+                f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6} {full:>10}"
             )
 
 

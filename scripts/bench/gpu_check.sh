@@ -33,7 +33,7 @@
 # kernel-tests runs the kernel tests (tests/backends) on the GPU, bf16 and fp16 too, each test's result on its own line
 # (KERNEL_TESTS_TIMEOUT=540: their Triton compiles take most of it; give the step a call of its own),
 # PROFILE_HOST=1 adds a cProfile of the host to a profile step (PROFILE_PROMPT=8192 its prompts' length, KV_DTYPE
-# its cache); ATTENTION_SHAPES=64x256,1x32768 only those points of `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
+# its cache, PROFILE_ARGS="--drafts=4" more arguments of scripts/dev/profile_step.py: a step verifying 4 drafts); ATTENTION_SHAPES=64x256,1x32768 only those points of `attention` (and `sweep`), ATTENTION_TIMEOUT=200 its limit, ATTENTION_PREFILL=1 adds the prefill points,
 # ATTENTION_MODEL=qwen2.5-7b another preset's attention shapes, ATTENTION_WINDOW=1024 a sliding layer's decode beside
 # each point's full one.
 # Logs come back as $OUT/logs.tgz.
@@ -185,7 +185,7 @@ for step in $steps; do
       spec=${step#profile:}
       log="$(fresh "$OUT/profile_${spec//:/_}_tp${TP:-1}$tag").log"
       timeout -s ABRT -k 15 ${PROFILE_TIMEOUT:-240} python3 scripts/dev/profile_step.py --model "${spec%%:*}" -tp ${TP:-1} --batch "${spec##*:}" \
-        ${PROFILE_HOST:+--host --top 40} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${PROFILE_PROMPT:+--prompt-len $PROFILE_PROMPT} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
+        ${PROFILE_HOST:+--host --top 40} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${PROFILE_PROMPT:+--prompt-len $PROFILE_PROMPT} ${PROFILE_ARGS:-} 2>&1 | tee "$log" | grep -v Warning | tail -n 80
       grep -A4 " GPU time per step" "$log" >> "$summary" ;;
     inductor-code:*)
       # Inductor's generated code for every piece (which kernels it made, and what it left unfused), gzipped.
