@@ -64,6 +64,9 @@ def decode_config(num_programs: int, num_reqs: int, kv_bytes: int = 2, head_dim:
         config = DECODE_CONFIG_MANY
     else:
         config = DECODE_CONFIG_FEW if num_reqs <= FEW_REQUESTS else DECODE_CONFIG
+    if head_dim > 256:  # (heads of 512, Gemma 4's global layers: as many bytes a tile as heads of 256 take)
+        tile_n, num_warps, num_stages = config
+        config = max(16, tile_n * 256 // triton.next_power_of_2(head_dim)), num_warps, num_stages
     return fp8_decode_config(config, head_dim) if kv_bytes == 1 else config
 
 

@@ -250,4 +250,7 @@ def unified_attention(
         WINDOW=window,
         SOFTCAP=softcap * LOG2E,
         HAS_SINKS=sinks is not None,
+        # heads of 512 (Gemma 4's global layers): three stages of K/V tiles beside the queries pass the 227 KiB of
+        # shared memory a Hopper block may have
+        num_stages=2 if head_dim > 256 else 3,
     )
