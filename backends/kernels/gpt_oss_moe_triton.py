@@ -33,7 +33,8 @@ def tile_config(num_pairs: int, k: int, mxfp4: bool) -> dict[str, int]:
     """The tiles from the rows a step routes: a decode's few pairs BLOCK_M 16 (the least `tl.dot` takes) and narrow N
     blocks, so k experts' weights spread over every SM; a long prefill's 64 x 64 or 128 x 128 (MXFP4: 128 x 64). MXFP4
     reads BLOCK_K a multiple of 64 (whole 32-value scale blocks, halves of 32 columns for `tl.dot`)."""
-    block_k = 128 if k >= 128 and num_pairs <= 1024 else 64
+    # (MXFP4's 16 x 64 tiles at 128 deep spill on sm_90: two weight tiles of nibbles decoded at once)
+    block_k = 128 if k >= 128 and (num_pairs <= 64 or num_pairs <= 1024 and not mxfp4) else 64
     if num_pairs <= 64:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
     if num_pairs <= 1024:
@@ -46,14 +47,13 @@ def tile_config(num_pairs: int, k: int, mxfp4: bool) -> dict[str, int]:
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 codes (0-15, as integers) as float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6, and their negations from code 8."""
-    exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(
-        exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.math.exp2((exponent - 1).to(tl.float32))
-    )
-    return tl.where(code >= 8, -magnitude, magnitude)
+def _mxfp4_values(code, factor):
+    """e2m1 codes (0-15, int32) times their blocks' factors, from bits rather than arithmetic (decoding the nibbles,
+    not reading their bytes, is what a decode step's matmul would spend its time on): a code's sign, exponent and
+    mantissa bits shifted into a float32's top bits read as the code's value times 2^-126 (codes 0.5 and 0 as
+    subnormals), so two exact products give value * factor."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * factor  # (2^126)
 
 
 @triton.jit
@@ -74,9 +74,9 @@ def _mxfp4_step(
     mask = j_ok[:, None] & n_ok[None, :]
     packed = tl.load(w_rows[None, :] + (k0 // 2 + offs_j)[:, None], mask=mask, other=0).to(tl.int32)
     scales = tl.load(s_rows[None, :] + (k0 // 32 + offs_j // 16)[:, None], mask=mask, other=127)
-    factor = tl.math.exp2(scales.to(tl.float32) - 127.0)
-    low = (_e2m1(packed & 15) * factor).to(a_even.dtype)
-    high = (_e2m1(packed >> 4) * factor).to(a_even.dtype)
+    factor = (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127), a float32's exponent bits
+    low = _mxfp4_values(packed & 15, factor).to(a_even.dtype)
+    high = _mxfp4_values(packed >> 4, factor).to(a_even.dtype)
     acc = tl.dot(a_even, low, acc, input_precision=PRECISION)
     return tl.dot(a_odd, high, acc, input_precision=PRECISION)
 

@@ -12,6 +12,8 @@ experts are read.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import time
 
@@ -77,7 +79,19 @@ def cycling(moe, layers: list[dict[str, torch.Tensor]], routed: tuple, alpha: fl
     return step
 
 
-def run(model: str, tokens: list[int], formats: list[str], num_layers: int, device: str) -> list[dict]:
+def parse_configs(text: str) -> list[dict[str, int] | None]:
+    """`BMxBNxBKxWARPSxSTAGES,...` (e.g. 16x32x128x4x4) as tile configs, after None (tile_config's own choice)."""
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    return [None] + [dict(zip(keys, map(int, c.split("x")), strict=True)) for c in text.split(",") if c]
+
+
+def config_name(config: dict[str, int] | None) -> str:
+    return "auto" if config is None else "x".join(str(v) for v in config.values())
+
+
+def run(
+    model: str, tokens: list[int], formats: list[str], num_layers: int, device: str, configs: list | None = None
+) -> list[dict]:
     config = resolve_model(model).model_config
     experts, hidden, inter, top_k = (
         config.num_experts,
@@ -94,16 +108,18 @@ def run(model: str, tokens: list[int], formats: list[str], num_layers: int, devi
     for fmt in formats:
         layers = [expert_tensors(experts, hidden, inter, fmt, device) for _ in range(num_layers)]
         per_expert = bytes_per_expert(layers[0])
-        for num_tokens in tokens:
+        for num_tokens, config in itertools.product(tokens, configs or [None]):
             x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device=device)
             top, chosen = torch.topk(torch.randn(num_tokens, experts, device=device), top_k, dim=-1)
             weights, chosen = torch.softmax(top, dim=-1).to(x.dtype), chosen.to(torch.int32)
             read = int(torch.unique(chosen).numel())
-            us = time_us(cycling(gpt_oss_moe, layers, (x, weights, chosen), alpha, limit), device)
+            moe = gpt_oss_moe if config is None else functools.partial(gpt_oss_moe, config=config)
+            us = time_us(cycling(moe, layers, (x, weights, chosen), alpha, limit), device)
             gb_per_s = read * per_expert / us / 1e3
             rows.append(
                 dict(
                     format=fmt,
+                    config=config_name(config),
                     tokens=num_tokens,
                     experts_read=read,
                     mb_read=read * per_expert / 1e6,
@@ -121,18 +137,21 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     p.add_argument("--formats", default="mxfp4,bf16")
     p.add_argument("--layers", type=int, default=4, help="layers' weights a timing cycles through")
+    p.add_argument("--configs", default="", help="tiles to sweep beside the default: BMxBNxBKxWARPSxSTAGES,... (GPU)")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = run(args.model, tokens, args.formats.split(","), args.layers, device)
+    configs = parse_configs(args.configs) if device == "cuda" else None
+    rows = run(args.model, tokens, args.formats.split(","), args.layers, device, configs)
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (the plain-torch form: no figure)"
     print(f"gpt-oss MoE {args.model} on {where}, torch {torch.__version__}; roofline {PEAK_BYTES_PER_S / 1e12} TB/s")
-    print(f"{'format':7} {'tokens':>6} {'experts':>7} {'MB read':>8} {'us':>9} {'GB/s':>8} {'roofline':>8}")
+    head = f"{'format':7} {'tokens':>6} {'config':>14} {'experts':>7} {'MB read':>8} {'us':>9} {'GB/s':>8}"
+    print(f"{head} {'roofline':>8}")
     for r in rows:
         print(
-            f"{r['format']:7} {r['tokens']:6} {r['experts_read']:7} {r['mb_read']:8.1f} {r['us']:9.1f} "
-            f"{r['gb_per_s']:8.1f} {r['roofline']:8.1%}"
+            f"{r['format']:7} {r['tokens']:6} {r['config']:>14} {r['experts_read']:7} {r['mb_read']:8.1f} "
+            f"{r['us']:9.1f} {r['gb_per_s']:8.1f} {r['roofline']:8.1%}"
         )
     if args.json:
         with open(args.json, "w") as f:

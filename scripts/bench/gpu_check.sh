@@ -17,7 +17,8 @@
 #     tokens a turn hit; MULTITURN_MODES=graphs, MULTITURN_ARGS="--turns 4 --first-len 6144 --user-len 512
 #     --answer-len 256" its sizes, the defaults: turn 4 follows ~8k tokens of history)
 #   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
-#   | gpt-oss-moe:MODEL (gpt-oss's MXFP4 and 16-bit expert kernels alone at 1-2,048 tokens, GB/s; MOE_TOKENS=1,8,...)
+#   | gpt-oss-moe:MODEL (gpt-oss's MXFP4 and 16-bit expert kernels alone at 1-2,048 tokens, GB/s; MOE_TOKENS=1,8,...
+#     MOE_CONFIGS=16x32x128x4x4,...: tiles beside the default)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
@@ -142,7 +143,7 @@ for step in $steps; do
     gpt-oss-moe:*)
       model=${step#gpt-oss-moe:}
       timeout -s ABRT -k 15 ${MOE_TIMEOUT:-300} python3 scripts/bench/bench_gpt_oss_moe.py --model "$model" \
-        ${MOE_TOKENS:+--tokens $MOE_TOKENS} --json "$OUT/gpt_oss_moe_${model##*/}.json" 2>&1 \
+        ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_CONFIGS:+--configs $MOE_CONFIGS} --json "$OUT/gpt_oss_moe_${model##*/}.json" 2>&1 \
         | tee "$OUT/gpt_oss_moe_${model##*/}.log" | tail -n 30
       grep -A30 "^gpt-oss MoE" "$OUT/gpt_oss_moe_${model##*/}.log" >> "$summary" ;;
     latency:*)

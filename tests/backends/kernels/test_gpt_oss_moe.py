@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kiln.backends.kernels import mxfp4
 from kiln.backends.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_moe_reference
-from kiln.backends.kernels.gpt_oss_moe_triton import gpt_oss_moe, tile_config
+from kiln.backends.kernels.gpt_oss_moe_triton import _mxfp4_values, gpt_oss_moe, tile_config
 
 from helpers.kernels import DEVICE, DTYPES, close
 
@@ -127,6 +129,28 @@ def test_e2m1_values_are_the_ocp_table():
             magnitude = mantissa / 2 if exponent == 0 else (1 + mantissa / 2) * 2 ** (exponent - 1)
             expected.append(-magnitude if sign else magnitude)
     assert values.flatten().tolist() == expected
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, scales_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    factor = (tl.load(scales_ptr + offs) << 23).to(tl.float32, bitcast=True)
+    values = _mxfp4_values(tl.load(codes_ptr + offs), factor)
+    tl.store(out_ptr + offs, values)
+
+
+def test_the_kernels_decode_is_the_table_at_every_scale():
+    """The kernels build each weight's float32 from its code's and scale's bits: every code at scales from 1 (blocks
+    of 2^-126, whose halves are subnormal) to 252, as the plain dequantization's values."""
+    scales = torch.tensor([1, 2, 3, 64, 100, 120, 125, 126, 127, 128, 129, 140, 180, 200, 250, 252], dtype=torch.int32)
+    codes = torch.arange(16, dtype=torch.int32).repeat(len(scales))
+    block_scales = scales.repeat_interleave(16)
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=DEVICE)
+    _decode_kernel[(1,)](codes.to(DEVICE), block_scales.to(DEVICE), out, N=codes.numel())
+    table = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float64)[codes.long()]
+    want = table * torch.exp2(block_scales.double() - 127)
+    assert out.cpu().double().tolist() == want.tolist()
+    assert out.cpu().signbit().tolist() == table.signbit().tolist()  # (-0 stays -0)
 
 
 def test_scales_are_powers_of_two_from_2_to_the_minus_127():
