@@ -23,6 +23,8 @@ import torch
 
 from kiln.backends.attention import ForwardContext, set_forward_context
 from kiln.engine.core.request import RequestStatus
+from kiln.engine.models.layers import use_fused_kernels
+from kiln.engine.spec_decode.draft_graphs import ChainGraphs, chain_sizes
 from kiln.engine.spec_decode.eagle3 import Eagle3Draft
 from kiln.engine.spec_decode.mtp import MtpDraft
 from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput
@@ -45,6 +47,12 @@ class EagleProposer:
         shape = (2, num_blocks, runner.block_size, draft.num_kv_heads, draft.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         self.lookahead = num_speculative_tokens  # positions the chain writes past a step's
+        cuda = runner.device.type == "cuda"
+        if cuda and isinstance(draft, Eagle3Draft):  # (its eager passes: the Triton norms, rotary, SwiGLU)
+            use_fused_kernels(draft, True)
+        # the chain's one-token passes in CUDA graphs (draft_graphs.py), where the target has full graphs
+        sizes = chain_sizes(runner) if cuda and num_speculative_tokens > 1 else []
+        self.graphs = ChainGraphs(draft, self.kv_cache, runner, sizes) if sizes else None
 
     @torch.inference_mode()
     def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -80,13 +88,25 @@ class EagleProposer:
         hidden = prenorm[picks]
         position = np.asarray([computed[j] + num_new[j] for j, _ in decoding])  # the chain's first position
         chain_tables = [tables[j] for j, _ in decoding]
-        ones = np.ones(len(decoding), dtype=np.int64)
         for step in range(1, self.k):  # (the chain's tokens stay on the device: one sync for all k drafts, below)
-            normed, hidden = self._pass(tokens[-1], position + step - 1, ones, chain_tables, hidden)
-            tokens.append(self.draft.draft_tokens(normed))
+            drafted, hidden = self._chain_pass(tokens[-1], position + step - 1, chain_tables, hidden)
+            tokens.append(drafted)
         drafts = torch.stack(tokens, dim=1).tolist()
         for (_, request), proposal in zip(decoding, drafts):
             request.spec_token_ids = proposal
+
+    def _chain_pass(
+        self, ids: torch.Tensor, positions: np.ndarray, tables: list, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass of one token a request (`ids` on the device, at `positions`): (draft tokens, next states), from a
+        graph padded to the nearest captured request count where there is one."""
+        ones = np.ones(len(positions), dtype=np.int64)
+        size = self.graphs.size_for(len(positions)) if self.graphs is not None else None
+        if size is None:
+            normed, hidden = self._pass(ids, positions, ones, tables, hidden)
+            return self.draft.draft_tokens(normed), hidden
+        self._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size))
+        return self.graphs.replay(size, hidden)
 
     def _pass(
         self,
@@ -96,18 +116,21 @@ class EagleProposer:
         tables: list,
         hidden: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the draft over these tokens (each request's new ones at its computed positions); `ids` on
-        the device (the chain's last drafts) are copied into the inputs there, as a step's carried tokens are."""
-        runner = self.runner
+        """One eager forward of the draft over these tokens (each request's new ones at its computed positions)."""
         plan = GraphPlan("none", len(ids), len(num_new))
+        metadata = self._write_inputs(ids, computed, num_new, tables, plan)
+        inputs = self.runner.inputs.views(plan.num_tokens, plan.num_reqs)
+        with set_forward_context(ForwardContext(metadata, [self.kv_cache], self.runner.backend)):
+            return self.draft(inputs.input_ids, inputs.positions, hidden)
+
+    def _write_inputs(self, ids, computed: np.ndarray, num_new: np.ndarray, tables: list, plan: GraphPlan):
+        """The pass's inputs in the runner's persistent buffers; `ids` on the device (the chain's last drafts) are
+        copied in there, as a step's carried tokens are."""
         writer_args = (computed.astype(np.int64), num_new, tables, plan)
         if isinstance(ids, torch.Tensor):
             rows = list(range(len(ids)))
             placeholders = np.zeros(len(ids), dtype=np.int64)
-            metadata, _ = runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids)
+            metadata, _ = self.runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids)
         else:
-            metadata, _ = runner.writer.write(ids.astype(np.int64), *writer_args)
-        inputs = runner.inputs.views(plan.num_tokens, plan.num_reqs)
-        context = ForwardContext(metadata, [self.kv_cache], runner.backend)
-        with set_forward_context(context):
-            return self.draft(inputs.input_ids, inputs.positions, hidden)
+            metadata, _ = self.runner.writer.write(ids.astype(np.int64), *writer_args)
+        return metadata
