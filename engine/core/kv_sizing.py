@@ -1,9 +1,11 @@
 """How many KV-cache blocks an engine gets: on the GPU, what is left after measuring the memory a step can take
-(and no more)."""
+(and no more); the context they hold (`fit_context`, `kv_cache_tokens`); a hybrid's recurrent states, allocated
+before the sizing counts them."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -14,11 +16,15 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
 from kiln.engine.core.scheduler import SchedulerOutput
 from kiln.engine.core.tensor_parallel import min_across_ranks
+from kiln.engine.models.config import ModelConfig
+from kiln.engine.models.parallel import TensorParallelShard
 from kiln.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.compile import CompileCache
     from kiln.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("kiln")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 CUDAGRAPH_RESERVE_BYTES = 1 << 30
@@ -155,3 +161,75 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, config: Engi
             f"gpu_memory_utilization {config.gpu_memory_utilization}); use a larger tensor_parallel_size, a "
             "smaller model, or a quantized checkpoint"
         )
+
+
+def fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:
+    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. A request holds
+    its whole context in each full group, and in each sliding group at most the blocks of its window and a step's
+    tokens (the rest go back as it moves): one request at max_model_len must fit in them all."""
+    block_size = config.block_size
+    usable = num_blocks - 1  # block 0 is the padding's scratch block
+    held = [-(-(w - 1 + config.max_num_batched_tokens) // block_size) + 2 for w in windows if w]
+    num_full = sum(1 for w in windows if not w)
+
+    def blocks_for(length: int) -> int:
+        return num_full * -(-length // block_size) + sum(min(h, -(-length // block_size)) for h in held)
+
+    if blocks_for(max_model_len) <= usable:
+        return max_model_len
+    fits = max_model_len
+    while fits > 0 and blocks_for(fits) > usable:  # (each group's blocks grow with the length: step down)
+        fits -= block_size if fits % block_size == 0 else fits % block_size
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"the KV cache holds {usable * block_size} tokens a layer, too few for one request of max_model_len="
+            f"{max_model_len} (it fits {fits}); lower max_model_len or give the KV cache more memory"
+        )
+    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, fits)
+    return fits
+
+
+def kv_cache_tokens(config: EngineConfig, num_blocks: int, windows: tuple[int, ...]) -> int:
+    """The tokens of context the KV cache holds: its blocks' tokens, or with full and sliding groups, what the full
+    groups hold once one request's windows are held in each sliding group."""
+    usable = num_blocks - 1
+    num_full = sum(1 for w in windows if not w)
+    if num_full in (0, len(windows)):
+        return usable * config.block_size
+    held = sum(-(-(w - 1 + config.max_num_batched_tokens) // config.block_size) + 2 for w in windows if w)
+    return max(usable - held, 0) // num_full * config.block_size
+
+
+def allocate_recurrent_states(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    shard: TensorParallelShard,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], tuple[int, int] | None]:
+    """Each recurrent layer's state tensors (this rank's heads), zeroed, and their rows' (slots, snapshots): a slot
+    for each of max_num_seqs running requests, as many snapshots (none without prefix caching), and the scratch row.
+    The conv window is kept in the model's dtype, the delta rule's matrix in float32 (backends/linear_attention)."""
+    if not model_config.linear_layers:
+        return (), None
+    slots = config.max_num_seqs
+    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    backups = slots if config.speculative_config is not None else 0  # (a step verifying drafts may go back)
+    rows = 1 + slots + backups + snapshots
+    key_dim = model_config.linear_num_key_heads * model_config.linear_key_head_dim // shard.size
+    value_heads = model_config.linear_num_value_heads // shard.size
+    conv_dim = 2 * key_dim + value_heads * model_config.linear_value_head_dim
+    conv_shape = (rows, model_config.linear_conv_kernel_dim - 1, conv_dim)
+    ssm_shape = (rows, value_heads, model_config.linear_key_head_dim, model_config.linear_value_head_dim)
+    conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in model_config.linear_layers]
+    ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in model_config.linear_layers]
+    states = tuple(zip(conv, ssm))
+    nbytes = sum(t.numel() * t.element_size() for pair in states for t in pair)
+    logger.info(
+        "recurrent state of %d layers: %d request slots and %d prefix snapshots, %.2f GiB",
+        len(states),
+        slots,
+        snapshots,
+        nbytes / (1 << 30),
+    )
+    return states, (slots, snapshots, bool(backups))

@@ -34,15 +34,21 @@ from kiln.compile import (
     pin_triton_setup,
 )
 from kiln.engine.config import DTYPES, EngineConfig, kiln_version
-from kiln.engine.core.kv_sizing import check_weights_fit, num_kv_blocks
+from kiln.engine.core.kv_sizing import (
+    allocate_recurrent_states,
+    check_weights_fit,
+    fit_context,
+    kv_cache_tokens,
+    num_kv_blocks,
+)
 from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_ranks
 from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
-from kiln.engine.models.model_dir import model_dir
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
+from kiln.engine.spec_decode.eagle3 import set_target_layers
 from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
 
 logger = logging.getLogger("kiln")
@@ -197,7 +203,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     torch.manual_seed(config.seed)
     shard = TensorParallelShard(rank, config.tensor_parallel_size)
     model = _build_on_device(model_config, dtype, device, max_model_len, shard, config)
-    draft_dir = _eagle_aux_layers(config, model)  # (before the trace: the target then saves those layers' states)
+    draft_dir = set_target_layers(config, model)  # (before the trace: the target then saves those layers' states)
     cudagraph_mode = _cudagraph_mode(config, device, backend)
     counters = CompileCounters()
     compiled = None
@@ -225,7 +231,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         kv_layers = model_config.attention_layers  # (a hybrid's recurrent layers keep states, not KV)
         windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
         # NOTE: allocated before the KV cache is sized, so its profile counts them as it counts the weights
-        recurrent_states, state_rows = _recurrent_states(config, model_config, shard, dtype, device)
+        recurrent_states, state_rows = allocate_recurrent_states(config, model_config, shard, dtype, device)
         # (Gemma 4's full layers: heads of another width and number, in groups of their own)
         shapes = [
             (kv_heads_per_rank(model_config.kv_heads_of(i), shard.size), model_config.head_dim_of(i)) for i in kv_layers
@@ -274,7 +280,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
-        max_model_len = _fit_context(config, max_model_len, num_blocks, kv_spec.groups.windows)
+        max_model_len = fit_context(config, max_model_len, num_blocks, kv_spec.groups.windows)
         kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
         if draft_dir is not None:  # where the target's layers leave their states for the draft
@@ -301,7 +307,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         "load_seconds": load_seconds,
         "model_source": source.origin,
         "num_kv_blocks": num_blocks,
-        "kv_cache_tokens": _kv_cache_tokens(config, num_blocks, kv_spec.groups.windows),
+        "kv_cache_tokens": kv_cache_tokens(config, num_blocks, kv_spec.groups.windows),
         "mode": "eager" if config.enforce_eager else f"compiled, cudagraphs {runner.cudagraph_mode}",
         "quantization": quantization.describe() if quantization is not None else None,
         "kv_cache_dtype": str(kv_spec.dtype).removeprefix("torch."),
@@ -328,106 +334,6 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         state_rows,
         draft_dir,
     )
-
-
-def _eagle_aux_layers(config: EngineConfig, model: nn.Module) -> Path | None:
-    """With an EAGLE-3 draft: set the target layers whose input states it reads (its config's, else vLLM's choice of
-    layers 2, L/2 and L - 3) and return the draft's directory; else None. A target Kiln cannot feed refuses."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "eagle3":
-        return None
-    from kiln.engine.spec_decode.eagle3 import Eagle3Config  # noqa: PLC0415
-
-    draft_dir = model_dir(spec.model, None, config.download_dir)
-    if draft_dir is None:
-        raise ValueError(f"speculative_config: the EAGLE-3 draft {spec.model!r} is a preset, not a checkpoint")
-    draft = Eagle3Config.read(draft_dir)
-    target = model.config
-    if not hasattr(model.model, "aux_layers") or target.linear_layers or target.sliding_layers:
-        raise ValueError(f"EAGLE-3 drafts for {target.architecture} are not supported yet: give a Llama-family model")
-    num_layers = target.num_layers
-    aux = draft.aux_layers or (2, num_layers // 2, num_layers - 3)
-    if len(aux) != 3 or not all(0 <= layer < num_layers for layer in aux):
-        raise ValueError(f"the EAGLE-3 draft reads layers {list(aux)}, which a {num_layers}-layer target does not have")
-    if draft.target_hidden_size != target.hidden_size or draft.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"the EAGLE-3 draft {spec.model!r} was made for a target of hidden size {draft.target_hidden_size} and "
-            f"vocabulary {draft.vocab_size}, not this model's {target.hidden_size} and {target.vocab_size}"
-        )
-    model.model.aux_layers = tuple(aux)
-    return draft_dir
-
-
-def _recurrent_states(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    shard: TensorParallelShard,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], tuple[int, int] | None]:
-    """Each recurrent layer's state tensors (this rank's heads), zeroed, and their rows' (slots, snapshots): a slot
-    for each of max_num_seqs running requests, as many snapshots (none without prefix caching), and the scratch row.
-    The conv window is kept in the model's dtype, the delta rule's matrix in float32 (backends/linear_attention)."""
-    if not model_config.linear_layers:
-        return (), None
-    slots = config.max_num_seqs
-    snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-    backups = slots if config.speculative_config is not None else 0  # (a step verifying drafts may go back)
-    rows = 1 + slots + backups + snapshots
-    key_dim = model_config.linear_num_key_heads * model_config.linear_key_head_dim // shard.size
-    value_heads = model_config.linear_num_value_heads // shard.size
-    conv_dim = 2 * key_dim + value_heads * model_config.linear_value_head_dim
-    conv_shape = (rows, model_config.linear_conv_kernel_dim - 1, conv_dim)
-    ssm_shape = (rows, value_heads, model_config.linear_key_head_dim, model_config.linear_value_head_dim)
-    conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in model_config.linear_layers]
-    ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in model_config.linear_layers]
-    states = tuple(zip(conv, ssm))
-    nbytes = sum(t.numel() * t.element_size() for pair in states for t in pair)
-    logger.info(
-        "recurrent state of %d layers: %d request slots and %d prefix snapshots, %.2f GiB",
-        len(states),
-        slots,
-        snapshots,
-        nbytes / (1 << 30),
-    )
-    return states, (slots, snapshots, bool(backups))
-
-
-def _fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:
-    """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. A request holds
-    its whole context in each full group, and in each sliding group at most the blocks of its window and a step's
-    tokens (the rest go back as it moves): one request at max_model_len must fit in them all."""
-    block_size = config.block_size
-    usable = num_blocks - 1  # block 0 is the padding's scratch block
-    held = [-(-(w - 1 + config.max_num_batched_tokens) // block_size) + 2 for w in windows if w]
-    num_full = sum(1 for w in windows if not w)
-
-    def blocks_for(length: int) -> int:
-        return num_full * -(-length // block_size) + sum(min(h, -(-length // block_size)) for h in held)
-
-    if blocks_for(max_model_len) <= usable:
-        return max_model_len
-    fits = max_model_len
-    while fits > 0 and blocks_for(fits) > usable:  # (each group's blocks grow with the length: step down)
-        fits -= block_size if fits % block_size == 0 else fits % block_size
-    if config.max_model_len is not None:
-        raise ValueError(
-            f"the KV cache holds {usable * block_size} tokens a layer, too few for one request of max_model_len="
-            f"{max_model_len} (it fits {fits}); lower max_model_len or give the KV cache more memory"
-        )
-    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", max_model_len, fits)
-    return fits
-
-
-def _kv_cache_tokens(config: EngineConfig, num_blocks: int, windows: tuple[int, ...]) -> int:
-    """The tokens of context the KV cache holds: its blocks' tokens, or with full and sliding groups, what the full
-    groups hold once one request's windows are held in each sliding group."""
-    usable = num_blocks - 1
-    num_full = sum(1 for w in windows if not w)
-    if num_full in (0, len(windows)):
-        return usable * config.block_size
-    held = sum(-(-(w - 1 + config.max_num_batched_tokens) // config.block_size) + 2 for w in windows if w)
-    return max(usable - held, 0) // num_full * config.block_size
 
 
 def _cudagraph_mode(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> str:

@@ -24,7 +24,9 @@ from safetensors import safe_open
 from torch import nn
 
 from kiln.backends.attention.op import attend
+from kiln.engine.config import EngineConfig
 from kiln.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from kiln.engine.models.model_dir import model_dir
 
 
 @dataclass(frozen=True)
@@ -213,3 +215,29 @@ def load_eagle3(directory: Path, max_positions: int, dtype: torch.dtype, device:
         draft.embed_tokens = nn.Embedding(*embedding.shape, device=device, dtype=dtype)
         draft.embed_tokens.weight.copy_(embedding)
     return draft.eval().requires_grad_(False)
+
+
+def set_target_layers(config: EngineConfig, model: nn.Module) -> Path | None:
+    """With an EAGLE-3 draft: set the target layers whose input states it reads (its config's, else vLLM's choice of
+    layers 2, L/2 and L - 3) and return the draft's directory; else None. A target Kiln cannot feed refuses."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return None
+    draft_dir = model_dir(spec.model, None, config.download_dir)
+    if draft_dir is None:
+        raise ValueError(f"speculative_config: the EAGLE-3 draft {spec.model!r} is a preset, not a checkpoint")
+    draft = Eagle3Config.read(draft_dir)
+    target = model.config
+    if not hasattr(model.model, "aux_layers") or target.linear_layers or target.sliding_layers:
+        raise ValueError(f"EAGLE-3 drafts for {target.architecture} are not supported yet: give a Llama-family model")
+    num_layers = target.num_layers
+    aux = draft.aux_layers or (2, num_layers // 2, num_layers - 3)
+    if len(aux) != 3 or not all(0 <= layer < num_layers for layer in aux):
+        raise ValueError(f"the EAGLE-3 draft reads layers {list(aux)}, which a {num_layers}-layer target does not have")
+    if draft.target_hidden_size != target.hidden_size or draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the EAGLE-3 draft {spec.model!r} was made for a target of hidden size {draft.target_hidden_size} and "
+            f"vocabulary {draft.vocab_size}, not this model's {target.hidden_size} and {target.vocab_size}"
+        )
+    model.model.aux_layers = tuple(aux)
+    return draft_dir
