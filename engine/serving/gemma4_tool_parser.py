@@ -109,55 +109,54 @@ def _value(text: str, i: int, final: bool) -> Reading:
 
 def _object(text: str, i: int, final: bool) -> Reading:
     """The object whose `{` is at `i`: its members `key:value` apart by commas, each key sent once its `:` has come."""
-    out, j, first = "{", i + 1, True
-    while True:
-        j = skip_ws(text, j)
-        if j < len(text) and text[j] == "}":
-            return out + "}", j + 1, True
-        if not first:
-            if j < len(text) and text[j] != ",":
-                raise Malformed("a comma between members")
-            j = skip_ws(text, j + 1)
-        if j >= len(text):
-            break
-        colon = text.find(":", j)
-        key = text[j:] if colon < 0 else text[j:colon]
-        if any(c in key for c in "{}[],<>\"'") or (colon >= 0 and not key.strip()):
-            raise Malformed("a key")
-        if colon < 0:
-            break  # (the key may go on)
-        out += ("" if first else ",") + json.dumps(key.strip(" " + WHITESPACE), ensure_ascii=False) + ":"
-        j = skip_ws(text, colon + 1)
-        if j >= len(text):
-            break
-        value, j, whole = _value(text, j, final)
-        out, first = out + value, False
-        if not whole:
-            return out, j, False
-    if final:
-        raise Malformed("an unclosed object")
-    return out, len(text), False
+    return _container(text, i, final, "}", _member, "member")
 
 
 def _list(text: str, i: int, final: bool) -> Reading:
     """The list whose `[` is at `i`."""
-    out, j, first = "[", i + 1, True
+    return _container(text, i, final, "]", _value, "item")
+
+
+def _member(text: str, j: int, final: bool) -> tuple[str | None, int, bool]:
+    """An object's `key:value` at `j`, as JSON so far (None: its key may go on)."""
+    colon = text.find(":", j)
+    key = text[j:] if colon < 0 else text[j:colon]
+    if any(c in key for c in "{}[],<>\"'") or (colon >= 0 and not key.strip()):
+        raise Malformed("a key")
+    if colon < 0:
+        return None, j, False
+    head = json.dumps(key.strip(" " + WHITESPACE), ensure_ascii=False) + ":"
+    j = skip_ws(text, colon + 1)
+    if j >= len(text):
+        if final:
+            raise Malformed("an unclosed object")
+        return head, j, False
+    value, j, whole = _value(text, j, final)
+    return head + value, j, whole
+
+
+def _container(text: str, i: int, final: bool, close: str, read, what: str) -> Reading:
+    """An object's or a list's entries from its opening at `i` to `close`, apart by commas, each read by `read`
+    (text, j, final) -> (its JSON so far, or None when nothing of it can be sent yet; where it ends; whole)."""
+    out, j, first = text[i], i + 1, True
     while True:
         j = skip_ws(text, j)
-        if j < len(text) and text[j] == "]":
-            return out + "]", j + 1, True
+        if j < len(text) and text[j] == close:
+            return out + close, j + 1, True
         if not first:
             if j < len(text) and text[j] != ",":
-                raise Malformed("a comma between items")
+                raise Malformed(f"a comma between {what}s")
             j = skip_ws(text, j + 1)
         if j >= len(text):
             break
-        value, j, whole = _value(text, j, final)
-        if value or whole:
-            out += ("" if first else ",") + value
+        entry, j, whole = read(text, j, final)
+        if entry is None:
+            break
+        if entry or whole:
+            out += ("" if first else ",") + entry
             first = False
         if not whole:
             return out, j, False
     if final:
-        raise Malformed("an unclosed list")
+        raise Malformed("an unclosed object" if close == "}" else "an unclosed list")
     return out, len(text), False
