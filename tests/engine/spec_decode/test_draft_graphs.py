@@ -21,6 +21,14 @@ PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def target_and_spec(method: str, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path) -> tuple:
+    """The tiny Llama with a tiny EAGLE-3 head, or the tiny Qwen3.5 with its MTP layer; k = 3."""
+    if method == "eagle3":
+        draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+        return tiny_llama_dir, {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 3}
+    return add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp"), {"method": "mtp", "num_speculative_tokens": 3}
+
+
 def padded_pass(proposer: EagleProposer, ids, positions, tables, hidden, size: int):
     """The chain pass as a graph of `size` requests runs it, eagerly: (draft tokens, next states) of every row."""
     ones = np.ones(len(positions), dtype=np.int64)
@@ -34,12 +42,7 @@ def padded_pass(proposer: EagleProposer, ids, positions, tables, hidden, size: i
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_a_padded_chain_pass_proposes_as_the_pass(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path, monkeypatch):
-    if method == "eagle3":
-        model_dir, draft_dir = tiny_llama_dir, make_eagle3_dir(tmp_path / "draft", "eagle")
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 3}
-    else:
-        model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
-        spec = {"method": "mtp", "num_speculative_tokens": 3}
+    model_dir, spec = target_and_spec(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path)
     compared = []
     chain_pass = EagleProposer._chain_pass
 
@@ -62,12 +65,7 @@ def test_a_padded_chain_pass_proposes_as_the_pass(method, tiny_llama_dir, tiny_q
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_drafts_from_chain_graphs_equal_the_eager_chains(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path):
-    if method == "eagle3":
-        model_dir, draft_dir = tiny_llama_dir, make_eagle3_dir(tmp_path / "draft", "eagle")
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 3}
-    else:
-        model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
-        spec = {"method": "mtp", "num_speculative_tokens": 3}
+    model_dir, spec = target_and_spec(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path)
     kwargs = dict(max_model_len=256, enable_prefix_caching=False, compile_cache_dir=str(tmp_path / "cache"))
     plain = LLM(str(model_dir), **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
     with LLM(str(model_dir), speculative_config=spec, **kwargs) as llm:
