@@ -33,6 +33,7 @@ import kiln.backends.attention.op as unified_attention_module
 import kiln.backends.kernels.collectives as collectives_module
 import kiln.backends.linear_attention.op as linear_attention_module
 from kiln.backends import environment
+from kiln.backends.kernels import ops
 from kiln.compile.counters import watch_triton_compiles
 
 logger = logging.getLogger("kiln")
@@ -124,6 +125,9 @@ def cache_key_inputs(
         "settings": settings,
         "kernels": environment.ENV.kernel_switches(),
         "source": source_hash(model, input_sources),
+        # (an op's schema can change in a file the model's classes do not live in: a graph saved calling the old one
+        # must not be run)
+        "ops": hashlib.sha256("\n".join(sorted(ops.SCHEMAS)).encode()).hexdigest()[:16],
     }
 
 

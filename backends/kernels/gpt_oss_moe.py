@@ -1,8 +1,11 @@
-"""`kiln::gpt_oss_moe`: gpt-oss's experts for a routing the model made (its router is ordinary torch before the op).
+"""`kiln::gpt_oss_moe`: gpt-oss's routing and experts, from the router's logits (its matmul is ordinary torch before
+the op).
 
-    gpt_oss_moe(x [T, H], weights [T, k], experts [T, k] int32, w13 [E, 2I, H], w13_bias [E, 2I], w2 [E, H, I],
+    gpt_oss_moe(x [T, H], router_logits [T, E], top_k, w13 [E, 2I, H], w13_bias [E, 2I], w2 [E, H, I],
                 w2_bias [E, H] or None, alpha, limit, w13_scale = None, w2_scale = None)
         -> [T, H] = sum over j < k of  weights[t, j] * (w2[e] @ act(w13[e] @ x_t + w13_bias[e]) + w2_bias[e])
+    experts e = the top k of the token's logits, weights = the softmax of those k (as Hugging Face routes: the same
+    as the top k of the softmax over every expert, renormalised, which the GPU's routing kernel computes)
     act(gate, up) = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),   g = min(gate, limit)
     w13: the gate's rows, then the up projection's. With scales the weights are MXFP4 (mxfp4.py): w13 [E, 2I, H/2]
     and w2 [E, H, I/2] uint8, two e2m1 values a byte, w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32] uint8.
@@ -56,10 +59,16 @@ def gpt_oss_moe_reference(
     return out
 
 
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, experts [T, k] int32) as Hugging Face's gpt-oss routes."""
+    top, experts = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1), experts.to(torch.int32)
+
+
 def _gpt_oss_moe(
     x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
     w13: torch.Tensor,
     w13_bias: torch.Tensor,
     w2: torch.Tensor,
@@ -69,12 +78,12 @@ def _gpt_oss_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    args = (x, weights, experts, w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
+    experts = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
     if x.is_cuda:
-        from kiln.backends.kernels.gpt_oss_moe_triton import gpt_oss_moe  # noqa: PLC0415  (Triton where a GPU is)
+        from kiln.backends.kernels.gpt_oss_moe_triton import routed_gpt_oss_moe  # noqa: PLC0415  (Triton on a GPU)
 
-        return gpt_oss_moe(*args)
-    return gpt_oss_moe_reference(*args)
+        return routed_gpt_oss_moe(x, router_logits, top_k, *experts)
+    return gpt_oss_moe_reference(x, *route(router_logits, top_k), *experts)
 
 
 def _gpt_oss_moe_fake(x: torch.Tensor, *args) -> torch.Tensor:
@@ -82,7 +91,7 @@ def _gpt_oss_moe_fake(x: torch.Tensor, *args) -> torch.Tensor:
 
 
 define(
-    "gpt_oss_moe(Tensor x, Tensor weights, Tensor experts, Tensor w13, Tensor w13_bias, Tensor w2, Tensor? w2_bias, "
+    "gpt_oss_moe(Tensor x, Tensor router_logits, int top_k, Tensor w13, Tensor w13_bias, Tensor w2, Tensor? w2_bias, "
     "float alpha, float limit, Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
     _gpt_oss_moe,
     _gpt_oss_moe_fake,

@@ -1,7 +1,8 @@
 """gpt-oss's experts as two grouped Triton matmuls (the GPU form of `kiln::gpt_oss_moe`), their weights 16-bit or
 MXFP4, which stay 4-bit in memory and are dequantized in registers.
 
-    align:   the T * k (token, expert) pairs laid out by expert in blocks of BLOCK_M rows (moe_routing.align)
+    route:   each token's top k experts and weights from the router's logits, and the T * k (token, expert) pairs
+             laid out by expert in blocks of BLOCK_M rows: one launch for a decode (moe_routing.route_and_align)
     gemm 1:  act[pair]  = clamped_swiglu(x[token] @ gate_e^T + bg_e, x[token] @ up_e^T + bu_e)   biases and act fused
     gemm 2:  y[pair]    = weight[pair] * (act[pair] @ down_e^T + bd_e)                            bias and weight fused
     sum:     out[t]     = sum over its k pairs of y (one torch kernel)
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.backends.kernels.moe_routing import align
+from kiln.backends.kernels.moe_routing import align, route_and_align
 
 
 def tile_config(num_pairs: int, k: int, mxfp4: bool) -> dict[str, int]:
@@ -236,13 +237,43 @@ def gpt_oss_moe(
     w2_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """`kiln::gpt_oss_moe` on the GPU (and under Triton's interpreter): align the pairs, the two grouped matmuls, the
-    sum over k. `config`: the tiles, by default `tile_config`'s (the benchmarks sweep it)."""
-    num_tokens, hidden = x.shape
-    top_k, inter = experts.shape[1], w13.shape[1] // 2
-    num_pairs = num_tokens * top_k
-    config = config or tile_config(num_pairs, hidden, w13_scale is not None)
+    """gpt-oss's experts for a given routing (weights, experts [T, k]) on the GPU (and under Triton's interpreter):
+    align the pairs, the two grouped matmuls, the sum over k. `config`: the tiles, by default `tile_config`'s (the
+    benchmarks sweep it)."""
+    num_pairs = experts.numel()
+    config = config or tile_config(num_pairs, x.shape[1], w13_scale is not None)
     sorted_pairs, block_expert = align(experts.to(torch.int32), w13.shape[0], config["BLOCK_M"])
+    layer = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
+    return _experts(x, weights, sorted_pairs, block_expert, experts.shape[1], config, layer)
+
+
+def routed_gpt_oss_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    w13: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    alpha: float,
+    limit: float,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kiln::gpt_oss_moe` on the GPU: the routing (the top k of the softmax, renormalised) and the pairs' alignment
+    in one launch for a decode (moe_routing.py), then the experts."""
+    config = tile_config(x.shape[0] * top_k, x.shape[1], w13_scale is not None)
+    weights, _, sorted_pairs, block_expert = route_and_align(router_logits, top_k, True, x.dtype, config["BLOCK_M"])
+    layer = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
+    return _experts(x, weights, sorted_pairs, block_expert, top_k, config, layer)
+
+
+def _experts(x, weights, sorted_pairs, block_expert, top_k: int, config: dict[str, int], layer: tuple) -> torch.Tensor:
+    """The two grouped matmuls over the aligned pairs and the sum over k; `layer`: (w13, w13_bias, w2, w2_bias,
+    alpha, limit, w13_scale, w2_scale)."""
+    w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale = layer
+    num_tokens, hidden = x.shape
+    num_pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     x = x.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grouped_matmul(

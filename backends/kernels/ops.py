@@ -13,12 +13,14 @@ from collections.abc import Callable
 import torch
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
+SCHEMAS: list[str] = []  # every op's, defined so far (the compile cache's key hashes them: a saved graph calls them)
 
 
 def define(schema: str, impl: Callable, fake: Callable) -> None:
     """`kiln::<name>` from its schema ("name(Tensor x, ...) -> Tensor"), on the CPU and CUDA, and its fake."""
     name = schema.split("(", 1)[0]
     _lib.define(schema)
+    SCHEMAS.append(schema)
     for device in ("CPU", "CUDA"):
         _lib.impl(name, impl, device)
     torch.library.register_fake(f"kiln::{name}", fake, lib=_lib)

@@ -180,17 +180,16 @@ class GptOssMoE(FusedKernelsMixin, nn.Module):
 
     def forward(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = norm(hidden, residual)
-        # as Hugging Face routes: the top k of the logits, then the softmax of those k (in x's dtype)
-        top, chosen = torch.topk(linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
+        # (the routing inside the op: the top k of the logits, the softmax of those k, as Hugging Face routes)
+        logits = linear(x, self.router.weight, self.router.bias)
         w13, w2, w13_scale, w2_scale = self.experts.weights()
         down_bias = self.experts.down_proj_bias if self.adds_down_bias else None
-        args = (x, weights, chosen.to(torch.int32), w13, self.experts.gate_up_proj_bias, w2, down_bias)
+        args = (x, logits, self.top_k, w13, self.experts.gate_up_proj_bias, w2, down_bias)
         args += (self.alpha, self.limit, w13_scale, w2_scale)
         if self.fused:
             from kiln.backends.kernels import gpt_oss_moe_triton  # noqa: PLC0415  (Triton where a GPU is)
 
-            out = gpt_oss_moe_triton.gpt_oss_moe(*args)
+            out = gpt_oss_moe_triton.routed_gpt_oss_moe(*args)
         else:
             out = torch.ops.kiln.gpt_oss_moe(*args)
         if self.tp_size > 1:

@@ -253,6 +253,22 @@ def test_each_gpu_has_its_own_cache_key(monkeypatch):
     assert device_target(torch.device("cuda")) == gpu1  # no index: the current GPU
 
 
+def test_an_op_schema_is_in_the_cache_key(monkeypatch):
+    """A saved graph calls Kiln's ops by their schemas, which can change in files the model's classes do not live in
+    (gpt-oss's experts once took their routing, now the router's logits): another schema is another key."""
+    import torch
+
+    from kiln.backends.kernels import ops
+
+    model = torch.nn.Linear(2, 2)
+    key = lambda: cache_module.cache_key_inputs("v", model, {}, torch.float32, torch.device("cpu"), {})  # noqa: E731
+    before = key()
+    schemas = [s.replace("int top_k", "int k") if s.startswith("gpt_oss_moe(") else s for s in ops.SCHEMAS]
+    assert schemas != ops.SCHEMAS  # (the op is defined: the models' modules are imported)
+    monkeypatch.setattr(ops, "SCHEMAS", schemas)
+    assert key()["ops"] != before["ops"] and key()["source"] == before["source"]
+
+
 def test_kiln_choices_make_norm_sized_rows_persistent():
     """Inductor's own heuristic loops over an inner reduction of more than 1,024 elements (two passes over an
     RMSNorm row of hidden 2,048); Kiln's takes rows up to 4,096 in one pass and leaves the rest as Inductor does."""

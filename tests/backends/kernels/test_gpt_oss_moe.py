@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from kiln.backends.kernels import mxfp4
-from kiln.backends.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_moe_reference
-from kiln.backends.kernels.gpt_oss_moe_triton import _mxfp4_values, gpt_oss_moe, tile_config
+from kiln.backends.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_moe_reference, route
+from kiln.backends.kernels.gpt_oss_moe_triton import _mxfp4_values, gpt_oss_moe, routed_gpt_oss_moe, tile_config
 
 from helpers.kernels import DEVICE, DTYPES, close
 
@@ -102,6 +102,24 @@ def test_the_prefill_tiles_against_float64(num_pairs, fmt):
     args = [t.to(DEVICE) for t in (x, weights, experts, w13, b13, w2, b2)]
     out = gpt_oss_moe(*args, ALPHA, LIMIT, *(None if s is None else s.to(DEVICE) for s in scales))
     close(out.cpu(), reference.float(), torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_the_routed_op_against_float64(num_tokens):
+    """The op's GPU form from the router's logits (routing and alignment in one launch, the top k of the softmax
+    renormalised) against Hugging Face's routing (the softmax of the top k logits) and the float64 experts."""
+    x, w13, b13, w2, b2, _, _ = _problem(num_tokens, 64, 64, 8, 2, "random", 11)
+    logits = torch.randn(num_tokens, 8, generator=torch.Generator().manual_seed(3)) * 2
+    (w13, s13), (w2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+    weights, experts = route(logits.double(), 2)
+    dense = (_dense(w13, s13), b13.double(), _dense(w2, s2), b2.double())
+    reference = gpt_oss_moe_reference(x.double(), weights, experts, *dense, ALPHA, LIMIT)
+    args = [t.to(DEVICE) for t in (x, logits)]
+    layer = [t.to(DEVICE) for t in (w13, b13, w2, b2)]
+    out = routed_gpt_oss_moe(*args, 2, *layer, ALPHA, LIMIT, s13.to(DEVICE), s2.to(DEVICE))
+    close(out.cpu(), reference.float(), torch.float32)
+    plain = torch.ops.kiln.gpt_oss_moe(x, logits, 2, w13, b13, w2, b2, ALPHA, LIMIT, s13, s2)  # (the CPU's form)
+    close(plain, reference.float(), torch.float32)
 
 
 def _dense(w: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
