@@ -29,7 +29,7 @@ from kiln.backends.attention.op import attend
 from kiln.backends.kernels import mxfp4
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, RotaryEmbedding, linear
-from kiln.engine.models.llama import Attention, LlamaForCausalLM
+from kiln.engine.models.llama import Attention, LlamaForCausalLM, save_aux_states
 from kiln.engine.models.parallel import ShardId, TensorParallelShard, VocabParallelEmbedding
 
 
@@ -222,11 +222,13 @@ class GptOssModel(nn.Module):
             GptOssDecoderLayer(config, i, self.rotary_emb, shard) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_layers: tuple[int, ...] = ()  # (EAGLE-3: the layers whose input states its draft reads)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            save_aux_states(self.aux_layers, index, hidden, residual)
             hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -196,15 +196,21 @@ class DecoderModel(nn.Module):
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
         local = self.local_rotary_emb.lookup(positions, hidden.dtype) if hasattr(self, "local_rotary_emb") else rope
         for index, layer in enumerate(self.layers):
-            for slot in (slot for slot, aux in enumerate(self.aux_layers) if aux == index):
-                state = hidden if residual is None else hidden + residual  # (the stream as the layer receives it)
-                if torch.compiler.is_compiling():
-                    torch.ops.kiln.save_hidden(state, slot)
-                else:
-                    save_hidden(state, slot)
+            save_aux_states(self.aux_layers, index, hidden, residual)
             hidden, residual = layer(local if layer.local_rope else rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def save_aux_states(aux_layers: tuple[int, ...], index: int, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """EAGLE-3: layer `index`'s input stream, as the layer receives it, into each slot of the states a draft reads
+    that names the layer."""
+    for slot in (slot for slot, aux in enumerate(aux_layers) if aux == index):
+        state = hidden if residual is None else hidden + residual
+        if torch.compiler.is_compiling():
+            torch.ops.kiln.save_hidden(state, slot)
+        else:
+            save_hidden(state, slot)
 
 
 class LlamaForCausalLM(nn.Module):

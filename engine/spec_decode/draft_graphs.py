@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kiln.backends.attention import ForwardContext, set_forward_context
+from kiln.backends.attention import set_forward_context
 from kiln.compile.cudagraph import GraphPool
 from kiln.engine.worker.inputs import GraphPlan
 
@@ -39,8 +39,9 @@ def chain_sizes(runner: ModelRunner) -> list[int]:
 
 
 class ChainGraphs:
-    def __init__(self, draft, kv_cache: torch.Tensor, runner: ModelRunner, sizes: list[int]) -> None:
-        self.draft, self.kv_cache, self.runner = draft, kv_cache, runner
+    def __init__(self, draft, context, runner: ModelRunner, sizes: list[int]) -> None:
+        """`context(metadata)`: the draft's forward context (its KV cache) over these inputs."""
+        self.draft, self.context, self.runner = draft, context, runner
         self.sizes = sorted(sizes)
         self.graphs: dict[int, ChainGraph] = {}
         self.replays = 0  # chain passes that replayed a graph
@@ -70,7 +71,7 @@ class ChainGraphs:
         inputs = runner.inputs.views(size, size)
         weight = self.draft.norm.weight
         hidden = torch.zeros(size, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        with set_forward_context(ForwardContext(metadata, [self.kv_cache], runner.backend)):
+        with set_forward_context(self.context(metadata)):
             self._body(inputs, hidden)  # (once uncaptured: every kernel compiled before the capture)
             graph = torch.cuda.CUDAGraph()
             with self.pool.capture(graph):

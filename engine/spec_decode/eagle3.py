@@ -228,8 +228,14 @@ def set_target_layers(config: EngineConfig, model: nn.Module) -> Path | None:
         raise ValueError(f"speculative_config: the EAGLE-3 draft {spec.model!r} is a preset, not a checkpoint")
     draft = Eagle3Config.read(draft_dir)
     target = model.config
-    if not hasattr(model.model, "aux_layers") or target.linear_layers or target.sliding_layers:
-        raise ValueError(f"EAGLE-3 drafts for {target.architecture} are not supported yet: give a Llama-family model")
+    # (a draft attends the whole context: a target with no full-attention layer keeps no KV blocks that hold it; Gemma
+    # scales its embedding, which a draft reading the target's embedding was not trained with)
+    every_layer_slides = len(target.sliding_layers) == target.num_layers
+    scaled = getattr(model.model, "embed_scale", 1.0) != 1.0
+    if not hasattr(model.model, "aux_layers") or target.linear_layers or every_layer_slides or scaled:
+        raise ValueError(
+            f"EAGLE-3 drafts for {target.architecture} are not supported yet: give a Llama-family or gpt-oss model"
+        )
     num_layers = target.num_layers
     aux = draft.aux_layers or (2, num_layers // 2, num_layers - 3)
     if len(aux) != 3 or not all(0 <= layer < num_layers for layer in aux):

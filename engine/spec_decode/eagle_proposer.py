@@ -47,12 +47,17 @@ class EagleProposer:
         shape = (2, num_blocks, runner.block_size, draft.num_kv_heads, draft.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         self.lookahead = num_speculative_tokens  # positions the chain writes past a step's
+        # with sliding and full KV groups (gpt-oss), the draft's blocks are a full group's: it attends the whole context
+        self.layer_groups = ()
+        if runner.layer_groups:
+            windows = runner.windows or (0,) * len(runner.layer_groups)
+            self.layer_groups = (next(g for g, w in zip(runner.layer_groups, windows, strict=True) if not w),)
         cuda = runner.device.type == "cuda"
         if cuda and isinstance(draft, Eagle3Draft):  # (its eager passes: the Triton norms, rotary, SwiGLU)
             use_fused_kernels(draft, True)
         # the chain's one-token passes in CUDA graphs (draft_graphs.py), where the target has full graphs
         sizes = chain_sizes(runner) if cuda and num_speculative_tokens > 1 else []
-        self.graphs = ChainGraphs(draft, self.kv_cache, runner, sizes) if sizes else None
+        self.graphs = ChainGraphs(draft, self.context, runner, sizes) if sizes else None
 
     @torch.inference_mode()
     def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -120,8 +125,12 @@ class EagleProposer:
         plan = GraphPlan("none", len(ids), len(num_new))
         metadata = self._write_inputs(ids, computed, num_new, tables, plan)
         inputs = self.runner.inputs.views(plan.num_tokens, plan.num_reqs)
-        with set_forward_context(ForwardContext(metadata, [self.kv_cache], self.runner.backend)):
+        with set_forward_context(self.context(metadata)):
             return self.draft(inputs.input_ids, inputs.positions, hidden)
+
+    def context(self, metadata) -> ForwardContext:
+        """The draft's forward context: its own KV cache, as layer 0, over the blocks of a full group."""
+        return ForwardContext(metadata, [self.kv_cache], self.runner.backend, layer_groups=self.layer_groups)
 
     def _write_inputs(self, ids, computed: np.ndarray, num_new: np.ndarray, tables: list, plan: GraphPlan):
         """The pass's inputs in the runner's persistent buffers; `ids` on the device (the chain's last drafts) are

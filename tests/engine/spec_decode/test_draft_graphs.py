@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.backends.attention import ForwardContext, set_forward_context
+from kiln.backends.attention import set_forward_context
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 from kiln.engine.worker.inputs import GraphPlan
@@ -35,7 +35,7 @@ def padded_pass(proposer: EagleProposer, ids, positions, tables, hidden, size: i
     metadata = proposer._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size))
     inputs = proposer.runner.inputs.views(size, size)
     padding = hidden.new_zeros(size - hidden.shape[0], hidden.shape[1])
-    with set_forward_context(ForwardContext(metadata, [proposer.kv_cache], proposer.runner.backend)):
+    with set_forward_context(proposer.context(metadata)):
         normed, out = proposer.draft(inputs.input_ids, inputs.positions, torch.cat([hidden, padding]))
     return proposer.draft.draft_tokens(normed), out
 

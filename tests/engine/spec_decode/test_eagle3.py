@@ -13,6 +13,7 @@ from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 
 from helpers.eagle3 import make_eagle3_dir, reference_drafts
+from helpers.gpt_oss import hf_gpt_oss, make_tiny_gpt_oss_dir
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -81,3 +82,34 @@ def test_eagle_drafts_with_tp2(tiny_llama_dir, tmp_path):
         assert llm.engine.scheduler.num_draft_tokens > 0
     for got, want in zip(outputs, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
+    """gpt-oss, its layers sliding (a window of 128) and full in turn, keeps two KV groups; the draft attends the whole
+    context over the full group's blocks. With few blocks (the sliding group's freed ones soon taken again), its drafts
+    equal the float64 reference's from transformers' own states after the prefill and after decode steps past the
+    window, and greedy output with them equals the output without."""
+    target = make_tiny_gpt_oss_dir(tmp_path / "gpt-oss", False)
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    proposals = []
+    after_step = EagleProposer.after_step
+
+    def recording(self, batch, result):
+        after_step(self, batch, result)
+        proposals.extend((len(r.output_token_ids), list(r.spec_token_ids)) for r in batch.requests if r.spec_token_ids)
+
+    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    kwargs = dict(enforce_eager=True, max_model_len=208, max_num_batched_tokens=64, num_kv_blocks=28)
+    prompt, params = list(range(20, 180)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(target), **kwargs).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(target), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
+        proposer, runner = llm.engine.scheduler.drafter, llm.engine.runner
+        assert runner.windows == (128, 0, 128, 0) and runner.layer_groups[0] != runner.layer_groups[1]
+        assert proposer.layer_groups == (runner.layer_groups[1],)  # (the full layers' group)
+        output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert output == plain
+    hf = hf_gpt_oss(target)
+    checked = [proposals[0], *proposals[-3:]]  # (after the prefill; the last ones, past 128 + 32 tokens of context)
+    for done, drafts in checked:
+        assert drafts == reference_drafts(draft_dir, hf, prompt + output[: done - 1], output[done - 1], 3), done
+    assert proposals[-1][0] > 24
