@@ -19,6 +19,8 @@ columns of the intermediate dimension and only one rank adds the down projection
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -33,28 +35,34 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+class Experts(NamedTuple):
+    """One layer's experts as the op takes them (this rank's columns of the intermediate dimension), its SwiGLU's
+    alpha and clamp; MXFP4 weights come with their scales."""
+
+    w13: torch.Tensor
+    w13_bias: torch.Tensor
+    w2: torch.Tensor
+    w2_bias: torch.Tensor | None
+    alpha: float
+    limit: float
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
 def gpt_oss_moe_reference(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    w13: torch.Tensor,
-    w13_bias: torch.Tensor,
-    w2: torch.Tensor,
-    w2_bias: torch.Tensor | None,
-    alpha: float,
-    limit: float,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: Experts
 ) -> torch.Tensor:
     """Expert by expert (MXFP4 weights dequantized as each is used), each one's weighted output added into the tokens
     that chose it."""
     out = torch.zeros_like(x)
     for expert in torch.unique(experts).tolist():
         tokens, slot = torch.where(experts == expert)
-        up_weight = w13[expert] if w13_scale is None else mxfp4.dequantize(w13[expert], w13_scale[expert], x.dtype)
-        down_weight = w2[expert] if w2_scale is None else mxfp4.dequantize(w2[expert], w2_scale[expert], x.dtype)
-        act = clamped_swiglu(F.linear(x[tokens], up_weight, w13_bias[expert]), alpha, limit)
-        y = F.linear(act, down_weight, None if w2_bias is None else w2_bias[expert])
+        up_weight, down_weight = layer.w13[expert], layer.w2[expert]
+        if layer.w13_scale is not None:
+            up_weight = mxfp4.dequantize(up_weight, layer.w13_scale[expert], x.dtype)
+            down_weight = mxfp4.dequantize(down_weight, layer.w2_scale[expert], x.dtype)
+        act = clamped_swiglu(F.linear(x[tokens], up_weight, layer.w13_bias[expert]), layer.alpha, layer.limit)
+        y = F.linear(act, down_weight, None if layer.w2_bias is None else layer.w2_bias[expert])
         out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
     return out
 
@@ -78,12 +86,12 @@ def _gpt_oss_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    experts = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
+    layer = Experts(w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)  # (the op's arguments are flat)
     if x.is_cuda:
         from kiln.backends.kernels.gpt_oss_moe_triton import routed_gpt_oss_moe  # noqa: PLC0415  (Triton on a GPU)
 
-        return routed_gpt_oss_moe(x, router_logits, top_k, *experts)
-    return gpt_oss_moe_reference(x, *route(router_logits, top_k), *experts)
+        return routed_gpt_oss_moe(x, router_logits, top_k, layer)
+    return gpt_oss_moe_reference(x, *route(router_logits, top_k), layer)
 
 
 def _gpt_oss_moe_fake(x: torch.Tensor, *args) -> torch.Tensor:

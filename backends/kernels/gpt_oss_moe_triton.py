@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.backends.kernels.gpt_oss_moe import Experts
 from kiln.backends.kernels.moe_routing import align, route_and_align
 
 
@@ -227,50 +228,29 @@ def gpt_oss_moe(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    w13: torch.Tensor,
-    w13_bias: torch.Tensor,
-    w2: torch.Tensor,
-    w2_bias: torch.Tensor | None,
-    alpha: float,
-    limit: float,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
+    layer: Experts,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """gpt-oss's experts for a given routing (weights, experts [T, k]) on the GPU (and under Triton's interpreter):
     align the pairs, the two grouped matmuls, the sum over k. `config`: the tiles, by default `tile_config`'s (the
     benchmarks sweep it)."""
-    num_pairs = experts.numel()
-    config = config or tile_config(num_pairs, x.shape[1], w13_scale is not None)
-    sorted_pairs, block_expert = align(experts.to(torch.int32), w13.shape[0], config["BLOCK_M"])
-    layer = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
+    config = config or tile_config(experts.numel(), x.shape[1], layer.w13_scale is not None)
+    sorted_pairs, block_expert = align(experts.to(torch.int32), layer.w13.shape[0], config["BLOCK_M"])
     return _experts(x, weights, sorted_pairs, block_expert, experts.shape[1], config, layer)
 
 
-def routed_gpt_oss_moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    top_k: int,
-    w13: torch.Tensor,
-    w13_bias: torch.Tensor,
-    w2: torch.Tensor,
-    w2_bias: torch.Tensor | None,
-    alpha: float,
-    limit: float,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+def routed_gpt_oss_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, layer: Experts) -> torch.Tensor:
     """`kiln::gpt_oss_moe` on the GPU: the routing (the top k of the softmax, renormalised) and the pairs' alignment
     in one launch for a decode (moe_routing.py), then the experts."""
-    config = tile_config(x.shape[0] * top_k, x.shape[1], w13_scale is not None)
+    config = tile_config(x.shape[0] * top_k, x.shape[1], layer.w13_scale is not None)
     weights, _, sorted_pairs, block_expert = route_and_align(router_logits, top_k, True, x.dtype, config["BLOCK_M"])
-    layer = (w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale)
     return _experts(x, weights, sorted_pairs, block_expert, top_k, config, layer)
 
 
-def _experts(x, weights, sorted_pairs, block_expert, top_k: int, config: dict[str, int], layer: tuple) -> torch.Tensor:
-    """The two grouped matmuls over the aligned pairs and the sum over k; `layer`: (w13, w13_bias, w2, w2_bias,
-    alpha, limit, w13_scale, w2_scale)."""
+def _experts(
+    x, weights, sorted_pairs, block_expert, top_k: int, config: dict[str, int], layer: Experts
+) -> torch.Tensor:
+    """The two grouped matmuls over the aligned pairs and the sum over k."""
     w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale = layer
     num_tokens, hidden = x.shape
     num_pairs, inter = num_tokens * top_k, w13.shape[1] // 2

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import kiln.backends.kernels.gpt_oss_moe  # noqa: F401  (registers torch.ops.kiln.gpt_oss_moe)
 from kiln.backends.attention.op import attend
 from kiln.backends.kernels import mxfp4
+from kiln.backends.kernels.gpt_oss_moe import Experts  # (the module registers torch.ops.kiln.gpt_oss_moe)
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import FusedKernelsMixin, Linear, RMSNorm, RotaryEmbedding, linear
 from kiln.engine.models.llama import Attention, LlamaForCausalLM, save_aux_states
@@ -184,14 +184,13 @@ class GptOssMoE(FusedKernelsMixin, nn.Module):
         logits = linear(x, self.router.weight, self.router.bias)
         w13, w2, w13_scale, w2_scale = self.experts.weights()
         down_bias = self.experts.down_proj_bias if self.adds_down_bias else None
-        args = (x, logits, self.top_k, w13, self.experts.gate_up_proj_bias, w2, down_bias)
-        args += (self.alpha, self.limit, w13_scale, w2_scale)
+        layer = Experts(w13, self.experts.gate_up_proj_bias, w2, down_bias, self.alpha, self.limit, w13_scale, w2_scale)
         if self.fused:
             from kiln.backends.kernels import gpt_oss_moe_triton  # noqa: PLC0415  (Triton where a GPU is)
 
-            out = gpt_oss_moe_triton.routed_gpt_oss_moe(*args)
+            out = gpt_oss_moe_triton.routed_gpt_oss_moe(x, logits, self.top_k, layer)
         else:
-            out = torch.ops.kiln.gpt_oss_moe(*args)
+            out = torch.ops.kiln.gpt_oss_moe(x, logits, self.top_k, *layer)
         if self.tp_size > 1:
             torch.ops.kiln.all_reduce_(out)
         return out, residual

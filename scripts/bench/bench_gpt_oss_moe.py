@@ -73,8 +73,12 @@ def cycling(moe, layers: list[dict[str, torch.Tensor]], routed: tuple, alpha: fl
     def step() -> None:
         state["i"] = (state["i"] + 1) % len(layers)
         t = layers[state["i"]]
-        args = (t["w13"], t["w13_bias"], t["w2"], t["w2_bias"], alpha, limit, t.get("w13_scale"), t.get("w2_scale"))
-        moe(*routed, *args)
+        moe(
+            *routed,
+            moe_op.Experts(
+                t["w13"], t["w13_bias"], t["w2"], t["w2_bias"], alpha, limit, t.get("w13_scale"), t.get("w2_scale")
+            ),
+        )
 
     return step
 

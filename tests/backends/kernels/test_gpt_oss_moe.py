@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kiln.backends.kernels import mxfp4
-from kiln.backends.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_moe_reference, route
+from kiln.backends.kernels.gpt_oss_moe import Experts, clamped_swiglu, gpt_oss_moe_reference, route
 from kiln.backends.kernels.gpt_oss_moe_triton import _mxfp4_values, gpt_oss_moe, routed_gpt_oss_moe, tile_config
 
 from helpers.kernels import DEVICE, DTYPES, close
@@ -60,22 +60,12 @@ def test_experts_against_float64(fmt, dtype, num_tokens, hidden, inter, num_expe
     else:
         dense13, dense2 = w13.double(), w2.double()
     b2 = b2 if down_bias else None
-    reference = gpt_oss_moe_reference(
-        x.double(),
-        weights.double(),
-        experts,
-        dense13,
-        b13.double(),
-        dense2,
-        None if b2 is None else b2.double(),
-        ALPHA,
-        LIMIT,
-    )
+    dense = Experts(dense13, b13.double(), dense2, None if b2 is None else b2.double(), ALPHA, LIMIT)
+    reference = gpt_oss_moe_reference(x.double(), weights.double(), experts, dense)
     on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     cast = lambda t: None if t is None else on(t if t.dtype == torch.uint8 else t.to(dtype))  # noqa: E731
-    out = gpt_oss_moe(
-        cast(x), cast(weights), on(experts), cast(w13), cast(b13), cast(w2), cast(b2), ALPHA, LIMIT, *map(on, scales)
-    )
+    layer = Experts(cast(w13), cast(b13), cast(w2), cast(b2), ALPHA, LIMIT, *map(on, scales))
+    out = gpt_oss_moe(cast(x), cast(weights), on(experts), layer)
     assert out.shape == x.shape and out.dtype == dtype
     close(out.cpu(), reference.to(dtype), dtype)
 
@@ -90,17 +80,11 @@ def test_the_prefill_tiles_against_float64(num_pairs, fmt):
     if fmt == "mxfp4":
         (w13, s13), (w2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
         scales = (s13, s2)
-    reference = gpt_oss_moe_reference(
-        x.double(),
-        weights.double(),
-        experts,
-        *(_dense(w13, scales[0]), b13.double(), _dense(w2, scales[1])),
-        b2.double(),
-        ALPHA,
-        LIMIT,
-    )
-    args = [t.to(DEVICE) for t in (x, weights, experts, w13, b13, w2, b2)]
-    out = gpt_oss_moe(*args, ALPHA, LIMIT, *(None if s is None else s.to(DEVICE) for s in scales))
+    dense = Experts(_dense(w13, scales[0]), b13.double(), _dense(w2, scales[1]), b2.double(), ALPHA, LIMIT)
+    reference = gpt_oss_moe_reference(x.double(), weights.double(), experts, dense)
+    tensors = [t.to(DEVICE) for t in (w13, b13, w2, b2)]
+    layer = Experts(*tensors, ALPHA, LIMIT, *(None if s is None else s.to(DEVICE) for s in scales))
+    out = gpt_oss_moe(x.to(DEVICE), weights.to(DEVICE), experts.to(DEVICE), layer)
     close(out.cpu(), reference.float(), torch.float32)
 
 
@@ -112,11 +96,10 @@ def test_the_routed_op_against_float64(num_tokens):
     logits = torch.randn(num_tokens, 8, generator=torch.Generator().manual_seed(3)) * 2
     (w13, s13), (w2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
     weights, experts = route(logits.double(), 2)
-    dense = (_dense(w13, s13), b13.double(), _dense(w2, s2), b2.double())
-    reference = gpt_oss_moe_reference(x.double(), weights, experts, *dense, ALPHA, LIMIT)
-    args = [t.to(DEVICE) for t in (x, logits)]
-    layer = [t.to(DEVICE) for t in (w13, b13, w2, b2)]
-    out = routed_gpt_oss_moe(*args, 2, *layer, ALPHA, LIMIT, s13.to(DEVICE), s2.to(DEVICE))
+    dense = Experts(_dense(w13, s13), b13.double(), _dense(w2, s2), b2.double(), ALPHA, LIMIT)
+    reference = gpt_oss_moe_reference(x.double(), weights, experts, dense)
+    layer = Experts(*(t.to(DEVICE) for t in (w13, b13, w2, b2)), ALPHA, LIMIT, s13.to(DEVICE), s2.to(DEVICE))
+    out = routed_gpt_oss_moe(x.to(DEVICE), logits.to(DEVICE), 2, layer)
     close(out.cpu(), reference.float(), torch.float32)
     plain = torch.ops.kiln.gpt_oss_moe(x, logits, 2, w13, b13, w2, b2, ALPHA, LIMIT, s13, s2)  # (the CPU's form)
     close(plain, reference.float(), torch.float32)
