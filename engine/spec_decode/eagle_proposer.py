@@ -53,7 +53,7 @@ class EagleProposer:
             windows = runner.windows or (0,) * len(runner.layer_groups)
             self.layer_groups = (next(g for g, w in zip(runner.layer_groups, windows, strict=True) if not w),)
         cuda = runner.device.type == "cuda"
-        if cuda and isinstance(draft, Eagle3Draft):  # (its eager passes: the Triton norms, rotary, SwiGLU)
+        if cuda:  # (its eager passes take the Triton kernels an eager target takes: norms, rotary, SwiGLU, experts)
             use_fused_kernels(draft, True)
         # the chain's one-token passes in CUDA graphs (draft_graphs.py), where the target has full graphs
         sizes = chain_sizes(runner) if cuda and num_speculative_tokens > 1 else []

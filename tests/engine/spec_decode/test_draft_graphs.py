@@ -89,3 +89,27 @@ def test_drafts_from_chain_graphs_equal_the_eager_chains(method, tiny_llama_dir,
     assert drafts["graphs"] == drafts["eager"]
     for got, again, want in zip(outputs, eager_outputs, plain, strict=True):
         assert got.outputs[0].token_ids == again.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_the_drafts_fused_kernels_propose_as_the_plain_forms(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path):
+    """On the GPU a draft's eager passes take the fused Triton kernels (an eager target's): here under Triton's
+    interpreter, every step's drafts as with the plain torch forms."""
+    from kiln.engine.models.layers import use_fused_kernels
+
+    model_dir, spec = target_and_spec(method, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path)
+    kwargs = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=64)
+    drafts = {}
+    for fused in (False, True):
+        with LLM(str(model_dir), speculative_config=spec, **kwargs) as llm:
+            proposer = llm.engine.scheduler.drafter
+            use_fused_kernels(proposer.draft, fused)
+            after_step = proposer.after_step
+
+            def recording(batch, result, fused=fused, after_step=after_step):
+                after_step(batch, result)
+                drafts.setdefault(fused, []).append([list(r.spec_token_ids) for r in batch.requests])
+
+            proposer.after_step = recording
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert any(any(step) for step in drafts[True]) and drafts[True] == drafts[False]
