@@ -163,13 +163,19 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, config: Engi
         )
 
 
+def _window_blocks(config: EngineConfig, windows: tuple[int, ...]) -> list[int]:
+    """The blocks a request holds at most in each sliding group: its window's and a step's tokens' blocks, two more
+    of slack."""
+    return [-(-(w - 1 + config.max_num_batched_tokens) // config.block_size) + 2 for w in windows if w]
+
+
 def fit_context(config: EngineConfig, max_model_len: int, num_blocks: int, windows: tuple[int, ...] = (0,)) -> int:
     """max_model_len, lowered (with a warning) to what `num_blocks` hold unless the user set it. A request holds
     its whole context in each full group, and in each sliding group at most the blocks of its window and a step's
     tokens (the rest go back as it moves): one request at max_model_len must fit in them all."""
     block_size = config.block_size
     usable = num_blocks - 1  # block 0 is the padding's scratch block
-    held = [-(-(w - 1 + config.max_num_batched_tokens) // block_size) + 2 for w in windows if w]
+    held = _window_blocks(config, windows)
     num_full = sum(1 for w in windows if not w)
 
     def blocks_for(length: int) -> int:
@@ -196,7 +202,7 @@ def kv_cache_tokens(config: EngineConfig, num_blocks: int, windows: tuple[int, .
     num_full = sum(1 for w in windows if not w)
     if num_full in (0, len(windows)):
         return usable * config.block_size
-    held = sum(-(-(w - 1 + config.max_num_batched_tokens) // config.block_size) + 2 for w in windows if w)
+    held = sum(_window_blocks(config, windows))
     return max(usable - held, 0) // num_full * config.block_size
 
 
