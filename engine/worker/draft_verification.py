@@ -11,7 +11,7 @@ import torch
 
 from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle, logprob_lists
-from kiln.engine.worker.sampler import SamplingMetadata, gather_logprobs, to_device
+from kiln.engine.worker.sampler import gather_logprobs, to_device
 
 if TYPE_CHECKING:
     from kiln.engine.core.scheduler import SchedulerOutput
@@ -46,16 +46,7 @@ class DraftVerification:
         constrained = any(g is not None for g in grammars)
         if constrained:
             self.grammar_bitmask().apply(logits, grammars)
-        self._sampling_cache = None
-        sampling = SamplingMetadata.build(
-            params=[r.sampling_params for r in row_requests],
-            prompt_token_ids=[r.prompt_token_ids for r in row_requests],
-            output_token_ids=[r.output_token_ids for r in row_requests],
-            generators=[r.generator for r in row_requests],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
+        sampling = self.sampling_metadata(row_requests)  # (a row a query token: a steady batch's serves again)
         drafts = to_device(row_drafts, torch.int64, self.device)
         argmax = head[1][rows_index] if head is not None and not constrained else None
         accepted, token = verify(logits, drafts, sampling, argmax)
