@@ -62,6 +62,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b):
+    """a @ b in float32 accumulation; float32 inputs exactly ("ieee"): Triton's default for them, TF32's 10-bit
+    mantissa, moves a float32 model's log-probabilities ~1e-2 off its reference."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -93,7 +104,7 @@ def _attend_tile(
     slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE
     base = slot * ROW + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    s = tl.dot(q, k.to(q.dtype)) * qk_scale
+    s = _dot(q, k.to(q.dtype)) * qk_scale
     if SOFTCAP > 0:
         s = SOFTCAP * _tanh(s / SOFTCAP)
     allowed = n_ok[None, :] & (offs_n[None, :] <= causal_limit[:, None])
@@ -105,7 +116,7 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -194,7 +205,7 @@ def _attend_lean_tile(
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
     else:
         k = tl.load(k_head_ptr + base[None, :] + offs_d[:, None])
-    s = tl.dot(q, k.to(q.dtype)) * qk_scale
+    s = _dot(q, k.to(q.dtype)) * qk_scale
     if MASKED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -205,5 +216,5 @@ def _attend_lean_tile(
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_head_ptr + base[:, None] + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i * alpha + tl.sum(p, 1), acc

@@ -11,6 +11,7 @@ same shapes, traces the same graph and captures the same graphs; only rank 0 sta
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -91,6 +92,7 @@ class ModelExecutor:
             self.compiled.release_graphs()
         self.runner = self.compiled = self.kv_caches = self.model = None
         if torch.cuda.is_initialized():
+            gc.collect()  # (the model's modules and graphs hold cycles: freed now, before the cache is emptied)
             torch.cuda.empty_cache()
 
 

@@ -88,7 +88,7 @@ def bench(args, mode: str, prefix_caching: bool) -> tuple[list[dict], dict]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=prefix_caching,
-        gpu_memory_utilization=0.8,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         **MODES[mode],
     )
     info = {
@@ -158,6 +158,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="also the number of state snapshots a hybrid keeps")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the conversation's length")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
     for mode in args.modes.split(","):
