@@ -19,6 +19,8 @@
 #   | moe-kernel:MODEL (the fused expert kernels alone; MOE_TOKENS=1,8,... MOE_CONFIGS=16x32x128x4x4,...: a tile sweep)
 #   | gpt-oss-moe:MODEL (gpt-oss's MXFP4 and 16-bit expert kernels alone at 1-2,048 tokens, GB/s; MOE_TOKENS=1,8,...
 #     MOE_CONFIGS=16x32x128x4x4,...: tiles beside the default)
+#   | mxfp4-gemv:MODEL (scripts/dev/mxfp4_gemv.py: the MXFP4 experts as a GEMV a pair against the product kernel, after
+#     its check; MOE_TOKENS=1,2,4,8 GEMV_CONFIGS=16x128,...: its BLOCK_NxBLOCK_K tiles)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
 #     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
@@ -146,6 +148,12 @@ for step in $steps; do
         ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_CONFIGS:+--configs $MOE_CONFIGS} --json "$OUT/gpt_oss_moe_${model##*/}.json" 2>&1 \
         | tee "$OUT/gpt_oss_moe_${model##*/}.log" | tail -n 30
       grep -A30 "^gpt-oss MoE" "$OUT/gpt_oss_moe_${model##*/}.log" >> "$summary" ;;
+    mxfp4-gemv:*)
+      model=${step#mxfp4-gemv:}
+      timeout -s ABRT -k 15 ${MOE_TIMEOUT:-200} python3 scripts/dev/mxfp4_gemv.py --bench --model "$model" \
+        ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${GEMV_CONFIGS:+--configs $GEMV_CONFIGS} 2>&1 \
+        | tee "$OUT/mxfp4_gemv_${model##*/}.log" | tail -n 30
+      grep -A30 "MXFP4 experts" "$OUT/mxfp4_gemv_${model##*/}.log" >> "$summary" ;;
     latency:*)
       model=${step#latency:}
       hf="--hf --hf-cache ${LATENCY_HF_CACHE:-static}"; [ "${LATENCY_HF:-1}" = 0 ] && hf=
