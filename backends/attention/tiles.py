@@ -63,8 +63,8 @@ def _tanh(x):
 
 @triton.jit
 def _dot(a, b):
-    """a @ b in float32 accumulation; float32 inputs exactly ("ieee"): Triton's default for them, TF32's 10-bit
-    mantissa, moves a float32 model's log-probabilities ~1e-2 off its reference."""
+    """a @ b, accumulated in float32; float32 inputs at full float32 precision ("ieee"): Triton's default for them,
+    TF32's 10-bit mantissa, moves a float32 model's log-probabilities ~1e-2 off its reference."""
     if a.dtype == tl.float32:
         out = tl.dot(a, b, input_precision="ieee")
     else:

@@ -140,9 +140,7 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     with torch.cuda.device(device):
-        free, total = torch.cuda.mem_get_info()
-        # what this process's allocator holds unused (an earlier engine's, closed) is free to the next
-        return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), total
+        return torch.cuda.mem_get_info()
 
 
 def check_weights_fit(model: torch.nn.Module, device: torch.device, config: EngineConfig) -> None:

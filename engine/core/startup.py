@@ -174,6 +174,7 @@ def _build_on_device(
         return build_model(model_config, dtype, device, max_model_len, shard)
     except torch.OutOfMemoryError:
         pass  # (outside the handler: its traceback holds the tensors allocated so far)
+    gc.collect()  # (and the half-built modules' cycles)
     torch.cuda.empty_cache()
     check_weights_fit(build_model(model_config, dtype, torch.device("meta"), max_model_len, shard), device, config)
     raise ValueError(f"out of GPU memory while allocating the model's weights on {device}")

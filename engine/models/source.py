@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.engine.models import config as config_module
-from kiln.engine.models import quant_config
+from kiln.engine.models import config_families, quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.gguf_dir import gguf_file_of
 from kiln.engine.models.model_dir import model_dir as checked_model_dir
@@ -147,7 +147,7 @@ def _hash(*parts: bytes) -> str:
     for part in parts:
         h.update(part)
     h.update(importlib.metadata.version("transformers").encode())
-    for module_file in (__file__, config_module.__file__):
+    for module_file in (__file__, config_module.__file__, config_families.__file__, quant_config.__file__):
         h.update(Path(module_file).read_bytes())
     return h.hexdigest()[:20]
 

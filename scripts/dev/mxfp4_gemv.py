@@ -1,8 +1,8 @@
 """An experiment for gpt-oss's decode: its MXFP4 experts as a GEMV a (token, expert) pair, against the product's grouped
 matmul (backends/kernels/gpt_oss_moe_triton.py).
 
-At one token the product's kernel moves 479 GB/s of 4-bit weights where the 16-bit experts' kernel moves 2.5 TB/s
-(BENCHMARKS.md, "gpt-oss"). A decode's expert block is 16 rows for `tl.dot`, one of them real, and each K step's
+At one token the product's kernel moves a fraction of the bandwidth the 16-bit experts' kernel moves (BENCHMARKS.md,
+"gpt-oss"). A decode's expert block is 16 rows for `tl.dot`, one of them real, and each K step's
 decoded weights go from registers through shared memory into the tensor cores' operand layout. Here a program takes
 one pair and BLOCK_N rows of its expert's weights and reduces in registers instead (as Kiln's dense GEMV does): the
 nibbles decoded as the product decodes them (`_mxfp4_values`), each weight then one FMA, no layout conversion, no
@@ -142,6 +142,8 @@ def _gemv(a, w, scale, bias, out, experts, top_k, rows_are_tokens, block_n, bloc
 def gemv_moe(x, weights, experts, layer: Experts, block_n: int = 16, block_k: int = 128) -> torch.Tensor:
     """gpt-oss's MXFP4 experts for a routing (weights, experts [T, k]), a program a pair and BLOCK_N outputs."""
     w13, w13_bias, w2, w2_bias, alpha, limit, w13_scale, w2_scale = layer
+    assert block_k % 64 == 0 and w13_bias is not None and w2_bias is not None  # (whole scale blocks; gpt-oss's biases)
+    x = x.contiguous()
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_pairs, inter = num_tokens * top_k, w13.shape[1] // 2
@@ -206,11 +208,11 @@ def bench(model: str, tokens: list[int], configs: list[tuple[int, int]], num_lay
     )
     layers = [layer_of(expert_tensors(e, hidden, inter, "mxfp4", device)) for _ in range(num_layers)]
     per_expert = sum(t[0].numel() * t.element_size() for t in layers[0] if isinstance(t, torch.Tensor))
-    name = torch.cuda.get_device_name() if device == "cuda" else "the CPU (Triton's interpreter: no figure)"
-    print(f"{model}: MXFP4 experts, {name}, torch {torch.__version__}")
+    card = torch.cuda.get_device_name() if device == "cuda" else "the CPU (Triton's interpreter: no figure)"
+    print(f"{model}: MXFP4 experts, {card}, torch {torch.__version__}")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     print(f"{'tokens':>6} {'kernel':>14} {'us':>9} {'GB/s':>8}")
     for num_tokens in tokens:
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
         x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
         weights, experts = routing(num_tokens, e, top_k, device)
         args = (x, weights.to(dtype), experts)

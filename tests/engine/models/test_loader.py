@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +63,29 @@ def test_generation_stops_on_the_tokenizers_eos(tiny_llama_dir):
         0
     ].outputs[0]
     assert out.token_ids == [0] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_the_config_memo_key_reads_the_code_that_builds_the_config(tmp_path, monkeypatch):
+    """A change to any Kiln module whose functions build a ModelConfig (config.py and those it calls into) misses the
+    memo: else a fixed field builder would keep serving the old config from every memo."""
+    import inspect
+
+    from kiln.engine.models import config, source
+
+    modules = {config}
+    for value in vars(config).values():
+        module = inspect.getmodule(value)
+        if module is not None and module.__name__.startswith("kiln.engine.models") and inspect.isfunction(value):
+            modules.add(module)
+    assert {m.__name__.rsplit(".", 1)[1] for m in modules} >= {"config", "config_families", "quant_config"}
+    key = source._hash(b"parts")
+    for module in modules:
+        changed = tmp_path / f"{module.__name__}.py"
+        changed.write_bytes(Path(module.__file__).read_bytes() + b"\n# changed\n")
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "__file__", str(changed))
+            assert source._hash(b"parts") != key, module.__name__
+    assert source._hash(b"parts") == key
 
 
 def test_resolved_config_is_kept_and_read_back_without_transformers(tiny_llama_dir, tmp_path, caplog):
