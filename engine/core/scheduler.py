@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.cache import KVCacheManager, StateKVCacheManager
 from kiln.cache.state_cache import StateCopies
@@ -39,6 +40,9 @@ class SchedulerOutput:
     state_copies: StateCopies = ((), ())
     # speculative decoding: each request's draft tokens this step verifies after its input token (empty: none)
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # drafts the host has not seen (DRAFT_ON_DEVICE in spec_token_ids): the drafter's [requests, k] tensor on the
+    # device and each request's row there
+    device_drafts: Any = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -61,6 +65,7 @@ class SchedulerOutput:
             self.state_slots[i : i + 1],
             ((), ()),
             self.spec_token_ids[i : i + 1],
+            self.device_drafts,
         )
 
 
@@ -214,6 +219,7 @@ class Scheduler:
         output = SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
         if self.drafter is not None:
             output.spec_token_ids = [r.spec_token_ids if r.status == RequestStatus.RUNNING else [] for r in scheduled]
+            output.device_drafts = getattr(self.drafter, "device_drafts", None)
         if self.states is not None:
             slot_of = self.states.states.slot_of
             output.state_slots = [slot_of[r.request_id] for r in scheduled]
@@ -295,6 +301,8 @@ class Scheduler:
             self.max_model_len - len(request.all_token_ids) - 1,
         )
         if getattr(self.drafter, "drafts_after_step", False):  # (EAGLE-3 left them after the last step)
+            if not self.drafter.has_drafts(request.request_id):  # (a step it sat out: its drafts were replaced)
+                return []
             return request.spec_token_ids[: max(room, 0)]
         return self.drafter.propose(request.all_token_ids, room)
 

@@ -27,7 +27,8 @@ from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.spec_decode.draft_graphs import ChainGraphs, chain_sizes
 from kiln.engine.spec_decode.eagle3 import Eagle3Draft
 from kiln.engine.spec_decode.mtp import MtpDraft
-from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput
+from kiln.engine.worker.inputs import DRAFT_ON_DEVICE, GraphPlan, ModelRunnerOutput
+from kiln.engine.worker.sampler import to_device
 
 if TYPE_CHECKING:
     from kiln.engine.core.scheduler import SchedulerOutput
@@ -58,11 +59,29 @@ class EagleProposer:
         # the chain's one-token passes in CUDA graphs (draft_graphs.py), where the target has full graphs
         sizes = chain_sizes(runner) if cuda and num_speculative_tokens > 1 else []
         self.graphs = ChainGraphs(draft, self.context, runner, sizes) if sizes else None
+        # the last step's drafts stay on the device ([requests, k]; each request's row): the next step's inputs copy
+        # them from there, and the host schedules it meanwhile rather than wait for the chain
+        self.drafts: torch.Tensor | None = None
+        self.draft_rows: dict[str, int] = {}
+
+    @property
+    def device_drafts(self) -> tuple[torch.Tensor, dict[str, int]] | None:
+        return None if self.drafts is None else (self.drafts, self.draft_rows)
+
+    def has_drafts(self, request_id: str) -> bool:
+        """Whether the drafts the request holds are the last step's (a request that sat a step out holds older)."""
+        return request_id in self.draft_rows
+
+    def proposals(self, batch: SchedulerOutput) -> list[list[int]]:
+        """Each request's drafts as lists (a sync with the device: for tests and tools, not the engine's loop)."""
+        drafts = self.drafts.tolist() if self.drafts is not None else []
+        rows = [self.draft_rows.get(r.request_id) for r in batch.requests]
+        return [drafts[row] if row is not None else [] for row in rows]
 
     @torch.inference_mode()
     def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Run the draft over the step's kept positions, then chain; leave each decoding request's drafts in
-        `spec_token_ids` for its next step."""
+        """Run the draft over the step's kept positions, then chain; leave each decoding request's drafts for its
+        next step, on the device (`drafts`; its `spec_token_ids` say how many, DRAFT_ON_DEVICE each)."""
         ends = np.cumsum(batch.num_new_tokens)
         rows, ids, computed, num_new, tables, decoding = [], [], [], [], [], []
         for i, request in enumerate(batch.requests):
@@ -80,25 +99,27 @@ class EagleProposer:
             tables.append(batch.block_ids[i])
             if c + valid == len(request.all_token_ids) - 1:  # it sampled: it decodes next, from these drafts
                 decoding.append((len(num_new) - 1, request))
+        self.drafts, self.draft_rows = None, {}
         if not rows:
             return
         device = self.runner.device
-        hidden = self.draft.first_hidden(self.runner, torch.tensor(rows, device=device))
+        hidden = self.draft.first_hidden(self.runner, to_device(rows, torch.int64, device))
         normed, prenorm = self._pass(np.asarray(ids), np.asarray(computed), np.asarray(num_new), tables, hidden)
         if not decoding:
             return
         lasts = np.cumsum(num_new) - 1
-        picks = torch.tensor([int(lasts[j]) for j, _ in decoding], device=device)
+        picks = to_device([int(lasts[j]) for j, _ in decoding], torch.int64, device)
         tokens = [self.draft.draft_tokens(normed[picks])]
         hidden = prenorm[picks]
         position = np.asarray([computed[j] + num_new[j] for j, _ in decoding])  # the chain's first position
         chain_tables = [tables[j] for j, _ in decoding]
-        for step in range(1, self.k):  # (the chain's tokens stay on the device: one sync for all k drafts, below)
+        for step in range(1, self.k):  # (the chain's tokens stay on the device)
             drafted, hidden = self._chain_pass(tokens[-1], position + step - 1, chain_tables, hidden)
             tokens.append(drafted)
-        drafts = torch.stack(tokens, dim=1).tolist()
-        for (_, request), proposal in zip(decoding, drafts):
-            request.spec_token_ids = proposal
+        self.drafts = torch.stack(tokens, dim=1)
+        for row, (_, request) in enumerate(decoding):
+            request.spec_token_ids = [DRAFT_ON_DEVICE] * self.k
+            self.draft_rows[request.request_id] = row
 
     def _chain_pass(
         self, ids: torch.Tensor, positions: np.ndarray, tables: list, hidden: torch.Tensor

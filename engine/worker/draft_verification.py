@@ -29,7 +29,6 @@ class DraftVerification:
         hidden: torch.Tensor,
         head: Head | None,
         rows: list[int],
-        row_drafts: list[int],
         spans: list[tuple[int, int]],
     ) -> None:
         """Speculative decoding's sampling: every query row of a request with drafts is scored, and the rejection
@@ -47,7 +46,12 @@ class DraftVerification:
         if constrained:
             self.grammar_bitmask().apply(logits, grammars)
         sampling = self.sampling_metadata(row_requests)  # (a row a query token: a steady batch's serves again)
-        drafts = to_device(row_drafts, torch.int64, self.device)
+        # each row's draft is the token after it in the step's inputs (on the device: EAGLE-3's and MTP's are not on
+        # the host), none (-1) on a request's last row
+        last = np.zeros(len(rows), dtype=bool)
+        last[[first + count - 1 for first, count in spans]] = True
+        following = to_device(np.minimum(np.asarray(rows) + 1, self.inputs.max_tokens - 1), torch.int64, self.device)
+        drafts = torch.where(to_device(last, torch.bool, self.device), -1, self.inputs.input_ids[following])
         argmax = head[1][rows_index] if head is not None and not constrained else None
         accepted, token = verify(logits, drafts, sampling, argmax)
         emitted = torch.where(accepted, drafts, token)
@@ -81,14 +85,13 @@ class DraftVerification:
         return ModelRunnerOutput(sampled, logprobs, prompt, kept_tokens, kept_logprobs)
 
 
-def draft_rows(batch: SchedulerOutput, sample_rows: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """A step with drafts: the hidden rows to score (each sampled request's input token and drafts), each row's draft
-    (-1 on a request's last row), and each request's (first row, rows)."""
+def draft_rows(batch: SchedulerOutput, sample_rows: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """A step with drafts: the hidden rows to score (each sampled request's input token and drafts) and each
+    request's (first row, rows)."""
     ends = np.cumsum(batch.num_new_tokens)
-    rows, row_drafts, spans = [], [], []
+    rows, spans = [], []
     for i in sample_rows:
-        drafts = batch.spec_token_ids[i]
-        spans.append((len(rows), len(drafts) + 1))
-        rows += range(int(ends[i]) - 1 - len(drafts), int(ends[i]))
-        row_drafts += [*drafts, -1]
-    return rows, row_drafts, spans
+        num_drafts = len(batch.spec_token_ids[i])
+        spans.append((len(rows), num_drafts + 1))
+        rows += range(int(ends[i]) - 1 - num_drafts, int(ends[i]))
+    return rows, spans

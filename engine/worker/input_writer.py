@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from kiln.backends.attention import AttentionMetadata
-from kiln.engine.worker.inputs import GraphPlan, InputArena
+from kiln.engine.worker.inputs import DRAFT_ON_DEVICE, GraphPlan, InputArena
+from kiln.engine.worker.sampler import to_device
 
 if TYPE_CHECKING:
     from kiln.engine.core.scheduler import SchedulerOutput
@@ -62,15 +63,21 @@ class InputWriter:
 
         Token ids come from the host, except a decode's input that the previous step sampled and the
         host has not seen yet (async scheduling): it is copied from that step's output on the device
-        (`prev_sampled`, the request's row there `prev_rows[request_id]`).
+        (`prev_sampled`, the request's row there `prev_rows[request_id]`); and the drafts an EAGLE-3 or
+        MTP drafter left on the device (`batch.device_drafts`), copied from there.
         """
-        tokens, carry_dst, carry_src, end = [], [], [], 0
+        tokens, carry_dst, carry_src, end, draft_dst, draft_src = [], [], [], 0, [], []
         drafts = batch.spec_token_ids or [()] * len(batch.requests)
         for r, c, n, draft in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens, drafts):
             all_token_ids = r.all_token_ids
             end += n
             if draft:  # speculative decoding: its input token, then the drafts to verify (synchronous steps)
                 tokens += all_token_ids[c : c + n - len(draft)]
+                if draft[0] == DRAFT_ON_DEVICE:  # (EAGLE-3's, MTP's: copied from the drafter's tensor below)
+                    on_device, row_of = batch.device_drafts
+                    first = row_of[r.request_id] * on_device.shape[1]
+                    draft_dst += range(end - len(draft), end)
+                    draft_src += range(first, first + len(draft))
                 tokens += draft
                 continue
             if c + n <= len(all_token_ids):
@@ -88,9 +95,14 @@ class InputWriter:
         computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         carry = (carry_dst, carry_src)
-        return self.write(
+        written = self.write(
             input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled, batch.state_slots
         )
+        if draft_dst:  # (in the stream after the chain that drafted them, and before this step's forward)
+            on_device = batch.device_drafts[0].view(-1)
+            src, dst = to_device(draft_src, torch.int64, self.device), to_device(draft_dst, torch.int64, self.device)
+            self.arena.input_ids.index_copy_(0, dst, on_device.index_select(0, src))
+        return written
 
     def write(
         self,

@@ -64,6 +64,8 @@ class StepInputs(NamedTuple):
 
 
 DTYPES = (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64,) * 2 + (torch.int32,) * 2
+# a draft token the host has not seen (EAGLE-3's and MTP's stay on the device): its step copies it from there
+DRAFT_ON_DEVICE = -1
 
 
 class InputArena:
@@ -85,6 +87,11 @@ class InputArena:
         self.host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._views: dict[tuple[int, int, int, bool], StepInputs] = {}
         self._spans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """The device's token ids of whatever step was written last (every layout keeps them first)."""
+        return self.device_bytes[: self.max_tokens * 8].view(torch.int64)
 
     def _shapes(self, n: int, r: int) -> list[tuple[int, ...]]:
         if self.num_groups > 1:

@@ -242,7 +242,7 @@ def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch, tp):
 
     def recording(self, batch, result):
         after_step(self, batch, result)
-        proposals.append([list(r.spec_token_ids) for r in batch.requests])
+        proposals.append(self.proposals(batch))
 
     monkeypatch.setattr(EagleProposer, "after_step", recording)
     spec = {"method": "mtp", "num_speculative_tokens": 3}

@@ -83,7 +83,7 @@ def test_drafts_from_chain_graphs_equal_the_eager_chains(method, tiny_llama_dir,
 
         def recording(batch, result):
             after_step(batch, result)
-            drafts.setdefault(runs, []).append([list(r.spec_token_ids) for r in batch.requests])
+            drafts.setdefault(runs, []).append(proposer.proposals(batch))
 
         proposer.after_step = recording
         runs = "graphs"
@@ -113,9 +113,9 @@ def test_the_drafts_fused_kernels_propose_as_the_plain_forms(method, tiny_llama_
             use_fused_kernels(proposer.draft, fused)
             after_step = proposer.after_step
 
-            def recording(batch, result, fused=fused, after_step=after_step):
+            def recording(batch, result, fused=fused, after_step=after_step, proposer=proposer):
                 after_step(batch, result)
-                drafts.setdefault(fused, []).append([list(r.spec_token_ids) for r in batch.requests])
+                drafts.setdefault(fused, []).append(proposer.proposals(batch))
 
             proposer.after_step = recording
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)

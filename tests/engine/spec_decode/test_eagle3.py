@@ -32,7 +32,7 @@ def test_first_drafts_equal_the_reference(tiny_llama_dir, tmp_path, layout, monk
 
     def recording(self, batch, result):
         after_step(self, batch, result)
-        proposals.append({r.request_id: list(r.spec_token_ids) for r in batch.requests})
+        proposals.append({r.request_id: d for r, d in zip(batch.requests, self.proposals(batch))})
 
     monkeypatch.setattr(EagleProposer, "after_step", recording)
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=eagle(draft_dir, 3))
@@ -96,7 +96,7 @@ def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
 
     def recording(self, batch, result):
         after_step(self, batch, result)
-        proposals.extend((len(r.output_token_ids), list(r.spec_token_ids)) for r in batch.requests if r.spec_token_ids)
+        proposals.extend((len(r.output_token_ids), d) for r, d in zip(batch.requests, self.proposals(batch)) if d)
 
     monkeypatch.setattr(EagleProposer, "after_step", recording)
     kwargs = dict(enforce_eager=True, max_model_len=208, max_num_batched_tokens=64, num_kv_blocks=28)
@@ -113,3 +113,29 @@ def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
     for done, drafts in checked:
         assert drafts == reference_drafts(draft_dir, hf, prompt + output[: done - 1], output[done - 1], 3), done
     assert proposals[-1][0] > 24
+
+
+def test_a_request_that_sat_steps_out_verifies_no_stale_drafts(tiny_llama_dir, tmp_path):
+    """Three requests prefilled together, then a budget of two requests' verification steps: the third waits while
+    the others decode (the drafter's drafts on the device are theirs by then); when it runs again it verifies none
+    of its old ones, and every output is the output without drafts."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    prompts, params = [[20 + i, 21] for i in range(3)], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(max_model_len=128, max_num_batched_tokens=8, enforce_eager=True)
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    sat_out = []
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
+        scheduler = llm.engine.scheduler
+        schedule = scheduler.schedule
+
+        def recording():
+            batch = schedule()
+            sat_out.extend(r.request_id for r in scheduler.running if r not in batch.requests and r.spec_token_ids)
+            return batch
+
+        scheduler.schedule = recording
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert sat_out
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
