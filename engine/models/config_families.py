@@ -164,32 +164,24 @@ def expert_fields(arch: str, hf_config: Any) -> dict[str, Any]:
     top_k = hf_config.num_experts_per_tok
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
-    if arch == "MixtralForCausalLM":  # every layer sparse; the top-k weights always renormalised
-        return dict(
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=hf_config.intermediate_size,
-            moe_layers=tuple(range(hf_config.num_hidden_layers)),
-            norm_topk_prob=True,
-        )
+    every_layer = tuple(range(hf_config.num_hidden_layers))
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
-    if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the top-k renormalised, a gated shared expert
-        return dict(
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=hf_config.moe_intermediate_size,
-            moe_layers=tuple(range(hf_config.num_hidden_layers)),
-            norm_topk_prob=True,
-            shared_expert_intermediate_size=shared,
-        )
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    layers = tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    if arch == "MixtralForCausalLM":  # every layer sparse; the top-k weights always renormalised
+        inter, layers, renormalise, shared = hf_config.intermediate_size, every_layer, True, 0
+    elif arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the top-k renormalised, a gated shared expert
+        inter, layers, renormalise = hf_config.moe_intermediate_size, every_layer, True
+    else:
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        inter = hf_config.moe_intermediate_size
+        layers = tuple(i for i in every_layer if i not in dense and (i + 1) % step == 0)
+        renormalise = bool(getattr(hf_config, "norm_topk_prob", False))
+        shared = shared if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=hf_config.moe_intermediate_size,
+        moe_intermediate_size=inter,
         moe_layers=layers,
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-        shared_expert_intermediate_size=shared if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0,
+        norm_topk_prob=renormalise,
+        shared_expert_intermediate_size=shared,
     )
