@@ -3,7 +3,7 @@
 # Usage (on the device): bash scripts/bench/gpu_check.sh STEP ...   (keep one call under 10 minutes: split steps)
 #   install (first: the wheels carried in .whl — pyzmq, xgrammar, gguf... the device lacks — and this checkout,
 #   editable, with the device's own python3 -m pip, no build isolation: the device reaches no index)
-#   | tests | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
+#   | tests | gpu-files (the gpu-marked tests a file at a time, each with its own limit) | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
 #   | throughput-compiled:MODEL | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
@@ -101,6 +101,18 @@ for step in $steps; do
       # modules that import what the device lacks (openai, jsonschema) fail to collect and are passed over
       timeout -s ABRT -k 15 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests --durations=8 --continue-on-collection-errors -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 12
       echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log")" >> "$summary" ;;
+    gpu-files)
+      # the gpu-marked tests file by file, each under its own limit (GPU_FILE_TIMEOUT=150; GPU_FILES=a.py,b.py only
+      # those): a file past its limit costs that file's result alone, and each file's line reaches the summary
+      files=${GPU_FILES:-$(grep -rl "pytest.mark.gpu" tests | sort | tr '\n' ',')}
+      for f in ${files//,/ }; do
+        log="$OUT/gpu_$(basename "$f" .py).log"
+        timeout -s ABRT -k 15 ${GPU_FILE_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short "$f" \
+          > "$log" 2>&1
+        rc=$?; result=$(tail -n 1 "$log")
+        [ $rc = 124 ] && result="timed out after ${GPU_FILE_TIMEOUT:-150} s, at: $(grep -E "^tests/" "$log" | tail -n 1)"
+        echo "$f: rc $rc $result" | tee -a "$summary"
+      done ;;
     kernel-tests)
       # -v: a run cut off by its time limit still names every test it got through, failed or passed
       timeout -s ABRT -k 15 ${KERNEL_TESTS_TIMEOUT:-540} python3 -m pytest -v -rf -p no:cacheprovider tests/backends 2>&1 \
