@@ -48,10 +48,10 @@ class DraftVerification:
         sampling = self.sampling_metadata(row_requests)  # (a row a query token: a steady batch's serves again)
         # each row's draft is the token after it in the step's inputs (on the device: EAGLE-3's and MTP's are not on
         # the host), none (-1) on a request's last row
-        last = np.zeros(len(rows), dtype=bool)
-        last[[first + count - 1 for first, count in spans]] = True
-        following = to_device(np.minimum(np.asarray(rows) + 1, self.inputs.max_tokens - 1), torch.int64, self.device)
-        drafts = torch.where(to_device(last, torch.bool, self.device), -1, self.inputs.input_ids[following])
+        following = np.asarray(rows) + 1
+        following[[first + count - 1 for first, count in spans]] = -1
+        following = to_device(following, torch.int64, self.device)
+        drafts = torch.where(following < 0, -1, self.inputs.input_ids[following.clamp(min=0)])
         argmax = head[1][rows_index] if head is not None and not constrained else None
         accepted, token = verify(logits, drafts, sampling, argmax)
         emitted = torch.where(accepted, drafts, token)

@@ -99,9 +99,8 @@ class InputWriter:
             input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled, batch.state_slots
         )
         if draft_dst:  # (in the stream after the chain that drafted them, and before this step's forward)
-            on_device = batch.device_drafts[0].view(-1)
-            src, dst = to_device(draft_src, torch.int64, self.device), to_device(draft_dst, torch.int64, self.device)
-            self.arena.input_ids.index_copy_(0, dst, on_device.index_select(0, src))
+            dst, src = to_device([draft_dst, draft_src], torch.int64, self.device)
+            self.arena.input_ids.index_copy_(0, dst, batch.device_drafts[0].view(-1).index_select(0, src))
         return written
 
     def write(
