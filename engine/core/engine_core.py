@@ -78,13 +78,18 @@ class EngineCore:
         if executor.state_rows is not None:  # recurrent layers: their state slots beside the KV blocks
             states = RecurrentStateCache(*executor.state_rows)
             self.kv_cache_manager = StateKVCacheManager(self.kv_cache_manager, states)
+        drafter = self._drafter(config.speculative_config)
+        on_device = isinstance(drafter, EagleProposer)
+        if on_device:
+            self.runner.drafter = drafter
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
-            self._drafter(config.speculative_config),
+            drafter,
             config.speculative_config.disable_by_batch_size if config.speculative_config is not None else None,
+            optimistic=on_device and config.async_scheduling and self.runner.shifts_positions,
         )
         # Structured output: a constrained request waits there while its grammar compiles
         self.grammar_admission = GrammarAdmission(
@@ -309,8 +314,6 @@ class EngineCore:
         timing.wait_seconds += time.perf_counter() - start
         start = time.perf_counter()
         outputs = self._update(handle.batch, result, failed)
-        if isinstance(self.scheduler.drafter, EagleProposer):  # the next step's drafts, from this step's states
-            self.scheduler.drafter.after_step(handle.batch, result)
         timing.host_seconds += time.perf_counter() - start
         timing.steps += 1
         return outputs

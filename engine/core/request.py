@@ -55,6 +55,8 @@ class Request:
     # Tokens sampled on the device whose ids the host has not seen yet (async scheduling): they are
     # computed, and fed to the next step, before they are appended to `output_token_ids`.
     num_output_placeholders: int = 0
+    # Drafts a step in flight verifies: a step scheduled meanwhile counts them as kept (`Scheduler.optimistic`)
+    num_draft_placeholders: int = 0
     stop_reason: int | str | None = None
     failure: str | None = None  # why the request failed alone (its client gets this message), if it did
     output_token_ids: list[int] = field(default_factory=list)

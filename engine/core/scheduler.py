@@ -21,6 +21,7 @@ from kiln.cache import KVCacheManager, StateKVCacheManager
 from kiln.cache.state_cache import StateCopies
 from kiln.engine.core.request import Request, RequestStatus
 from kiln.engine.spec_decode.ngram import NgramProposer
+from kiln.engine.worker.inputs import DRAFT_ON_DEVICE
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SchedulerOutput:
     # drafts the host has not seen (DRAFT_ON_DEVICE in spec_token_ids): the drafter's [requests, k] tensor on the
     # device and each request's row there
     device_drafts: Any = None
+    # rows scheduled while a step in flight verifies their drafts, as if it kept them all: the device moves their
+    # positions back by the drafts it did not keep (ModelRunner._shift)
+    shifted_rows: list[int] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -53,13 +57,18 @@ class SchedulerOutput:
         return not self.requests
 
     def single(self, i: int) -> SchedulerOutput:
-        """Row i alone, as a batch of one (to retry the rows of a failed step one at a time)."""
+        """Row i alone, as a batch of one (to retry the rows of a failed step one at a time, once the step before it
+        is collected: a row scheduled ahead of that step's verdict takes its computed count from the request, which
+        the verdict corrected)."""
+        computed = self.num_computed_tokens[i]
+        if i in self.shifted_rows:
+            computed = self.requests[i].num_computed_tokens - self.num_new_tokens[i]
         return SchedulerOutput(
             [self.requests[i]],
             [self.num_new_tokens[i]],
             [self.block_ids[i]],
             [],
-            [self.num_computed_tokens[i]],
+            [computed],
             [self.samples[i]],
             self.prompt_logprobs,
             self.state_slots[i : i + 1],
@@ -78,10 +87,15 @@ class Scheduler:
         max_model_len: int,
         drafter: NgramProposer | None = None,
         draft_below: int | None = None,
+        optimistic: bool = False,
     ) -> None:
-        """`drafter`: speculative decoding's, which proposes tokens a decoding request's next step verifies."""
+        """`drafter`: speculative decoding's, which proposes tokens a decoding request's next step verifies.
+        `optimistic`: async scheduling while drafting (a drafter on the device, a model whose KV can take rejected
+        drafts back): a request whose step in flight verifies drafts is scheduled as if it kept them all, and the
+        device moves its positions back by the ones it did not keep."""
         self.kv = kv_cache_manager
         self.drafter = drafter
+        self.optimistic = optimistic
         self.draft_below = draft_below  # (speculative_config's disable_by_batch_size: no drafts from this many up)
         self.num_draft_tokens = 0  # proposed and verified, since start
         self.num_accepted_tokens = 0  # of them, kept
@@ -130,6 +144,7 @@ class Scheduler:
         `update_from_output` brings the token back. So with async scheduling the next step can be
         scheduled while this one is still on the GPU."""
         budget = self.max_num_batched_tokens
+        shifted: list[int] = []
         scheduled: list[Request] = []
         num_new: list[int] = []
         preempted: list[Request] = []
@@ -142,7 +157,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            pending = request.num_output_placeholders
+            pending = request.num_output_placeholders + request.num_draft_placeholders
             all_token_ids = request.all_token_ids
             num_tokens = len(all_token_ids) + pending
             if pending and (
@@ -153,9 +168,15 @@ class Scheduler:
             n = min(num_tokens - num_computed, budget)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
+            if request.num_draft_placeholders:
+                shifted.append(len(scheduled))
             if self.drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
-                drafting = not pending and num_computed + n == len(all_token_ids) and not request.needs_sync
-                request.spec_token_ids = self._draft(request, budget - n) if drafting and self._drafting() else []
+                ahead = not pending or self.optimistic  # (tokens in flight: the device corrects the positions)
+                drafting = ahead and num_computed + n == num_tokens and not request.needs_sync
+                if drafting and self._drafting():
+                    request.spec_token_ids = self._draft(request, budget - n, pending)
+                else:
+                    request.spec_token_ids = []
                 n += len(request.spec_token_ids)
                 if request.spec_token_ids and self.states is not None:  # (its state, to go back to if one is rejected)
                     self.states.states.backup(request.request_id)
@@ -210,13 +231,16 @@ class Scheduler:
             num_computed_tokens = request.num_computed_tokens + n
             request.num_computed_tokens = num_computed_tokens
             drafted = len(request.spec_token_ids)  # (past its known tokens: the drafts it verifies)
-            sample = num_computed_tokens - drafted == len(request.all_token_ids) + request.num_output_placeholders
+            pending = request.num_output_placeholders + request.num_draft_placeholders
+            sample = num_computed_tokens - drafted == len(request.all_token_ids) + pending
             request.num_output_placeholders += sample
+            request.num_draft_placeholders += drafted
             samples.append(sample)
         block_ids = self.kv.block_ids
         block_table = [block_ids(r.request_id) for r in scheduled]
         wants = self.num_prompt_logprob_requests > 0
         output = SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
+        output.shifted_rows = shifted
         if self.drafter is not None:
             output.spec_token_ids = [r.spec_token_ids if r.status == RequestStatus.RUNNING else [] for r in scheduled]
             output.device_drafts = getattr(self.drafter, "device_drafts", None)
@@ -249,6 +273,7 @@ class Scheduler:
             tokens = [token]
             drafts = output.spec_token_ids[i] if output.spec_token_ids else ()
             if drafts:
+                request.num_draft_placeholders -= len(drafts)
                 accepted = accepted_token_ids[i]
                 self.num_spec_steps += 1
                 self.num_draft_tokens += len(drafts)
@@ -260,7 +285,6 @@ class Scheduler:
                     else:  # (their KV is written over next step)
                         request.num_computed_tokens -= len(drafts) - len(accepted)
                 tokens = [*accepted, token]
-                request.spec_token_ids = []
             for token in tokens:
                 request.append_output_token(token)
                 new_tokens.append((request, token))
@@ -276,13 +300,15 @@ class Scheduler:
         return new_tokens, finished
 
     def needs_sync(self) -> bool:
-        """Whether the next step must see the previous step's tokens before it is scheduled: drafts are made from
-        them, and how many a step keeps moves the next step's positions. A step that drafts nothing (past
-        disable_by_batch_size) overlaps as any; a drafter that runs after every step (EAGLE-3, MTP: over the states
-        the step left, which the next step's would overwrite) always syncs."""
-        if self.drafter is None:
+        """Whether the next step must see the previous step's tokens before it is scheduled. Drafts are made from
+        them (n-gram), and how many drafts a step keeps moves the next step's positions: unless the device moves
+        them (`optimistic`), a step with drafts in flight syncs, and so does one that may draft. A step past
+        disable_by_batch_size with none in flight overlaps as any."""
+        if self.drafter is None or self.optimistic or self.num_sync_requests > 0:
             return self.num_sync_requests > 0
-        return self.num_sync_requests > 0 or getattr(self.drafter, "drafts_after_step", False) or self._drafting()
+        if getattr(self.drafter, "drafts_after_step", False) or self._drafting():
+            return True
+        return any(r.num_draft_placeholders for r in self.running)
 
     def _drafting(self) -> bool:
         """Whether this step drafts: below speculative_config's disable_by_batch_size running requests."""
@@ -292,18 +318,18 @@ class Scheduler:
         """Positions past a step's a drafter writes before the next (EAGLE-3's chain), within max_model_len."""
         return max(min(getattr(self.drafter, "lookahead", 0), self.max_model_len - end), 0)
 
-    def _draft(self, request: Request, budget: int) -> list[int]:
+    def _draft(self, request: Request, budget: int, pending: int) -> list[int]:
         """Draft tokens for a decoding request's next step, within the token budget and its length limits (the
-        step's own token, and the one it samples after the drafts, included)."""
+        step's own token, and the one it samples after the drafts, included; `pending`: tokens in flight)."""
         room = min(
             budget,
-            request.max_tokens - len(request.output_token_ids) - 1,
-            self.max_model_len - len(request.all_token_ids) - 1,
+            request.max_tokens - len(request.output_token_ids) - pending - 1,
+            self.max_model_len - len(request.all_token_ids) - pending - 1,
         )
-        if getattr(self.drafter, "drafts_after_step", False):  # (EAGLE-3 left them after the last step)
+        if getattr(self.drafter, "drafts_after_step", False):  # (EAGLE-3's, MTP's: the last step left them)
             if not self.drafter.has_drafts(request.request_id):  # (a step it sat out: its drafts were replaced)
                 return []
-            return request.spec_token_ids[: max(room, 0)]
+            return [DRAFT_ON_DEVICE] * max(min(room, self.drafter.k), 0)
         return self.drafter.propose(request.all_token_ids, room)
 
     # ---- helpers --------------------------------------------------------------------------------------

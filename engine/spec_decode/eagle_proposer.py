@@ -1,17 +1,21 @@
-"""EAGLE-3 and MTP drafting: after each step, the draft runs over what the target just computed, then k - 1 more
-times one token a request, and each decoding request's next step verifies what it proposed.
+"""EAGLE-3 and MTP drafting: right after each step's sampling, on the device, the draft runs over what the target
+just computed, then k - 1 more times one token a request, and each decoding request's next step verifies what it
+proposed.
 
-For request i whose step covered positions c .. c + n - 1 and kept `valid` of them (a verifying step drops its
-rejected drafts' positions), the first pass reads, at each position p, the token at p + 1 and the target's states at
-p (three layers', from `kiln::save_hidden`), and writes the draft's KV there:
+For request i whose step covered positions c .. c + n - 1 and kept `valid` of them (a verifying step's rejected
+drafts' positions are dropped), the first pass reads, at each position p, the token after it (the step's output
+token where it has one) and the target's states at p (three layers', from `kiln::save_hidden`), and writes the
+draft's KV there:
 
     target step:   positions  c    c+1   ...  c+valid-1          (tokens t_c .. ; states s_c ..)
     first pass:    tokens     t_c+1 ...        t_c+valid  (the newest)   ->  draft 1 (predicts t_c+valid+1)
     pass j > 1:    token      draft j-1 at position c + valid + j - 2      ->  draft j
 
-The draft's KV cache is a tensor of its own over the target's blocks (the scheduler allocates k positions of
-lookahead, so the chain's positions have blocks). Drafts are greedy (the draft head's argmax), as vLLM's are; the
-rejection sampler keeps the output exact whatever they are.
+The first pass runs over all n positions, since how many are valid is known on the device only: the draft KV it
+writes past c + valid - 1 is written over by the chain and the next first pass before any pass reads it. The draft's
+KV cache is a tensor of its own over the target's blocks (the scheduler allocates k positions of lookahead, so the
+chain's positions have blocks). Drafts are greedy (the draft head's argmax), as vLLM's are; the rejection sampler
+keeps the output exact whatever they are.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ import numpy as np
 import torch
 
 from kiln.backends.attention import ForwardContext, set_forward_context
-from kiln.engine.core.request import RequestStatus
 from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.spec_decode.draft_graphs import ChainGraphs, chain_sizes
 from kiln.engine.spec_decode.eagle3 import Eagle3Draft
 from kiln.engine.spec_decode.mtp import MtpDraft
-from kiln.engine.worker.inputs import DRAFT_ON_DEVICE, GraphPlan, ModelRunnerOutput
+from kiln.engine.worker.inputs import GraphPlan, StepTokens
 from kiln.engine.worker.sampler import to_device
 
 if TYPE_CHECKING:
@@ -79,59 +82,57 @@ class EagleProposer:
         return [drafts[row] if row is not None else [] for row in rows]
 
     @torch.inference_mode()
-    def after_step(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Run the draft over the step's kept positions, then chain; leave each decoding request's drafts for its
-        next step, on the device (`drafts`; its `spec_token_ids` say how many, DRAFT_ON_DEVICE each)."""
+    def propose(
+        self, batch: SchedulerOutput, sample_rows: list[int], step: StepTokens | None, shift: torch.Tensor | None
+    ) -> None:
+        """Right after a step's sampling, on the device: the draft's first pass over every position the step
+        computed, then the chain from each sampled request's last kept position; its drafts stay on the device
+        (`drafts`) for the request's next step. Nothing here waits for the device: which drafts the step kept, and
+        so where each chain starts, is read there (`step`: None when the step sampled nothing, a partial prefill's),
+        and `shift` is the step's own correction (`write`)."""
         ends = np.cumsum(batch.num_new_tokens)
-        rows, ids, computed, num_new, tables, decoding = [], [], [], [], [], []
-        for i, request in enumerate(batch.requests):
-            if request.status != RequestStatus.RUNNING:
-                continue
-            c, n = batch.num_computed_tokens[i], batch.num_new_tokens[i]
-            drafted = len(batch.spec_token_ids[i]) if batch.spec_token_ids else 0
-            kept = len(result.accepted_token_ids[i]) if drafted and result.accepted_token_ids else 0
-            valid = n - (drafted - kept)
-            first = int(ends[i]) - n
-            rows += range(first, first + valid)
-            ids += request.all_token_ids[c + 1 : c + valid + 1]
-            computed.append(c)
-            num_new.append(valid)
-            tables.append(batch.block_ids[i])
-            if c + valid == len(request.all_token_ids) - 1:  # it sampled: it decodes next, from these drafts
-                decoding.append((len(num_new) - 1, request))
+        num_tokens = int(ends[-1])
+        # each position's next token where the host has it (a prompt's); the step's output tokens on the device
+        ids = np.zeros(num_tokens, dtype=np.int64)
+        for request, c, n, end in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens, ends):
+            known = request.all_token_ids[c + 1 : c + n + 1]
+            ids[end - n : end - n + len(known)] = known
+        computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        hidden = self.draft.first_hidden(self.runner, slice(0, num_tokens))
+        normed, prenorm = self._pass(ids, computed, num_new, batch.block_ids, hidden, shift, step)
         self.drafts, self.draft_rows = None, {}
-        if not rows:
+        if step is None:
             return
-        device = self.runner.device
-        hidden = self.draft.first_hidden(self.runner, to_device(rows, torch.int64, device))
-        normed, prenorm = self._pass(np.asarray(ids), np.asarray(computed), np.asarray(num_new), tables, hidden)
-        if not decoding:
-            return
-        lasts = np.cumsum(num_new) - 1
-        picks = to_device([int(lasts[j]) for j, _ in decoding], torch.int64, device)
-        tokens = [self.draft.draft_tokens(normed[picks])]
-        hidden = prenorm[picks]
-        position = np.asarray([computed[j] + num_new[j] for j, _ in decoding])  # the chain's first position
-        chain_tables = [tables[j] for j, _ in decoding]
-        for step in range(1, self.k):  # (the chain's tokens stay on the device)
-            drafted, hidden = self._chain_pass(tokens[-1], position + step - 1, chain_tables, hidden)
+        tokens = [self.draft.draft_tokens(normed.index_select(0, step.next_rows))]
+        hidden = prenorm.index_select(0, step.next_rows)
+        # the chain's first position: after the step's, back by what the step's shift and its rejected drafts say
+        position = computed[sample_rows] + num_new[sample_rows]
+        chain_shift = None
+        if shift is not None or step.rejected is not None:
+            chain_shift = torch.zeros(len(sample_rows), dtype=torch.int64, device=self.runner.device)
+            if shift is not None:
+                chain_shift += shift.index_select(0, to_device(sample_rows, torch.int64, self.runner.device))
+            if step.rejected is not None:
+                chain_shift -= step.rejected
+        chain_tables = [batch.block_ids[i] for i in sample_rows]
+        for j in range(1, self.k):  # (the chain's tokens stay on the device)
+            drafted, hidden = self._chain_pass(tokens[-1], position + j - 1, chain_tables, hidden, chain_shift)
             tokens.append(drafted)
         self.drafts = torch.stack(tokens, dim=1)
-        for row, (_, request) in enumerate(decoding):
-            request.spec_token_ids = [DRAFT_ON_DEVICE] * self.k
-            self.draft_rows[request.request_id] = row
+        self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}
 
     def _chain_pass(
-        self, ids: torch.Tensor, positions: np.ndarray, tables: list, hidden: torch.Tensor
+        self, ids: torch.Tensor, positions: np.ndarray, tables: list, hidden: torch.Tensor, shift: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pass of one token a request (`ids` on the device, at `positions`): (draft tokens, next states), from a
-        graph padded to the nearest captured request count where there is one."""
+        """A pass of one token a request (`ids` on the device, at `positions` moved by `shift`): (draft tokens, next
+        states), from a graph padded to the nearest captured request count where there is one."""
         ones = np.ones(len(positions), dtype=np.int64)
         size = self.graphs.size_for(len(positions)) if self.graphs is not None else None
         if size is None:
-            normed, hidden = self._pass(ids, positions, ones, tables, hidden)
+            normed, hidden = self._pass(ids, positions, ones, tables, hidden, shift)
             return self.draft.draft_tokens(normed), hidden
-        self._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size))
+        self._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size), shift)
         return self.graphs.replay(size, hidden)
 
     def _pass(
@@ -141,10 +142,15 @@ class EagleProposer:
         num_new: np.ndarray,
         tables: list,
         hidden: torch.Tensor,
+        shift: torch.Tensor | None = None,
+        step: StepTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One eager forward of the draft over these tokens (each request's new ones at its computed positions)."""
+        """One eager forward of the draft over these tokens (each request's new ones at its computed positions);
+        `step`: a first pass, whose rows with an output token read that token."""
         plan = GraphPlan("none", len(ids), len(num_new))
-        metadata = self._write_inputs(ids, computed, num_new, tables, plan)
+        metadata = self._write_inputs(ids, computed, num_new, tables, plan, shift)
+        if step is not None:
+            self.runner.inputs.input_ids.index_copy_(0, step.rows, step.tokens)
         inputs = self.runner.inputs.views(plan.num_tokens, plan.num_reqs)
         with set_forward_context(self.context(metadata)):
             return self.draft(inputs.input_ids, inputs.positions, hidden)
@@ -153,14 +159,14 @@ class EagleProposer:
         """The draft's forward context: its own KV cache, as layer 0, over the blocks of a full group."""
         return ForwardContext(metadata, [self.kv_cache], self.runner.backend, layer_groups=self.layer_groups)
 
-    def _write_inputs(self, ids, computed: np.ndarray, num_new: np.ndarray, tables: list, plan: GraphPlan):
+    def _write_inputs(self, ids, computed: np.ndarray, num_new: np.ndarray, tables: list, plan: GraphPlan, shift):
         """The pass's inputs in the runner's persistent buffers; `ids` on the device (the chain's last drafts) are
         copied in there, as a step's carried tokens are."""
         writer_args = (computed.astype(np.int64), num_new, tables, plan)
         if isinstance(ids, torch.Tensor):
             rows = list(range(len(ids)))
             placeholders = np.zeros(len(ids), dtype=np.int64)
-            metadata, _ = self.runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids)
+            metadata, _ = self.runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids, (), shift)
         else:
-            metadata, _ = self.runner.writer.write(ids.astype(np.int64), *writer_args)
+            metadata, _ = self.runner.writer.write(ids.astype(np.int64), *writer_args, shift=shift)
         return metadata

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kiln.engine.spec_decode.rejection import verify
-from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle, logprob_lists
+from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle, StepTokens, logprob_lists
 from kiln.engine.worker.sampler import gather_logprobs, to_device
 
 if TYPE_CHECKING:
@@ -35,8 +35,17 @@ class DraftVerification:
         sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them. A full graph
         (`head`) has run the LM head over every row already."""
         row_requests = [batch.requests[i] for i, (_, count) in zip(handle.sample_rows, spans) for _ in range(count)]
-        # (pinned, asynchronous copies: the host goes on enqueueing while the forward runs)
-        rows_index = to_device(rows, torch.int64, self.device)
+        # Each row's draft is the token after it in the step's inputs (on the device: EAGLE-3's and MTP's are not on
+        # the host), none (-1) on a request's last row; each row's span and place in it, each span's first row and
+        # last place. One pinned, asynchronous copy: the host goes on enqueueing while the forward runs.
+        firsts, counts = np.array(spans, dtype=np.int64).reshape(-1, 2).T
+        span_of = np.repeat(np.arange(len(spans)), counts)
+        place = np.arange(len(rows)) - firsts[span_of]
+        following = np.asarray(rows) + 1
+        following[firsts + counts - 1] = -1
+        packed = np.concatenate([rows, following, span_of, place, firsts, counts - 1])
+        packed = to_device(packed, torch.int64, self.device)
+        rows_index, following, span_of, place, firsts, lasts = packed.split([len(rows)] * 4 + [len(spans)] * 2)
         logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
         grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
         for (first, count), i in zip(spans, handle.sample_rows):
@@ -46,16 +55,18 @@ class DraftVerification:
         if constrained:
             self.grammar_bitmask().apply(logits, grammars)
         sampling = self.sampling_metadata(row_requests)  # (a row a query token: a steady batch's serves again)
-        # each row's draft is the token after it in the step's inputs (on the device: EAGLE-3's and MTP's are not on
-        # the host), none (-1) on a request's last row
-        following = np.asarray(rows) + 1
-        following[[first + count - 1 for first, count in spans]] = -1
-        following = to_device(following, torch.int64, self.device)
         drafts = torch.where(following < 0, -1, self.inputs.input_ids[following.clamp(min=0)])
         argmax = head[1][rows_index] if head is not None and not constrained else None
         accepted, token = verify(logits, drafts, sampling, argmax)
         emitted = torch.where(accepted, drafts, token)
-        self._prev_sampled, self._prev_rows = None, {}  # (steps with drafts are synchronous: nothing to carry)
+        # each request keeps its drafts up to its first row not accepted (its last row accepts none): that row's
+        # token is its next input, and what it kept moves the next step's positions (StepTokens)
+        stops = torch.where(accepted, lasts.index_select(0, span_of), place)
+        kept = torch.full_like(firsts, len(rows)).scatter_reduce_(0, span_of, stops, "amin")
+        next_at = firsts + kept
+        index = {batch.requests[i].request_id: j for j, i in enumerate(handle.sample_rows)}
+        next_rows = rows_index.index_select(0, next_at)
+        self._prev = StepTokens(index, emitted.index_select(0, next_at), next_rows, rows_index, emitted, lasts - kept)
         handle.draft_spans = spans
         handle.sampled_cpu = emitted.to("cpu", non_blocking=True)
         handle.accepted_cpu = accepted.to("cpu", non_blocking=True)

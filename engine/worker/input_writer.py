@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kiln.backends.attention import AttentionMetadata
-from kiln.engine.worker.inputs import DRAFT_ON_DEVICE, GraphPlan, InputArena
+from kiln.engine.worker.inputs import DRAFT_ON_DEVICE, GraphPlan, InputArena, StepInputs, StepTokens
 from kiln.engine.worker.sampler import to_device
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class InputWriter:
         self._block_table = np.zeros(shape, dtype=np.int32)
         self._block_rows: list[list[tuple[list[int] | None, int]]] = [[(None, 0)] * max_reqs for _ in range(num_groups)]
         self._arange = np.arange(max(max_tokens, max_reqs) + 1)
+        self.device_arange = torch.arange(max(max_tokens, max_reqs) + 1, device=device)
         # The host mirror this step writes (two alternate), and the copy out of each (done once its event fires).
         self._parity = 0
         self._fences: list[torch.cuda.Event | None] = [None, None]
@@ -51,8 +52,8 @@ class InputWriter:
         batch: SchedulerOutput,
         plan: GraphPlan,
         sample_rows: list[int],
-        prev_rows: dict[str, int],
-        prev_sampled: torch.Tensor | None,
+        prev: StepTokens | None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[AttentionMetadata, Rows]:
         """Fill the persistent buffers; returns the metadata and where the sampled rows' hidden states are.
 
@@ -63,40 +64,41 @@ class InputWriter:
 
         Token ids come from the host, except a decode's input that the previous step sampled and the
         host has not seen yet (async scheduling): it is copied from that step's output on the device
-        (`prev_sampled`, the request's row there `prev_rows[request_id]`); and the drafts an EAGLE-3 or
-        MTP drafter left on the device (`batch.device_drafts`), copied from there.
+        (`prev.next_ids`, the request's row there `prev.index[request_id]`); and the drafts an EAGLE-3 or
+        MTP drafter left on the device (`batch.device_drafts`), copied from there. `shift`: each request's
+        correction of c on the device (`write`).
         """
         tokens, carry_dst, carry_src, end, draft_dst, draft_src = [], [], [], 0, [], []
         drafts = batch.spec_token_ids or [()] * len(batch.requests)
         for r, c, n, draft in zip(batch.requests, batch.num_computed_tokens, batch.num_new_tokens, drafts):
             all_token_ids = r.all_token_ids
             end += n
-            if draft:  # speculative decoding: its input token, then the drafts to verify (synchronous steps)
-                tokens += all_token_ids[c : c + n - len(draft)]
+            num_inputs = n - len(draft)  # (then the drafts it verifies)
+            if c + num_inputs <= len(all_token_ids):
+                if num_inputs == 1:
+                    tokens.append(all_token_ids[c])  # a decode whose input the host has
+                else:
+                    tokens += all_token_ids[c : c + num_inputs]
+            else:  # its last input the previous step sampled (c may run ahead of the host's tokens: `write`'s shift)
+                assert num_inputs == 1 or c + num_inputs == len(all_token_ids) + 1, "one input token on the device"
+                tokens += all_token_ids[c : c + num_inputs - 1]
+                tokens.append(0)
+                carry_dst.append(end - len(draft) - 1)
+                carry_src.append(prev.index[r.request_id])
+            if draft:  # speculative decoding: the drafts to verify after the input tokens
                 if draft[0] == DRAFT_ON_DEVICE:  # (EAGLE-3's, MTP's: copied from the drafter's tensor below)
                     on_device, row_of = batch.device_drafts
                     first = row_of[r.request_id] * on_device.shape[1]
                     draft_dst += range(end - len(draft), end)
                     draft_src += range(first, first + len(draft))
                 tokens += draft
-                continue
-            if c + n <= len(all_token_ids):
-                if n == 1:
-                    tokens.append(all_token_ids[c])  # a decode whose input the host has
-                else:
-                    tokens += all_token_ids[c : c + n]
-                continue
-            assert c + n == len(all_token_ids) + 1, "at most one input token can still be on the device"
-            tokens += all_token_ids[c:]
-            tokens.append(0)
-            carry_dst.append(end - 1)
-            carry_src.append(prev_rows[r.request_id])
         input_ids = np.array(tokens, dtype=np.int64)
         computed = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         carry = (carry_dst, carry_src)
+        prev_ids = prev.next_ids if prev is not None else None
         written = self.write(
-            input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_sampled, batch.state_slots
+            input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_ids, batch.state_slots, shift
         )
         if draft_dst:  # (in the stream after the chain that drafted them, and before this step's forward)
             dst, src = to_device([draft_dst, draft_src], torch.int64, self.device)
@@ -114,9 +116,14 @@ class InputWriter:
         carry: tuple[list[int], list[int]] = ((), ()),
         prev_sampled: torch.Tensor | None = None,
         state_slots: list[int] = (),
+        shift: torch.Tensor | None = None,
     ) -> tuple[AttentionMetadata, Rows]:
         """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over. `block_ids`:
         each request's block table, or with several KV groups its table in each (one table: the same in each).
+
+        `shift` ([requests] int64, on the device, <= 0): each request's computed count as the host wrote it was
+        ahead by that many (it was scheduled assuming the step in flight kept all its drafts, and the device
+        knows how many it did not): its positions, sequence length and slots are moved back there, after the copy.
 
         Padding: tokens past the real ones read id 0 at position 0 and write their K/V into the
         scratch block 0; a full graph's padded requests have one token each and an empty context."""
@@ -193,6 +200,8 @@ class InputWriter:
         elif carry_by_index:
             dst, src = inputs.carry[0, :k], inputs.carry[1, :k]
             inputs.input_ids.index_copy_(0, dst, prev_sampled.index_select(0, src))
+        if shift is not None:
+            self._shift(inputs, host, num_tokens, num_reqs, req_of_token, shift)
         if self.device.type == "cuda":
             self._fences[p] = torch.cuda.Event()
             self._fences[p].record()
@@ -218,3 +227,25 @@ class InputWriter:
         if self.num_groups > 1:
             metadata = metadata.with_groups(inputs.block_table, slot_mapping)
         return metadata, logits_indices
+
+    def _shift(
+        self, inputs: StepInputs, host: StepInputs, num_tokens: int, num_reqs: int, req_of_token, shift: torch.Tensor
+    ) -> None:
+        """Move each request's positions and sequence length by `shift` on the device and recompute their slots from
+        the block table there. On the CPU the host's sequence lengths follow (the torch backend reads those)."""
+        if num_tokens == num_reqs:
+            token_shift, req_index = shift, self.device_arange[:num_reqs]
+        else:
+            req_index = to_device(req_of_token, torch.int64, self.device)
+            token_shift = shift.index_select(0, req_index)
+        positions = inputs.positions[:num_tokens]
+        positions.add_(token_shift)
+        inputs.seq_lens[:num_reqs].add_(shift.to(torch.int32))
+        pages, offsets = positions // self.block_size, positions % self.block_size
+        if self.num_groups > 1:
+            slots = inputs.block_table[req_index, :, pages].long().T * self.block_size + offsets
+        else:
+            slots = inputs.block_table[req_index, pages].long() * self.block_size + offsets
+        inputs.slot_mapping[..., :num_tokens].copy_(slots)
+        if self.device.type == "cpu":
+            host.seq_lens[:num_reqs] += shift.numpy().astype(np.int32)

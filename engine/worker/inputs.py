@@ -45,6 +45,23 @@ class StepHandle:
     done: torch.cuda.Event | None = None
 
 
+@dataclass
+class StepTokens:
+    """What a launched step leaves on the device for the step after it and for the drafter, before the host sees it.
+
+    Each sampled request's next input token (after the drafts it kept) and, where it verified drafts, how many it did
+    not keep: a step scheduled meanwhile assumed it kept them all, and its positions are moved back by that many on
+    the device (`InputWriter.write`'s shift). `rows` and `tokens`: every scored token row and its output token (the
+    kept drafts', then the next token), which the drafter's first pass reads as the token after each position."""
+
+    index: dict[str, int]  # each sampled request's index in next_ids, rejected and next_rows
+    next_ids: torch.Tensor  # [S] int64
+    next_rows: torch.Tensor  # [S] int64: the step's token row whose output next_ids is
+    rows: torch.Tensor  # [T'] int64: token rows with an output token
+    tokens: torch.Tensor  # [T'] int64
+    rejected: torch.Tensor | None = None  # [S] int64; None: the step verified no drafts
+
+
 MAX_VIEWS = 1024  # layouts kept: without CUDA graphs every token count is a size of its own
 ALIGN = 16  # bytes: every field starts 16-byte aligned (Triton specialises kernels on 16-byte-aligned pointers)
 

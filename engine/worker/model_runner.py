@@ -24,13 +24,14 @@ from kiln.engine.worker import input_writer, prompt_logprobs
 from kiln.engine.worker import inputs as runner_io
 from kiln.engine.worker.draft_verification import DraftVerification, Head, draft_rows
 from kiln.engine.worker.input_writer import InputWriter, Rows
-from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput, StepHandle, logprob_lists
+from kiln.engine.worker.inputs import GraphPlan, ModelRunnerOutput, StepHandle, StepTokens, logprob_lists
 from kiln.engine.worker.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
     plain_greedy,
     row_argmax,
+    to_device,
 )
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from kiln.engine.core.request import Request
     from kiln.engine.core.scheduler import SchedulerOutput
     from kiln.engine.core.tensor_parallel import TensorParallelWorkers
+    from kiln.engine.spec_decode.eagle_proposer import EagleProposer
     from kiln.engine.structured_output.grammar import GrammarBitmask
 
 logger = logging.getLogger("kiln")
@@ -115,9 +117,10 @@ class ModelRunner(DraftVerification):
         self.layer_groups = kv_groups.layer_group if num_groups > 1 else ()
         self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups)
         self.inputs = self.writer.arena  # the persistent buffers every step's inputs (and a graph's) live in
-        # The last launched step's sampled tokens on the device, and each request's row there.
-        self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[str, int] = {}
+        # The last launched step's sampled tokens on the device (the next step's inputs read them there).
+        self._prev: StepTokens | None = None
+        # EAGLE-3's or MTP's proposer (engine_core.py): it drafts on the device right after each step's sampling
+        self.drafter: EagleProposer | None = None
         # The last step's sampling rows' params and their metadata, when it can serve again.
         self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
 
@@ -131,7 +134,8 @@ class ModelRunner(DraftVerification):
         """Prepare inputs, enqueue the forward pass and sampling; returns without waiting for the GPU."""
         handle = StepHandle(batch, [i for i, sample in enumerate(batch.samples) if sample])
         plan = self.plan(batch)
-        metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows)
+        shift = self._shift(batch)
+        metadata, logits_indices = self.prepare_inputs(batch, plan, handle.sample_rows, shift)
         prompt_spec = prompt_logprobs.prompt_rows(batch) if batch.prompt_logprobs else []
         drafts = draft_rows(batch, handle.sample_rows) if batch.spec_token_ids and any(batch.spec_token_ids) else None
         if self.tp_workers is not None:  # tensor parallel: the other ranks run this step's forward too
@@ -163,8 +167,12 @@ class ModelRunner(DraftVerification):
                 result = SamplerOutput(head[1][logits_indices], None)
             else:
                 result = self.sampler(logits, sampling)
-            self._prev_sampled = result.sampled_token_ids
-            self._prev_rows = {r.request_id: j for j, r in enumerate(requests)}
+            sampled = result.sampled_token_ids
+            index = {r.request_id: j for j, r in enumerate(requests)}
+            # (the rows a copy: the arena's field is the drafter's to write next)
+            rows = logits_indices
+            next_rows = rows.clone() if isinstance(rows, torch.Tensor) else self.writer.device_arange[: len(requests)]
+            self._prev = StepTokens(index, sampled, next_rows, next_rows, sampled)
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
             if result.logprobs is not None:
                 handle.logprobs_cpu = result.logprobs.to_host()
@@ -174,7 +182,29 @@ class ModelRunner(DraftVerification):
         if self.device.type == "cuda":
             handle.done = torch.cuda.Event()
             handle.done.record()
+        if self.drafter is not None:  # (after `done`: the host need not wait for the chain)
+            self.drafter.propose(batch, handle.sample_rows, self._prev if handle.sample_rows else None, shift)
         return handle
+
+    @property
+    def shifts_positions(self) -> bool:
+        """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with
+        recurrent layers (a state restored by the host when drafts are rejected), sliding windows (blocks freed by
+        the host's count of tokens) or an attention backend that reads sequence lengths on the host (off the CPU,
+        where the host's copy is corrected too)."""
+        host_lens = not self.backend.cudagraph_safe and self.device.type != "cpu"
+        return not self.recurrent_states and not self.windows and not self.layer_groups and not host_lens
+
+    def _shift(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Each request's correction of its computed count on the device: minus the drafts the step in flight did
+        not keep, for the requests scheduled as if it kept them all (`batch.shifted_rows`); None when there are none."""
+        if not batch.shifted_rows:
+            return None
+        prev = self._prev
+        src = [prev.index[batch.requests[i].request_id] for i in batch.shifted_rows]
+        dst, src = to_device([batch.shifted_rows, src], torch.int64, self.device)
+        shift = torch.zeros(len(batch.requests), dtype=torch.int64, device=self.device)
+        return shift.index_copy_(0, dst, prev.rejected.index_select(0, src).neg())
 
     def sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         """The sampling rows' metadata. When every row's parameters and generator are the ones of the
@@ -312,11 +342,11 @@ class ModelRunner(DraftVerification):
     # ---- inputs ---------------------------------------------------------------------------------------
 
     def prepare_inputs(
-        self, batch: SchedulerOutput, plan: GraphPlan, sample_rows: list[int]
+        self, batch: SchedulerOutput, plan: GraphPlan, sample_rows: list[int], shift: torch.Tensor | None = None
     ) -> tuple[AttentionMetadata, Rows]:
         """The step's inputs in the persistent buffers (`InputWriter.prepare`), a decode's input that the last step
         sampled on the device taken from there."""
-        return self.writer.prepare(batch, plan, sample_rows, self._prev_rows, self._prev_sampled)
+        return self.writer.prepare(batch, plan, sample_rows, self._prev, shift)
 
     # ---- start-up -------------------------------------------------------------------------------------
 

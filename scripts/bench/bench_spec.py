@@ -16,6 +16,10 @@ scheduler's (`llm.engine.scheduler.drafter`: `propose(token_ids, limit) -> list[
   accepted length from the scheduler's counters (1 + drafts kept / steps that verified drafts), the speedup over the
   run without drafts, and whether every request's tokens equal that run's (greedy is exact).
 
+Each drafter runs on the host (`propose(token_ids, limit)`, as n-gram drafts are made: a step with drafts waits for the
+one before it) and on the device (`DeviceDrafter`, as EAGLE-3's and MTP's: async scheduling stays on while drafting),
+`--drafters device,host`; the `drafter` column says which.
+
 With dummy weights the greedy choice is first made decisive (`--decisive`, `make_greedy_decisive`): their near-flat
 logits would otherwise let a verification step and a one-row step round to different tokens in bf16.
 
@@ -82,6 +86,70 @@ class OracleDrafter:
         return draft
 
 
+class DeviceDrafter:
+    """The two drafters above on the device, as EAGLE-3's proposer runs (`EagleProposer`'s interface): right after a
+    step's sampling each decoding request's drafts are left there, read from where its kept tokens end, which only
+    the device knows yet, so the engine schedules the next step without waiting for the verdict (async scheduling
+    while drafting). `continuations`: None for the blind drafter (its input token's successors), else each request's
+    prompt and greedy continuation, whose first corrupted draft (if any) the same golden-ratio phase picks."""
+
+    drafts_after_step = True
+
+    def __init__(self, k: int, vocab_size: int, continuations=None, keep: float = 1.0) -> None:
+        self.k, self.vocab_size, self.keep, self.phase = k, vocab_size, keep, 0.0
+        self.drafts, self.draft_rows = None, {}
+        self.table, self.row_of = None, {}
+        if continuations is not None:  # (a row a request: its prompt, then the continuation)
+            rows = [[*prompt, *tokens, *[0] * (k + 1)] for prompt, tokens in continuations.items()]
+            self.table = torch.tensor(rows, dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+            self.row_of = {prompt: i for i, prompt in enumerate(continuations)}
+            self.prompt_len = len(next(iter(continuations)))
+
+    @property
+    def device_drafts(self):
+        return None if self.drafts is None else (self.drafts, self.draft_rows)
+
+    def has_drafts(self, request_id: str) -> bool:
+        return request_id in self.draft_rows
+
+    def propose(self, batch, sample_rows, step, shift) -> None:
+        self.drafts, self.draft_rows = None, {}
+        if step is None:
+            return
+        device = step.next_ids.device
+        offsets = torch.arange(1, self.k + 1, device=device)
+        if self.table is None:
+            self.drafts = (step.next_ids[:, None] + offsets) % self.vocab_size
+        else:
+            # each next input token's position: after the step's, back by its shift and its rejected drafts
+            ends = [batch.num_computed_tokens[i] + batch.num_new_tokens[i] for i in sample_rows]
+            position = torch.tensor(ends, device=device)
+            if shift is not None:
+                position += shift[torch.tensor(sample_rows, device=device)]
+            if step.rejected is not None:
+                position -= step.rejected
+            rows = [self.row_of[tuple(batch.requests[i].prompt_token_ids[: self.prompt_len])] for i in sample_rows]
+            at = (position[:, None] + offsets).clamp(max=self.table.shape[1] - 1)
+            drafts = self.table[torch.tensor(rows, device=device)[:, None], at]
+            corrupt = torch.zeros(len(rows), self.k + 1, dtype=torch.bool)
+            for j in range(len(rows)):  # (the host's phase, as OracleDrafter's: no device value read)
+                self.phase = (self.phase + GOLDEN) % 1.0
+                corrupt[j, sum(self.phase < self.keep ** (i + 1) for i in range(self.k))] = True
+            corrupt = corrupt[:, : self.k].to(device, non_blocking=True)
+            self.drafts = torch.where(corrupt, (drafts + 1) % self.vocab_size, drafts)
+        self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}
+
+
+def install(llm: LLM, drafter) -> None:
+    """Make `drafter` the engine's (None: speculation off); one on the device runs after each step, and the scheduler
+    schedules ahead of its verdicts where the engine can (as with EAGLE-3)."""
+    engine = llm.engine
+    engine.scheduler.drafter = drafter
+    on_device = isinstance(drafter, DeviceDrafter)
+    engine.runner.drafter = drafter if on_device else None
+    engine.scheduler.optimistic = on_device and engine.async_scheduling and engine.runner.shifts_positions
+
+
 def make_greedy_decisive(llm: LLM) -> None:
     """Dummy weights (std 0.02) give near-flat logits: the top two of 128k lie within bf16's rounding, so a verification
     step of 1 + k rows and a one-row step round them differently and take different tokens (on an H100, within a few
@@ -144,12 +212,17 @@ def spec_counters(llm: LLM) -> tuple[int, int, int]:
     return scheduler.num_spec_steps, scheduler.num_draft_tokens, scheduler.num_accepted_tokens
 
 
-def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, warmup: int = 4) -> dict:
+def step_ms(
+    llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, on_device: bool, warmup: int = 4
+) -> dict:
     """A decode step of `batch` requests each verifying `drafts` drafts (None: speculation off), median of `repeats`
-    windows of `steps` steps."""
+    windows of `steps` steps; `on_device`: the drafter's (DeviceDrafter) rather than the host's."""
     engine = llm.engine
     vocab_size = engine.model_config.vocab_size
-    engine.scheduler.drafter = None if drafts is None else BlindDrafter(drafts, vocab_size)
+    drafter = None
+    if drafts is not None:
+        drafter = DeviceDrafter(drafts, vocab_size) if on_device and drafts else BlindDrafter(drafts, vocab_size)
+    install(llm, drafter)
     # room for every step's drafts, were they all kept (the drafter proposes fewer once a request nears max_tokens)
     max_tokens = (warmup + steps * repeats + 2) * (1 + (drafts or 0)) + 1
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -173,11 +246,12 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
     engine.abort_requests(list(engine.scheduler.requests))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.scheduler.drafter = None
+    install(llm, None)
     if drafts:  # every timed step verified `drafts` drafts of every request
         assert spec_steps == batch * steps * repeats and drafted == spec_steps * drafts, (spec_steps, drafted)
     return {
         "batch": batch,
+        "drafter": "device" if isinstance(drafter, DeviceDrafter) else "host",
         "drafts": "none" if drafts is None else drafts,
         "query_tokens": batch * (1 + (drafts or 0)),
         "step_ms": statistics.median(times) * 1e3,
@@ -201,11 +275,14 @@ def same_requests(runs: list[tuple[float, list[list[int]]]], reference: list[lis
     return sum(all(tokens[i] == want for _, tokens in runs) for i, want in enumerate(reference))
 
 
-def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: int, repeats: int) -> list[dict]:
-    """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target."""
-    scheduler, vocab_size = llm.engine.scheduler, llm.engine.model_config.vocab_size
+def end_to_end(
+    llm: LLM, batch: int, k: int, targets: list[float], max_tokens: int, repeats: int, drafters: list[str]
+) -> list[dict]:
+    """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target, on the
+    host (OracleDrafter) and on the device (DeviceDrafter) as `drafters` say."""
+    vocab_size = llm.engine.model_config.vocab_size
     prompts = make_prompts(batch, vocab_size, seed=1000 + batch)
-    scheduler.drafter = None
+    install(llm, None)
     timed_generate(llm, prompts, 8)  # (warm-up)
     runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
     reference = runs[0][1]
@@ -214,9 +291,12 @@ def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: i
     # a request counts as the same when every run's tokens equal the reference's (the first run without drafts)
     rows = [{**row, "tokens_per_s": base, "speedup": 1.0, "same": same_requests(runs, reference)}]
     continuations = {tuple(p): tokens for p, tokens in zip(prompts, reference)}
-    for target in targets:
+    for drafter, target in [(d, t) for d in drafters for t in targets]:
         keep = keep_for(target, k)
-        scheduler.drafter = OracleDrafter(k, continuations, keep, vocab_size)
+        if drafter == "device":
+            install(llm, DeviceDrafter(k, vocab_size, continuations, keep))
+        else:
+            install(llm, OracleDrafter(k, continuations, keep, vocab_size))
         timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
         before, full_before = spec_counters(llm), full_verifications(llm)
         runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
@@ -226,6 +306,7 @@ def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: i
         rows.append(
             {
                 **row,
+                "drafter": drafter,
                 "target": target,
                 "corrupt": 1 - keep,
                 "mean_accepted": 1 + kept / spec_steps if spec_steps else 1.0,
@@ -236,7 +317,7 @@ def end_to_end(llm: LLM, batch: int, k: int, targets: list[float], max_tokens: i
                 "full_graph_share": full / spec_steps * batch if spec_steps else 0.0,
             }
         )
-    scheduler.drafter = None
+    install(llm, None)
     return rows
 
 
@@ -246,13 +327,13 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
     if step_rows:
         print("step cost: B decoding requests each verifying k drafts (1 + k query tokens) against a plain decode step")
         print(
-            f"{'batch':>5} {'drafts':>6} {'tokens':>6} {'ms/step':>9} {'x plain':>8} {'kept':>5} {'preempt':>7} "
-            f"{'full graph':>10}"
+            f"{'batch':>5} {'drafter':>7} {'drafts':>6} {'tokens':>6} {'ms/step':>9} {'x plain':>8} {'kept':>5} "
+            f"{'preempt':>7} {'full graph':>10}"
         )
         plain = {r["batch"]: r["step_ms"] for r in step_rows if r["drafts"] == "none"}
         for r in step_rows:
             print(
-                f"{r['batch']:>5} {r['drafts']:>6} {r['query_tokens']:>6} {r['step_ms']:>9.3f} "
+                f"{r['batch']:>5} {r['drafter']:>7} {r['drafts']:>6} {r['query_tokens']:>6} {r['step_ms']:>9.3f} "
                 f"{r['step_ms'] / plain[r['batch']]:>8.2f} {r['drafts_kept']:>5} {r['preemptions']:>7} "
                 f"{r['full_graph_share']:>10.0%}"
             )
@@ -267,8 +348,8 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
             "tokens, each corrupted at 'corrupt' given those before it were kept)"
         )
         print(
-            f"{'batch':>5} {'target':>6} {'corrupt':>7} {'mean accepted':>13} {'kept':>6} {'tok/s':>9} "
-            f"{'speedup':>8} {'same':>6} {'full graph':>10}"
+            f"{'batch':>5} {'drafter':>7} {'target':>6} {'corrupt':>7} {'mean accepted':>13} {'kept':>6} "
+            f"{'tok/s':>9} {'speedup':>8} {'same':>6} {'full graph':>10}"
         )
         for r in e2e_rows:
             target = "none" if r["target"] is None else f"{r['target']:g}"
@@ -277,7 +358,8 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
             same = f"{r['same']}/{r['batch']}"
             full = f"{r['full_graph_share']:.0%}" if "full_graph_share" in r else "-"
             print(
-                f"{r['batch']:>5} {target:>6} {corrupt:>7} {r['mean_accepted']:>13.2f} {acceptance:>6} "
+                f"{r['batch']:>5} {r.get('drafter', '-'):>7} {target:>6} {corrupt:>7} {r['mean_accepted']:>13.2f} "
+                f"{acceptance:>6} "
                 f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6} {full:>10}"
             )
 
@@ -296,6 +378,11 @@ def main() -> None:
     p.add_argument("--targets", default="1,1.5,2,3,4", help="end to end: mean accepted lengths aimed at")
     p.add_argument("--max-tokens", type=int, default=128, help="end to end: tokens a request generates")
     p.add_argument("--repeats", type=int, default=3, help="timed runs (windows) a point; the median is reported")
+    p.add_argument(
+        "--drafters",
+        default="device,host",
+        help="where the stand-in drafters run: device (as EAGLE-3's: async scheduling stays on), host (as n-gram's)",
+    )
     p.add_argument(
         "--decisive",
         choices=["auto", "on", "off"],
@@ -335,14 +422,16 @@ def main() -> None:
     print(f"started: {header}", flush=True)
 
     step_rows = []
+    drafters = [d for d in args.drafters.split(",") if d]
     for batch in batches:
-        for drafts in [None, 0, *ks]:
-            row = step_ms(llm, batch, drafts, args.steps, args.repeats)
+        points = [(None, False), (0, False), *((k, d == "device") for d in drafters for k in ks)]
+        for drafts, on_device in points:
+            row = step_ms(llm, batch, drafts, args.steps, args.repeats, on_device)
             print(f"step: {row}", flush=True)
             step_rows.append(row)
     e2e_rows = []
     for batch in e2e_batches:
-        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats):
+        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, drafters):
             print(f"end to end: {row}", flush=True)
             e2e_rows.append(row)
     llm.close()

@@ -1,6 +1,7 @@
 """A tiny random EAGLE-3 draft for the tiny Llama, written as the published checkpoints lay it out (EAGLE's own
 `LlamaForCausalLMEagle3` with `midlayer.*`, or the speculators library's `Eagle3Speculator` with `layers.0.*`), and a
-float64 reference of what such a draft proposes, written from the EAGLE-3 paper's architecture."""
+float64 reference of what such a draft proposes, written from the EAGLE-3 paper's architecture; and a recorder of
+the drafts an engine proposes."""
 
 from __future__ import annotations
 
@@ -141,3 +142,28 @@ def reference_drafts(draft_dir: Path, hf_target, prompt: list[int], next_token: 
         if j < k - 1:
             normed, prenorm = step(drafts[-1], prenorm, len(tokens) + j)
     return drafts
+
+
+def record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
+    """Every draft an EAGLE-3 or MTP proposer leaves, as (request id, output tokens before it, drafts): read after
+    each step's chain, entered once the step's tokens are in (so a step scheduled ahead of them counts alike)."""
+    from kiln.engine.core.scheduler import Scheduler  # noqa: PLC0415
+    from kiln.engine.spec_decode.eagle_proposer import EagleProposer  # noqa: PLC0415
+
+    recorded, drafted = [], {}
+    propose, update = EagleProposer.propose, Scheduler.update_from_output
+
+    def proposing(self, batch, *args):
+        propose(self, batch, *args)
+        drafted[id(batch)] = self.proposals(batch)
+
+    def updating(self, batch, *args):
+        result = update(self, batch, *args)
+        for request, drafts in zip(batch.requests, drafted.pop(id(batch), ())):
+            if drafts:
+                recorded.append((request.request_id, len(request.output_token_ids), drafts))
+        return result
+
+    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    monkeypatch.setattr(Scheduler, "update_from_output", updating)
+    return recorded

@@ -238,13 +238,13 @@ def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch, tp):
 
     model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
     proposals = []
-    after_step = EagleProposer.after_step
+    propose = EagleProposer.propose
 
-    def recording(self, batch, result):
-        after_step(self, batch, result)
+    def recording(self, batch, *args):
+        propose(self, batch, *args)
         proposals.append(self.proposals(batch))
 
-    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    monkeypatch.setattr(EagleProposer, "propose", recording)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     kwargs = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
     plain = LLM(str(model_dir), **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)

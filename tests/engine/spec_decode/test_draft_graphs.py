@@ -29,10 +29,10 @@ def target_and_spec(method: str, tiny_llama_dir, tiny_qwen3_5_dir, tmp_path) -> 
     return add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp"), {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def padded_pass(proposer: EagleProposer, ids, positions, tables, hidden, size: int):
+def padded_pass(proposer: EagleProposer, ids, positions, tables, hidden, shift, size: int):
     """The chain pass as a graph of `size` requests runs it, eagerly: (draft tokens, next states) of every row."""
     ones = np.ones(len(positions), dtype=np.int64)
-    metadata = proposer._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size))
+    metadata = proposer._write_inputs(ids, positions, ones, tables, GraphPlan("full", size, size), shift)
     inputs = proposer.runner.inputs.views(size, size)
     padding = hidden.new_zeros(size - hidden.shape[0], hidden.shape[1])
     with set_forward_context(proposer.context(metadata)):
@@ -46,9 +46,9 @@ def test_a_padded_chain_pass_proposes_as_the_pass(method, tiny_llama_dir, tiny_q
     compared = []
     chain_pass = EagleProposer._chain_pass
 
-    def checking(self, ids, positions, tables, hidden):
-        tokens, out = chain_pass(self, ids, positions, tables, hidden)
-        padded_tokens, padded_out = padded_pass(self, ids, positions, tables, hidden, len(positions) + 3)
+    def checking(self, ids, positions, tables, hidden, shift):
+        tokens, out = chain_pass(self, ids, positions, tables, hidden, shift)
+        padded_tokens, padded_out = padded_pass(self, ids, positions, tables, hidden, shift, len(positions) + 3)
         rows = len(positions)
         compared.append(torch.equal(padded_tokens[:rows], tokens) and torch.allclose(padded_out[:rows], out, atol=1e-5))
         return tokens, out
@@ -79,13 +79,13 @@ def test_drafts_from_chain_graphs_equal_the_eager_chains(method, tiny_llama_dir,
         proposer = llm.engine.scheduler.drafter
         assert proposer.graphs is not None
         drafts = {}
-        after_step = proposer.after_step
+        propose = proposer.propose
 
-        def recording(batch, result):
-            after_step(batch, result)
+        def recording(batch, *args):
+            propose(batch, *args)
             drafts.setdefault(runs, []).append(proposer.proposals(batch))
 
-        proposer.after_step = recording
+        proposer.propose = recording
         runs = "graphs"
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert proposer.graphs.replays > 0
@@ -111,12 +111,12 @@ def test_the_drafts_fused_kernels_propose_as_the_plain_forms(method, tiny_llama_
         with LLM(str(model_dir), speculative_config=spec, **kwargs) as llm:
             proposer = llm.engine.scheduler.drafter
             use_fused_kernels(proposer.draft, fused)
-            after_step = proposer.after_step
+            propose = proposer.propose
 
-            def recording(batch, result, fused=fused, after_step=after_step, proposer=proposer):
-                after_step(batch, result)
+            def recording(batch, *args, fused=fused, propose=propose, proposer=proposer):
+                propose(batch, *args)
                 drafts.setdefault(fused, []).append(proposer.proposals(batch))
 
-            proposer.after_step = recording
+            proposer.propose = recording
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert any(any(step) for step in drafts[True]) and drafts[True] == drafts[False]

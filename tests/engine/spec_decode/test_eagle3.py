@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 
-from helpers.eagle3 import make_eagle3_dir, reference_drafts
+from helpers.eagle3 import make_eagle3_dir, record_drafts, reference_drafts
 from helpers.gpt_oss import hf_gpt_oss, make_tiny_gpt_oss_dir
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
@@ -28,13 +28,13 @@ def test_first_drafts_equal_the_reference(tiny_llama_dir, tmp_path, layout, monk
     draft_dir = make_eagle3_dir(tmp_path / layout, layout, norm_before_residual=layout == "speculators")
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     proposals = []
-    after_step = EagleProposer.after_step
+    propose = EagleProposer.propose
 
-    def recording(self, batch, result):
-        after_step(self, batch, result)
+    def recording(self, batch, *args):
+        propose(self, batch, *args)
         proposals.append({r.request_id: d for r, d in zip(batch.requests, self.proposals(batch))})
 
-    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    monkeypatch.setattr(EagleProposer, "propose", recording)
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=eagle(draft_dir, 3))
     prompt = PROMPTS[2]
     output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0].outputs[0]
@@ -91,14 +91,7 @@ def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
     window, and greedy output with them equals the output without."""
     target = make_tiny_gpt_oss_dir(tmp_path / "gpt-oss", False)
     draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
-    proposals = []
-    after_step = EagleProposer.after_step
-
-    def recording(self, batch, result):
-        after_step(self, batch, result)
-        proposals.extend((len(r.output_token_ids), d) for r, d in zip(batch.requests, self.proposals(batch)) if d)
-
-    monkeypatch.setattr(EagleProposer, "after_step", recording)
+    proposals = record_drafts(monkeypatch)
     kwargs = dict(enforce_eager=True, max_model_len=208, max_num_batched_tokens=64, num_kv_blocks=28)
     prompt, params = list(range(20, 180)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLM(str(target), **kwargs).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -109,10 +102,11 @@ def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
         output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert output == plain
     hf = hf_gpt_oss(target)
-    checked = [proposals[0], *proposals[-3:]]  # (after the prefill; the last ones, past 128 + 32 tokens of context)
+    # (after the prefill; the last ones, past 128 + 32 tokens of context)
+    checked = [p[1:] for p in (proposals[0], *proposals[-3:])]
     for done, drafts in checked:
         assert drafts == reference_drafts(draft_dir, hf, prompt + output[: done - 1], output[done - 1], 3), done
-    assert proposals[-1][0] > 24
+    assert proposals[-1][1] > 24
 
 
 def test_a_request_that_sat_steps_out_verifies_no_stale_drafts(tiny_llama_dir, tmp_path):
@@ -130,8 +124,10 @@ def test_a_request_that_sat_steps_out_verifies_no_stale_drafts(tiny_llama_dir, t
         schedule = scheduler.schedule
 
         def recording():
+            holders = set(scheduler.drafter.draft_rows)  # (the requests the last step's chain drafted for)
             batch = schedule()
-            sat_out.extend(r.request_id for r in scheduler.running if r not in batch.requests and r.spec_token_ids)
+            left_out = [r for r in scheduler.running if r not in batch.requests]
+            sat_out.extend(r.request_id for r in left_out if r.request_id in holders)
             return batch
 
         scheduler.schedule = recording
@@ -139,3 +135,74 @@ def test_a_request_that_sat_steps_out_verifies_no_stale_drafts(tiny_llama_dir, t
     assert sat_out
     for got, want in zip(outputs, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_steps_scheduled_ahead_of_their_drafts_verdict(tiny_llama_dir, tmp_path, monkeypatch, compiled):
+    """Async scheduling while drafting: a request whose step in flight verifies drafts is scheduled as if that step
+    kept them all, and the device moves its positions, sequence length and slots back by the ones it did not keep.
+    Every draft, step by step, equals a synchronous run's (which waits for the verdict), output equals the output
+    without drafts, with chunked prefill and a budget that leaves requests out; every KV block is free after."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    kwargs = dict(max_model_len=256, max_num_batched_tokens=12, enforce_eager=not compiled)
+    kwargs["compile_cache_dir"] = str(tmp_path / "cache")
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    drafts, shifted = {}, {}
+    for ahead in (True, False):
+        recorded = record_drafts(monkeypatch)
+        with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 3), async_scheduling=ahead, **kwargs) as llm:
+            scheduler = llm.engine.scheduler
+            assert scheduler.optimistic == ahead
+            schedule = scheduler.schedule
+            shifted[ahead] = 0
+
+            def counting(schedule=schedule, ahead=ahead):
+                batch = schedule()
+                shifted[ahead] += len(batch.shifted_rows)
+                return batch
+
+            scheduler.schedule = counting
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            manager = llm.engine.kv_cache_manager
+            assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+        for got, want in zip(outputs, plain, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        drafts[ahead] = {(rid.split("-")[0], done): d for rid, done, d in recorded}
+        monkeypatch.undo()
+    assert shifted[True] > 0 and shifted[False] == 0
+    assert drafts[True] == drafts[False]
+
+
+def test_a_failed_step_scheduled_ahead_is_retried_request_by_request(tiny_llama_dir, tmp_path):
+    """The server's isolation mode: a step scheduled ahead of its drafts' verdict that raises is retried one request at
+    a time once the step before it is in, each row's computed count as that verdict corrected it; every output equals
+    the output without drafts, and every KV block is free after."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(max_model_len=128, enforce_eager=True)
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
+        engine, failed = llm.engine, []
+        launch = engine.runner.launch
+
+        def failing(batch):
+            if batch.shifted_rows and len(batch.requests) > 1 and not failed:
+                failed.append(len(batch.requests))
+                raise RuntimeError("a step that fails")
+            return launch(batch)
+
+        engine.runner.launch = failing
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        tokens = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished_requests():
+            out = engine.step(isolate_failures=True)
+            assert not out.failed
+            for o in out.outputs:
+                tokens[o.request_id] += o.new_token_ids
+        manager = engine.kv_cache_manager
+        assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+    assert failed == [3]
+    assert [tokens[str(i)] for i in range(len(prompts))] == plain

@@ -79,38 +79,48 @@ def test_gpu_check_spec_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
     result = json.loads(path.read_text())
     summary = (out / "summary.txt").read_text()
 
-    # step cost: speculation off, a drafter proposing nothing, then 1 and 3 drafts verified by every request
+    # step cost: speculation off, a drafter proposing nothing, then 1 and 3 drafts verified by every request, drafted on
+    # the device (async scheduling on) and on the host
     steps = result["step"]
-    assert [(r["batch"], r["drafts"]) for r in steps] == [(b, d) for b in (1, 4) for d in ("none", 0, 1, 3)]
+    points = [("host", "none"), ("host", 0), *((d, k) for d in ("device", "host") for k in (1, 3))]
+    assert [(r["batch"], r["drafter"], r["drafts"]) for r in steps] == [(b, *point) for b in (1, 4) for point in points]
     for r in steps:
         assert r["step_ms"] > 0 and r["preemptions"] == 0
         assert r["query_tokens"] == r["batch"] * (1 + (0 if r["drafts"] == "none" else r["drafts"]))
         assert r["drafts_kept"] <= 1  # (blind drafts: a random model keeps one about once in its vocabulary)
     table = summary[summary.index("step cost:") :].splitlines()
-    assert [line.split()[:3] for line in table[2:10]] == [
-        [str(r["batch"]), str(r["drafts"]), str(r["query_tokens"])] for r in steps
+    assert [line.split()[:4] for line in table[2:14]] == [
+        [str(r["batch"]), r["drafter"], str(r["drafts"]), str(r["query_tokens"])] for r in steps
     ]
-    assert [line.split()[4] for line in table[2:10:4]] == ["1.00", "1.00"]  # (each batch's plain step: 1x itself)
+    assert [line.split()[5] for line in table[2:14:6]] == ["1.00", "1.00"]  # (each batch's plain step: 1x itself)
 
-    # end to end: without drafts, then each target; the mean accepted length measured near it, every request's
-    # tokens equal to the run without drafts, acceptance rising with the target
+    # end to end: without drafts, then each target with each drafter; the mean accepted length measured near it (the
+    # device's drafts read from where the device says each request's kept tokens end), every request's tokens equal
+    # to the run without drafts, acceptance rising with the target
     e2e = result["end_to_end"]
-    assert [(r["batch"], r["target"]) for r in e2e] == [(b, t) for b in (1, 3) for t in (None, 1, 1.5, 2, 3, 4)]
+    want = [row for b in (1, 3) for row in want_of(b, (1, 1.5, 2, 3, 4))]
+    assert [(r["batch"], r.get("drafter"), r["target"]) for r in e2e] == want
     for r in e2e:
         assert r["same"] == r["batch"] and r["tokens_per_s"] > 0
         assert r["mean_accepted"] == pytest.approx(r["target"] or 1.0, abs=0.25)
     for batch in (1, 3):
-        with_drafts = [r for r in e2e if r["batch"] == batch and r["target"] is not None]
-        assert with_drafts[0]["acceptance"] == 0 and with_drafts[0]["corrupt"] == pytest.approx(1)
-        assert all(a["acceptance"] < b["acceptance"] for a, b in zip(with_drafts, with_drafts[1:]))
+        for drafter in ("device", "host"):
+            with_drafts = [r for r in e2e if r["batch"] == batch and r.get("drafter") == drafter]
+            assert with_drafts[0]["acceptance"] == 0 and with_drafts[0]["corrupt"] == pytest.approx(1)
+            assert all(a["acceptance"] < b["acceptance"] for a, b in zip(with_drafts, with_drafts[1:]))
     table = summary[summary.index("end to end: greedy") :].splitlines()
-    rows = [line.split() for line in table[2:14]]
-    assert [(row[0], row[1]) for row in rows] == [
-        (str(r["batch"]), "none" if r["target"] is None else f"{r['target']:g}") for r in e2e
+    rows = [line.split() for line in table[2:24]]
+    assert [tuple(row[:3]) for row in rows] == [
+        (str(r["batch"]), r.get("drafter", "-"), "none" if r["target"] is None else f"{r['target']:g}") for r in e2e
     ]
     assert all(row[-2] == f"{row[0]}/{row[0]}" for row in rows)  # (same as without drafts: every request)
     # no full graphs on the CPU: the runs without drafts have none to count, those with drafts replayed none
-    assert [row[-1] for row in rows] == ["-" if row[1] == "none" else "0%" for row in rows]
+    assert [row[-1] for row in rows] == ["-" if row[2] == "none" else "0%" for row in rows]
+
+
+def want_of(batch: int, targets: tuple) -> list[tuple]:
+    """The end-to-end rows of a batch: the run without drafts, then each drafter's targets."""
+    return [(batch, None, None), *((batch, d, t) for d in ("device", "host") for t in targets)]
 
 
 def test_decisive_weights_keep_bf16_greedy_exact(tiny_llama_dir, tmp_path):
