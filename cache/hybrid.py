@@ -67,11 +67,12 @@ class HybridKVCacheManager(PoolCounters):
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: Sequence[Sequence[KVBlock]] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Every group's slots for the tokens (KVCacheManager.allocate_slots), or none: False, nothing taken, when
         the pool is short of what they need together."""
         quiet = self._quiet.get(request_id)
-        if quiet is not None and num_computed_tokens + num_new_tokens <= quiet[0]:
+        if quiet is not None and num_computed_tokens + num_new_tokens + num_lookahead_tokens <= quiet[0]:
             if num_computed_tokens <= quiet[1]:
                 return True  # most decode steps: no group takes, hashes or frees a block
             for manager in self._sliding:  # only windows move: each frees what left it, and none takes a block
@@ -80,7 +81,7 @@ class HybridKVCacheManager(PoolCounters):
             return True
         hits = new_computed_blocks or [()] * len(self.managers)
         needed = sum(
-            manager.blocks_needed(request_id, num_computed_tokens, num_new_tokens, blocks)
+            manager.blocks_needed(request_id, num_computed_tokens, num_new_tokens + num_lookahead_tokens, blocks)
             for manager, blocks in zip(self.managers, hits)
         )
         if needed > self.num_free_blocks:
@@ -91,7 +92,9 @@ class HybridKVCacheManager(PoolCounters):
         held = [block for blocks in hits for block in blocks if block is not null]
         self.block_pool.touch(held)
         for manager, blocks in zip(self.managers, hits):
-            allocated = manager.allocate_slots(request_id, token_ids, num_computed_tokens, num_new_tokens, blocks)
+            allocated = manager.allocate_slots(
+                request_id, token_ids, num_computed_tokens, num_new_tokens, blocks, num_lookahead_tokens
+            )
             assert allocated, "a group's allocation failed after the pool was found to hold them all"
         self.block_pool.free_blocks(held)
         if request_id not in self._tables:

@@ -157,8 +157,10 @@ class KVCacheManager(PoolCounters):
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Grow the request's block table to cover ``num_computed_tokens + num_new_tokens`` tokens.
+        """Grow the request's block table to cover ``num_computed_tokens + num_new_tokens`` tokens, and
+        ``num_lookahead_tokens`` past them (a draft chain's positions: slots the step's forward does not write).
 
         ``token_ids`` holds every token known now (prompt + outputs so far);
         ``num_computed_tokens`` includes the tokens covered by ``new_computed_blocks``, which are
@@ -166,15 +168,16 @@ class KVCacheManager(PoolCounters):
 
         Returns False and changes nothing if the pool is short of blocks. Otherwise takes the
         computed blocks, then fresh ones, and caches every block that is now full within the
-        covered tokens.
+        step's tokens.
         """
         if self.sliding_window and request_id in self.req_to_blocks:  # (first: this step's new blocks may reuse them)
             self.free_behind_window(request_id, num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id, [])
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request_id!r} already has blocks; prefix hits come first")
-        num_required_tokens = num_computed_tokens + num_new_tokens
-        num_full_blocks = min(num_required_tokens, len(token_ids)) // self.block_size
+        num_required_tokens = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        # (only blocks the step fills are hashed: a lookahead position's KV is not the model's until a step computes it)
+        num_full_blocks = min(num_computed_tokens + num_new_tokens, len(token_ids)) // self.block_size
         num_hashed = len(self.req_to_block_hashes.get(request_id, ()))
         if num_required_tokens <= len(blocks) * self.block_size and not (
             self.enable_prefix_caching and num_full_blocks > num_hashed

@@ -148,11 +148,14 @@ class StateKVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         first = request_id not in self.states.slot_of
         if first and not self.states.has_free_slot():
             return False
-        if not self.kv.allocate_slots(request_id, token_ids, num_computed_tokens, num_new_tokens, new_computed_blocks):
+        if not self.kv.allocate_slots(
+            request_id, token_ids, num_computed_tokens, num_new_tokens, new_computed_blocks, num_lookahead_tokens
+        ):
             return False
         if first:
             self.states.allocate(request_id)

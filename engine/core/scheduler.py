@@ -181,15 +181,15 @@ class Scheduler:
                 if request.spec_token_ids and self.states is not None:  # (its state, to go back to if one is rejected)
                     self.states.states.backup(request.request_id)
             fits = allocate_slots(
-                request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + n)
+                request.request_id, all_token_ids, num_computed, n, (), self._lookahead(num_computed + n)
             )
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
                 n -= len(request.spec_token_ids)
                 request.spec_token_ids = []
                 fits = allocate_slots(
-                    request.request_id, all_token_ids, num_computed, n + self._lookahead(num_computed + n)
+                    request.request_id, all_token_ids, num_computed, n, (), self._lookahead(num_computed + n)
                 )
-            if not fits and not self._preempt_for(request, n, preempted):
+            if not fits and not self._preempt_for(request, n, self._lookahead(num_computed + n), preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
             scheduled.append(request)
             num_new.append(n)
@@ -209,7 +209,7 @@ class Scheduler:
                 n = self.states.chunk_end(request.request_id, num_cached, n, request.num_tokens)
             lookahead = self._lookahead(num_cached + n)
             if not self.kv.allocate_slots(
-                request.request_id, request.all_token_ids, num_cached, n + lookahead, cached_blocks
+                request.request_id, request.all_token_ids, num_cached, n, cached_blocks, lookahead
             ):
                 break
             self.waiting.popleft()
@@ -359,16 +359,17 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _preempt_for(self, request: Request, n: int, preempted: list[Request]) -> bool:
-        """Blocks for n more tokens of a running request did not fit: preempt from the newest end of
-        `running` until they do; False if the request had to preempt itself."""
+    def _preempt_for(self, request: Request, n: int, lookahead: int, preempted: list[Request]) -> bool:
+        """Blocks for n more tokens of a running request (and `lookahead` past them) did not fit: preempt from the
+        newest end of `running` until they do; False if the request had to preempt itself."""
         while True:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
-            if self.kv.allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens, n):
+            computed = request.num_computed_tokens
+            if self.kv.allocate_slots(request.request_id, request.all_token_ids, computed, n, (), lookahead):
                 return True
 
     def _preempt(self, request: Request) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from kiln.compile import default_capture_sizes
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.worker.sampler import to_device
 
 PROMPT_LEN = 32
 GOLDEN = (5**0.5 - 1) / 2
@@ -121,22 +122,25 @@ class DeviceDrafter:
         if self.table is None:
             self.drafts = (step.next_ids[:, None] + offsets) % self.vocab_size
         else:
-            # each next input token's position: after the step's, back by its shift and its rejected drafts
+            # each next input token's position: after the step's, back by its shift and its rejected drafts; the
+            # first corrupted draft from the host's phase, as OracleDrafter's (one pinned copy: no wait on the device)
             ends = [batch.num_computed_tokens[i] + batch.num_new_tokens[i] for i in sample_rows]
-            position = torch.tensor(ends, device=device)
-            if shift is not None:
-                position += shift[torch.tensor(sample_rows, device=device)]
-            if step.rejected is not None:
-                position -= step.rejected
             rows = [self.row_of[tuple(batch.requests[i].prompt_token_ids[: self.prompt_len])] for i in sample_rows]
-            at = (position[:, None] + offsets).clamp(max=self.table.shape[1] - 1)
-            drafts = self.table[torch.tensor(rows, device=device)[:, None], at]
-            corrupt = torch.zeros(len(rows), self.k + 1, dtype=torch.bool)
-            for j in range(len(rows)):  # (the host's phase, as OracleDrafter's: no device value read)
+            corrupt = []
+            for _ in sample_rows:
                 self.phase = (self.phase + GOLDEN) % 1.0
-                corrupt[j, sum(self.phase < self.keep ** (i + 1) for i in range(self.k))] = True
-            corrupt = corrupt[:, : self.k].to(device, non_blocking=True)
-            self.drafts = torch.where(corrupt, (drafts + 1) % self.vocab_size, drafts)
+                corrupt.append(sum(self.phase < self.keep ** (i + 1) for i in range(self.k)))
+            position, requests, table_rows, corrupt = to_device(
+                [ends, sample_rows, rows, corrupt], torch.int64, device
+            ).unbind()
+            if shift is not None:
+                position = position + shift[requests]
+            if step.rejected is not None:
+                position = position - step.rejected
+            at = (position[:, None] + offsets).clamp(max=self.table.shape[1] - 1)
+            drafts = self.table[table_rows[:, None], at]
+            first_corrupt = offsets[None, :] == corrupt[:, None] + 1
+            self.drafts = torch.where(first_corrupt, (drafts + 1) % self.vocab_size, drafts)
         self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}
 
 

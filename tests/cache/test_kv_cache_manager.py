@@ -138,6 +138,19 @@ def test_chunked_prefill_caches_only_computed_blocks():
     assert manager.get_computed_blocks(prompt + [12])[1] == 12
 
 
+def test_lookahead_slots_are_allocated_but_not_cached():
+    """A draft chain's lookahead positions get blocks, but a block they fill holds no KV of the model's yet: a chunk
+    ending 3 tokens before a block's end, with 3 of lookahead, leaves that block out of the prefix cache."""
+    manager = make(num_blocks=10)
+    prompt = list(range(12))
+    assert manager.allocate_slots("a", prompt, 0, 5, (), 3)  # tokens 0-4, lookahead 5-7
+    assert len(manager.block_ids("a")) == 2
+    assert manager.get_computed_blocks(prompt)[1] == 4  # (block 1, tokens 4-7, is not computed)
+    assert manager.allocate_slots("a", prompt, 5, 3, (), 3)  # tokens 5-7: now it is
+    assert len(manager.block_ids("a")) == 3
+    assert manager.get_computed_blocks(prompt)[1] == 8
+
+
 def test_prefix_caching_off_never_hits():
     manager = make(num_blocks=10, enable_prefix_caching=False)
     prompt = list(range(10))

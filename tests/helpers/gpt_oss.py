@@ -137,6 +137,7 @@ def hf_gpt_oss(path: Path, dtype: torch.dtype = torch.float32):
     config = json.loads((path / "config.json").read_text())
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if "quantization_config" in config else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager", **kwargs)
+    model.to(dtype)  # (5.17 on the GPU dequantizes MXFP4 experts to bf16 whatever the dtype: exact values there)
     # some transformers releases (5.17, the GPU machine's) fix the clamp at 7.0 and alpha at 1.702 whatever the config
     # says (5.25 reads both from it); the tiny configs' clamp of 2 must bite in the reference too
     for module in model.modules():

@@ -17,6 +17,7 @@ from helpers.gpt_oss import hf_gpt_oss, make_tiny_gpt_oss_dir
 
 PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+NUM_BLOCKS = 7  # (of 16 tokens: the four requests and their drafts' lookahead do not fit at once)
 
 
 def eagle(draft_dir, k: int = 3) -> dict:
@@ -142,9 +143,10 @@ def test_steps_scheduled_ahead_of_their_drafts_verdict(tiny_llama_dir, tmp_path,
     """Async scheduling while drafting: a request whose step in flight verifies drafts is scheduled as if that step
     kept them all, and the device moves its positions, sequence length and slots back by the ones it did not keep.
     Every draft, step by step, equals a synchronous run's (which waits for the verdict), output equals the output
-    without drafts, with chunked prefill and a budget that leaves requests out; every KV block is free after."""
+    without drafts, with chunked prefill, a budget that leaves requests out and preemptions (few KV blocks); every KV
+    block is free after."""
     draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
-    kwargs = dict(max_model_len=256, max_num_batched_tokens=12, enforce_eager=not compiled)
+    kwargs = dict(max_model_len=96, max_num_batched_tokens=12, enforce_eager=not compiled, num_kv_blocks=NUM_BLOCKS)
     kwargs["compile_cache_dir"] = str(tmp_path / "cache")
     with LLM(str(tiny_llama_dir), **kwargs) as llm:
         plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -166,6 +168,7 @@ def test_steps_scheduled_ahead_of_their_drafts_verdict(tiny_llama_dir, tmp_path,
             outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             manager = llm.engine.kv_cache_manager
             assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+            assert scheduler.num_preemptions > 0
         for got, want in zip(outputs, plain, strict=True):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids
         drafts[ahead] = {(rid.split("-")[0], done): d for rid, done, d in recorded}
