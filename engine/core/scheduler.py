@@ -180,14 +180,18 @@ class Scheduler:
                 n += len(request.spec_token_ids)
                 if request.spec_token_ids and self.states is not None:  # (its state, to go back to if one is rejected)
                     self.states.states.backup(request.request_id)
+            # drafts in flight count as new tokens, not computed ones: a sliding window frees no block their
+            # rejection would leave inside it
+            unverified = request.num_draft_placeholders
+            computed = num_computed - unverified
             fits = allocate_slots(
-                request.request_id, all_token_ids, num_computed, n, (), self._lookahead(num_computed + n)
+                request.request_id, all_token_ids, computed, n + unverified, (), self._lookahead(num_computed + n)
             )
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
                 n -= len(request.spec_token_ids)
                 request.spec_token_ids = []
                 fits = allocate_slots(
-                    request.request_id, all_token_ids, num_computed, n, (), self._lookahead(num_computed + n)
+                    request.request_id, all_token_ids, computed, n + unverified, (), self._lookahead(num_computed + n)
                 )
             if not fits and not self._preempt_for(request, n, self._lookahead(num_computed + n), preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
@@ -368,8 +372,9 @@ class Scheduler:
             preempted.append(victim)
             if victim is request:
                 return False
-            computed = request.num_computed_tokens
-            if self.kv.allocate_slots(request.request_id, request.all_token_ids, computed, n, (), lookahead):
+            unverified = request.num_draft_placeholders  # (as in `schedule`)
+            computed, tokens = request.num_computed_tokens - unverified, request.all_token_ids
+            if self.kv.allocate_slots(request.request_id, tokens, computed, n + unverified, (), lookahead):
                 return True
 
     def _preempt(self, request: Request) -> None:

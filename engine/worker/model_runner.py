@@ -189,11 +189,10 @@ class ModelRunner(DraftVerification):
     @property
     def shifts_positions(self) -> bool:
         """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with
-        recurrent layers (a state restored by the host when drafts are rejected), sliding windows (blocks freed by
-        the host's count of tokens) or an attention backend that reads sequence lengths on the host (off the CPU,
-        where the host's copy is corrected too)."""
+        recurrent layers (a state restored by the host when drafts are rejected) or an attention backend that reads
+        sequence lengths on the host (off the CPU, where the host's copy is corrected too)."""
         host_lens = not self.backend.cudagraph_safe and self.device.type != "cpu"
-        return not self.recurrent_states and not self.windows and not self.layer_groups and not host_lens
+        return not self.recurrent_states and not host_lens
 
     def _shift(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Each request's correction of its computed count on the device: minus the drafts the step in flight did

@@ -132,3 +132,36 @@ def test_prefix_hit_skips_computed_tokens():
     s.add_request(second)
     out, _ = step(s)
     assert out.num_new_tokens == [2] and second.num_cached_tokens == 8
+
+
+class DrafterOnDevice:
+    """Stands in for EAGLE-3's proposer: it always holds k drafts on the device for every request."""
+
+    drafts_after_step, k, device_drafts = True, 3, None
+
+    def has_drafts(self, request_id: str) -> bool:
+        return True
+
+
+def test_a_window_frees_no_block_a_rejected_draft_in_flight_would_need():
+    """Scheduled ahead of a verdict (async scheduling while drafting), a request counts its drafts in flight as kept;
+    if the step rejects them all its next positions are 3 earlier, so a sliding window (8 tokens, blocks of 4) may only
+    free the blocks wholly behind the window of that earliest position."""
+    window, block_size, k = 8, 4, DrafterOnDevice.k
+    kv = KVCacheManager(64, block_size, enable_prefix_caching=False, sliding_window=window)
+    scheduler = Scheduler(kv, 8, 64, 128, DrafterOnDevice(), optimistic=True)
+    request = make_request("a", 16, max_tokens=40)
+    scheduler.add_request(request)
+    in_flight = scheduler.schedule()  # the prefill
+    checked = 0
+    for _ in range(12):
+        ahead = scheduler.schedule()  # (the step in flight's verdict not seen yet)
+        if ahead.shifted_rows:
+            earliest = ahead.num_computed_tokens[0] - k  # (where it starts if the step in flight kept no draft)
+            freed = kv.req_to_freed.get("a", 0)
+            assert freed * block_size <= max(earliest - window + 1, 0), (earliest, freed)
+            checked += 1
+        drafts = in_flight.spec_token_ids[0] if in_flight.spec_token_ids else []
+        scheduler.update_from_output(in_flight, [5], [[]] if drafts else None)  # (every draft rejected)
+        in_flight = ahead
+    assert checked > 5 and kv.req_to_freed.get("a", 0) > 0

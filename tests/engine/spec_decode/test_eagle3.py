@@ -89,19 +89,31 @@ def test_eagle_drafts_for_gpt_oss(tmp_path, monkeypatch):
     """gpt-oss, its layers sliding (a window of 128) and full in turn, keeps two KV groups; the draft attends the whole
     context over the full group's blocks. With few blocks (the sliding group's freed ones soon taken again), its drafts
     equal the float64 reference's from transformers' own states after the prefill and after decode steps past the
-    window, and greedy output with them equals the output without."""
+    window, and greedy output with them equals the output without. Scheduled ahead of each step's verdict (async
+    scheduling, the sliding window freeing no block a rejected draft would leave inside it), every draft is the
+    synchronous run's."""
     target = make_tiny_gpt_oss_dir(tmp_path / "gpt-oss", False)
     draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
-    proposals = record_drafts(monkeypatch)
     kwargs = dict(enforce_eager=True, max_model_len=208, max_num_batched_tokens=64, num_kv_blocks=28)
-    prompt, params = list(range(20, 180)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = LLM(str(target), **kwargs).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    with LLM(str(target), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
-        proposer, runner = llm.engine.scheduler.drafter, llm.engine.runner
-        assert runner.windows == (128, 0, 128, 0) and runner.layer_groups[0] != runner.layer_groups[1]
-        assert proposer.layer_groups == (runner.layer_groups[1],)  # (the full layers' group)
-        output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert output == plain
+    prompt = list(range(20, 180))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+    plain = LLM(str(target), **kwargs).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    runs = {}
+    for ahead in (False, True):
+        proposals = record_drafts(monkeypatch)
+        with LLM(str(target), speculative_config=eagle(draft_dir, 3), async_scheduling=ahead, **kwargs) as llm:
+            proposer, runner = llm.engine.scheduler.drafter, llm.engine.runner
+            assert runner.windows == (128, 0, 128, 0) and runner.layer_groups[0] != runner.layer_groups[1]
+            assert proposer.layer_groups == (runner.layer_groups[1],)  # (the full layers' group)
+            assert llm.engine.scheduler.optimistic == ahead
+            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        output = got.token_ids
+        assert output == plain.token_ids
+        for a, b in zip(got.logprobs, plain.logprobs, strict=True):  # (a key a window lost would show here)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+        runs[ahead] = [p[1:] for p in proposals]
+        monkeypatch.undo()
+    assert runs[True] == runs[False]
     hf = hf_gpt_oss(target)
     # (after the prefill; the last ones, past 128 + 32 tokens of context)
     checked = [p[1:] for p in (proposals[0], *proposals[-3:])]
