@@ -168,8 +168,6 @@ class Scheduler:
             n = min(num_tokens - num_computed, budget)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
-            if request.num_draft_placeholders:
-                shifted.append(len(scheduled))
             if self.drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
                 ahead = not pending or self.optimistic  # (tokens in flight: the device corrects the positions)
                 drafting = ahead and num_computed + n == num_tokens and not request.needs_sync
@@ -195,6 +193,8 @@ class Scheduler:
                 )
             if not fits and not self._preempt_for(request, n, self._lookahead(num_computed + n), preempted):
                 break  # the request itself was preempted: nothing after it is left to schedule
+            if unverified:
+                shifted.append(len(scheduled))
             scheduled.append(request)
             num_new.append(n)
             budget -= n

@@ -14,8 +14,9 @@ draft's KV there:
 The first pass runs over all n positions, since how many are valid is known on the device only: the draft KV it
 writes past c + valid - 1 is written over by the chain and the next first pass before any pass reads it. The draft's
 KV cache is a tensor of its own over the target's blocks (the scheduler allocates k positions of lookahead, so the
-chain's positions have blocks). Drafts are greedy (the draft head's argmax), as vLLM's are; the rejection sampler
-keeps the output exact whatever they are.
+chain's positions have blocks; at the end of max_model_len, where no lookahead fits, the chain's positions are held at
+the last one, and the request finishes before its drafts are used). Drafts are greedy (the draft head's argmax), as
+vLLM's are; the rejection sampler keeps the output exact whatever they are.
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ class EagleProposer:
             if step.rejected is not None:
                 chain_shift -= step.rejected
         chain_tables = [batch.block_ids[i] for i in sample_rows]
+        last = self.runner.max_model_len - 1  # (a request whose chain would pass it finishes: its drafts go unused)
         for j in range(1, self.k):  # (the chain's tokens stay on the device)
-            drafted, hidden = self._chain_pass(tokens[-1], position + j - 1, chain_tables, hidden, chain_shift)
+            positions = np.minimum(position + j - 1, last)
+            drafted, hidden = self._chain_pass(tokens[-1], positions, chain_tables, hidden, chain_shift)
             tokens.append(drafted)
         self.drafts = torch.stack(tokens, dim=1)
         self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}

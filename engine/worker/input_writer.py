@@ -28,12 +28,17 @@ class InputWriter:
         block_size: int,
         device: torch.device,
         num_groups: int = 1,
+        writes_per_step: int = 1,
     ) -> None:
+        """`writes_per_step`: how many times a step writes inputs (a drafter's passes write theirs after the step's):
+        twice as many host mirrors take turns, so a write waits only for copies two steps old, never for the step
+        it belongs to."""
         self.block_size = block_size
         self.device = device
         self.num_groups = num_groups
         max_blocks_per_seq = -(-max_model_len // block_size)
-        self.arena = InputArena(max_tokens, max_reqs, max_blocks_per_seq, device, num_groups)
+        mirrors = 2 * writes_per_step
+        self.arena = InputArena(max_tokens, max_reqs, max_blocks_per_seq, device, num_groups, mirrors)
         # Every request's block ids, row by row, kept on the host from step to step: a request's list only grows
         # (the KV cache manager extends it in place), so a row holding the same list needs only its new tail
         # written; a step then copies its rows into the arena at once. Per row: the list and how much of it.
@@ -43,9 +48,9 @@ class InputWriter:
         self._block_rows: list[list[tuple[list[int] | None, int]]] = [[(None, 0)] * max_reqs for _ in range(num_groups)]
         self._arange = np.arange(max(max_tokens, max_reqs) + 1)
         self.device_arange = torch.arange(max(max_tokens, max_reqs) + 1, device=device)
-        # The host mirror this step writes (two alternate), and the copy out of each (done once its event fires).
+        # The host mirror the next write fills (they take turns), and the copy out of each (done once its event fires).
         self._parity = 0
-        self._fences: list[torch.cuda.Event | None] = [None, None]
+        self._fences: list[torch.cuda.Event | None] = [None] * mirrors
 
     def prepare(
         self,
@@ -205,7 +210,7 @@ class InputWriter:
         if self.device.type == "cuda":
             self._fences[p] = torch.cuda.Event()
             self._fences[p].record()
-        self._parity ^= 1
+        self._parity = (p + 1) % len(self._fences)
 
         full = plan.mode == "full"
         num_actual_tokens = n if full else num_tokens  # a full graph writes K/V for padding too (to scratch)

@@ -91,17 +91,19 @@ class InputArena:
     The fields lie back to back (block table last) at offsets that depend only on the step's padded token and
     request counts (n, r), so the transfer covers only what the step uses, and a CUDA graph finds its inputs
     where they were at capture: a full graph (n = r = its size) all of them, a piecewise one (size n)
-    input_ids at 0 and positions at 8n. Two pinned host buffers alternate from step to step, so the host
-    fills step N+1's while step N's copy may still be queued behind step N-1 (the runner's fences say when
-    one is free). Views are made once per layout: slicing a tensor costs microseconds of host time a step.
+    input_ids at 0 and positions at 8n. Pinned host buffers (`mirrors`, two a write a step makes) take turns, so
+    the host fills step N+1's while step N's copies may still be queued behind step N-1 (the runner's fences say
+    when one is free). Views are made once per layout: slicing a tensor costs microseconds of host time a step.
     """
 
-    def __init__(self, max_tokens: int, max_reqs: int, width: int, device: torch.device, num_groups: int = 1) -> None:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, width: int, device: torch.device, num_groups: int = 1, mirrors: int = 2
+    ) -> None:
         self.max_tokens, self.max_reqs, self.width, self.num_groups = max_tokens, max_reqs, width, num_groups
         nbytes = self._offsets(max_tokens, max_reqs)[-1]
         self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(mirrors)]
         self._views: dict[tuple[int, int, int, bool], StepInputs] = {}
         self._spans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 

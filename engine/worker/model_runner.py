@@ -115,7 +115,9 @@ class ModelRunner(DraftVerification):
             self.verify_sizes = fits
         num_groups = kv_groups.num_groups if kv_groups is not None else 1
         self.layer_groups = kv_groups.layer_group if num_groups > 1 else ()
-        self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups)
+        # (an EAGLE-3 or MTP drafter writes its first pass's inputs and its chain's k - 1 after the step's)
+        writes = 1 + num_speculative_tokens
+        self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups, writes)
         self.inputs = self.writer.arena  # the persistent buffers every step's inputs (and a graph's) live in
         # The last launched step's sampled tokens on the device (the next step's inputs read them there).
         self._prev: StepTokens | None = None

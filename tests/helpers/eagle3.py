@@ -146,7 +146,8 @@ def reference_drafts(draft_dir: Path, hf_target, prompt: list[int], next_token: 
 
 def record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
     """Every draft an EAGLE-3 or MTP proposer leaves, as (request id, output tokens before it, drafts): read after
-    each step's chain, entered once the step's tokens are in (so a step scheduled ahead of them counts alike)."""
+    each step's chain, entered once the step's tokens are in (so a step scheduled ahead of them counts alike). The
+    read waits for the device: on a GPU the run it records is a synchronous one."""
     from kiln.engine.core.scheduler import Scheduler  # noqa: PLC0415
     from kiln.engine.spec_decode.eagle_proposer import EagleProposer  # noqa: PLC0415
 

@@ -137,7 +137,7 @@ def test_prefix_hit_skips_computed_tokens():
 class DrafterOnDevice:
     """Stands in for EAGLE-3's proposer: it always holds k drafts on the device for every request."""
 
-    drafts_after_step, k, device_drafts = True, 3, None
+    drafts_after_step, k, lookahead, device_drafts = True, 3, 3, None
 
     def has_drafts(self, request_id: str) -> bool:
         return True

@@ -81,6 +81,7 @@ def test_eagle_drafts_with_tp2(tiny_llama_dir, tmp_path):
     with LLM(str(tiny_llama_dir), tensor_parallel_size=2, speculative_config=eagle(draft_dir, 2), **kwargs) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_draft_tokens > 0
+        assert llm.engine.scheduler.optimistic  # (rank 0 moves the positions back, then broadcasts the inputs)
     for got, want in zip(outputs, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
@@ -221,3 +222,35 @@ def test_a_failed_step_scheduled_ahead_is_retried_request_by_request(tiny_llama_
         assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
     assert failed == [3]
     assert [tokens[str(i)] for i in range(len(prompts))] == plain
+
+
+def test_a_request_preempting_itself_with_drafts_in_flight(tiny_llama_dir, tmp_path):
+    """Blocks of 4 tokens, few of them: the newest request, its drafts in flight, finds no room and preempts itself
+    (scheduled ahead of the verdict, it is no row of the step); outputs equal those without drafts, blocks all free."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    prompts = [list(range(20 + i, 20 + i + n)) for i, n in enumerate((10, 12, 5))]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    kwargs = dict(max_model_len=48, enforce_eager=True, block_size=4, num_kv_blocks=14)
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.optimistic and llm.engine.scheduler.num_preemptions > 0
+        manager = llm.engine.kv_cache_manager
+        assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+    assert outputs == plain
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["async", "sync"])
+def test_drafting_up_to_max_model_len(tiny_llama_dir, tmp_path, ahead):
+    """A request that runs until max_model_len: its last steps' chains would pass it (their positions are held at its
+    last one), and it finishes by length with the tokens of a run without drafts."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)
+    kwargs = dict(max_model_len=64, enforce_eager=True, async_scheduling=ahead)
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 3), **kwargs) as llm:
+        got = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    assert len(got.token_ids) == 64 - len(PROMPTS[2]) and got.finish_reason == "length"
+    assert got.token_ids == plain.token_ids

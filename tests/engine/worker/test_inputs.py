@@ -57,3 +57,34 @@ def test_views_are_made_once_and_stay_bounded():
     for n in range(1, 4097):
         assert arena.views(n, 1, n % 2).input_ids.shape == (n,)
     assert len(arena._views) <= MAX_VIEWS
+
+
+def test_a_write_waits_only_for_copies_two_steps_old():
+    """A step with an EAGLE-3 or MTP drafter writes inputs k + 1 times (its own, the draft's first pass, k - 1 chain
+    passes); a write waits for the copy out of the mirror it reuses, so with 2 (k + 1) mirrors taking turns it never
+    waits for a copy of the step it belongs to or of the step before (still running while the host prepares the next
+    one with async scheduling), only for older ones."""
+    import numpy as np  # noqa: PLC0415
+
+    from kiln.engine.worker.input_writer import InputWriter  # noqa: PLC0415
+    from kiln.engine.worker.inputs import GraphPlan  # noqa: PLC0415
+
+    k = 3
+    writes = 1 + k
+    writer = InputWriter(16, 4, 64, 4, torch.device("cpu"), writes_per_step=writes)
+    waited = []
+
+    class Fence:  # (the CPU records no events: each write's copy gets one here)
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def synchronize(self) -> None:
+            waited.append((count, self.index))
+
+    count = 0
+    for count in range(5 * writes):
+        used = writer._parity
+        ones = np.ones(2, dtype=np.int64)
+        writer.write(np.zeros(2, dtype=np.int64), ones, ones, [[1], [2]], GraphPlan("none", 2, 2))
+        writer._fences[used] = Fence(count)
+    assert waited and all(now // writes - then // writes >= 2 for now, then in waited)
