@@ -1,6 +1,7 @@
 """Speculative decoding's side of the model runner: every query row of the requests that verify drafts is scored,
 the rejection sampler (spec_decode/rejection.py) says which drafts the model keeps and the token after them, and each
-request gets its kept drafts and that token, with their logprobs."""
+request gets its kept drafts and that token, with their logprobs; a step scheduled before that verdict has its
+positions moved back on the device by the drafts not kept (`_shift`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,30 @@ Head = tuple[torch.Tensor, torch.Tensor]  # a full graph's logits [rows, V] and 
 
 class DraftVerification:
     """Mixed into ModelRunner (model_runner.py), whose model, grammar mask and sampling state it uses."""
+
+    @property
+    def shifts_positions(self) -> bool:
+        """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with
+        recurrent layers (a state restored by the host when drafts are rejected) or an attention backend that reads
+        sequence lengths on the host (off the CPU, where the host's copy is corrected too)."""
+        host_lens = not self.backend.cudagraph_safe and self.device.type != "cpu"
+        return not self.recurrent_states and not host_lens
+
+    def _shift(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Each request's correction of its computed count on the device: minus the drafts the step in flight did
+        not keep, for the requests scheduled as if it kept them all (`batch.shifted_rows`); None when there are none."""
+        if not batch.shifted_rows:
+            return None
+        prev = self._prev
+        src = [prev.index[batch.requests[i].request_id] for i in batch.shifted_rows]
+        dst, src = to_device([batch.shifted_rows, src], torch.int64, self.device)
+        shift = torch.zeros(len(batch.requests), dtype=torch.int64, device=self.device)
+        return shift.index_copy_(0, dst, prev.rejected.index_select(0, src).neg())
+
+    def _uniform_drafts(self, batch: SchedulerOutput) -> bool:
+        """Whether every request verifies k drafts (with 1 + k tokens a request in all: each exactly that)."""
+        k = self.verify_len - 1
+        return len(batch.spec_token_ids) == len(batch.requests) and all(len(d) == k for d in batch.spec_token_ids)
 
     def _verify_drafts(
         self,

@@ -31,7 +31,6 @@ from kiln.engine.worker.sampler import (
     SamplingMetadata,
     plain_greedy,
     row_argmax,
-    to_device,
 )
 
 if TYPE_CHECKING:
@@ -188,25 +187,6 @@ class ModelRunner(DraftVerification):
             self.drafter.propose(batch, handle.sample_rows, self._prev if handle.sample_rows else None, shift)
         return handle
 
-    @property
-    def shifts_positions(self) -> bool:
-        """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with
-        recurrent layers (a state restored by the host when drafts are rejected) or an attention backend that reads
-        sequence lengths on the host (off the CPU, where the host's copy is corrected too)."""
-        host_lens = not self.backend.cudagraph_safe and self.device.type != "cpu"
-        return not self.recurrent_states and not host_lens
-
-    def _shift(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Each request's correction of its computed count on the device: minus the drafts the step in flight did
-        not keep, for the requests scheduled as if it kept them all (`batch.shifted_rows`); None when there are none."""
-        if not batch.shifted_rows:
-            return None
-        prev = self._prev
-        src = [prev.index[batch.requests[i].request_id] for i in batch.shifted_rows]
-        dst, src = to_device([batch.shifted_rows, src], torch.int64, self.device)
-        shift = torch.zeros(len(batch.requests), dtype=torch.int64, device=self.device)
-        return shift.index_copy_(0, dst, prev.rejected.index_select(0, src).neg())
-
     def sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         """The sampling rows' metadata. When every row's parameters and generator are the ones of the
         last step's rows, in order, and none reads its output history (min_tokens, penalties), the last
@@ -287,11 +267,6 @@ class ModelRunner(DraftVerification):
         if self.cudagraph_mode == "full_and_piecewise" and num_tokens == num_reqs and size <= self.largest_full:
             return GraphPlan("full", size, size)
         return GraphPlan("piecewise", size, num_reqs)
-
-    def _uniform_drafts(self, batch: SchedulerOutput) -> bool:
-        """Whether every request verifies k drafts (with 1 + k tokens a request in all: each exactly that)."""
-        k = self.verify_len - 1
-        return len(batch.spec_token_ids) == len(batch.requests) and all(len(d) == k for d in batch.spec_token_ids)
 
     def forward(self, metadata: AttentionMetadata, plan: GraphPlan) -> tuple[torch.Tensor, Head | None]:
         """The hidden states, and with a full graph its head's outputs: the logits and greedy tokens of every row."""
