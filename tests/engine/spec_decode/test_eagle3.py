@@ -254,3 +254,36 @@ def test_drafting_up_to_max_model_len(tiny_llama_dir, tmp_path, ahead):
         got = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
     assert len(got.token_ids) == 64 - len(PROMPTS[2]) and got.finish_reason == "length"
     assert got.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["async", "sync"])
+def test_chains_start_where_the_kept_drafts_end(tiny_llama_dir, tmp_path, monkeypatch, ahead):
+    """A random draft's tokens are all but never kept, so here the verdict is forced (as if the model agreed with some,
+    in a pattern that moves each step) to keep 0 to k of them a step. Scheduled ahead of each verdict, each step's
+    drafts equal the float64 reference's from transformers' own states over the tokens kept so far: the chain starts
+    where the kept drafts end, on the device."""
+    from kiln.engine.worker import draft_verification  # noqa: PLC0415
+
+    real_verify, calls = draft_verification.verify, []
+
+    def agreeing(logits, drafts, sampling, argmax=None):
+        _, token = real_verify(logits, drafts, sampling, argmax)
+        calls.append(None)
+        rows = torch.arange(len(drafts), device=drafts.device)
+        return (drafts >= 0) & ((rows + len(calls)) % 4 != 0), token
+
+    monkeypatch.setattr(draft_verification, "verify", agreeing)
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    proposals = record_drafts(monkeypatch)
+    prompt, k = PROMPTS[0], 3
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(enforce_eager=True, max_model_len=128, async_scheduling=ahead)
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, k), **kwargs) as llm:
+        output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        scheduler = llm.engine.scheduler
+        assert scheduler.optimistic == ahead and 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    checked = {done: drafts for _, done, drafts in proposals if done < len(output)}
+    assert len(checked) > 4
+    for done, drafts in checked.items():
+        assert drafts == reference_drafts(draft_dir, hf, prompt + output[: done - 1], output[done - 1], k), done
