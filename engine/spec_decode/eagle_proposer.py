@@ -107,15 +107,8 @@ class EagleProposer:
             return
         tokens = [self.draft.draft_tokens(normed.index_select(0, step.next_rows))]
         hidden = prenorm.index_select(0, step.next_rows)
-        # the chain's first position: after the step's, back by what the step's shift and its rejected drafts say
-        position = computed[sample_rows] + num_new[sample_rows]
-        chain_shift = None
-        if shift is not None or step.rejected is not None:
-            chain_shift = torch.zeros(len(sample_rows), dtype=torch.int64, device=self.runner.device)
-            if shift is not None:
-                chain_shift += shift.index_select(0, to_device(sample_rows, torch.int64, self.runner.device))
-            if step.rejected is not None:
-                chain_shift -= step.rejected
+        position = computed[sample_rows] + num_new[sample_rows]  # (the chain's first, as the host wrote the step)
+        chain_shift = next_position_shift(sample_rows, step, shift)
         chain_tables = [batch.block_ids[i] for i in sample_rows]
         last = self.runner.max_model_len - 1  # (a request whose chain would pass it finishes: its drafts go unused)
         for j in range(1, self.k):  # (the chain's tokens stay on the device)
@@ -173,3 +166,16 @@ class EagleProposer:
         else:
             metadata, _ = self.runner.writer.write(ids.astype(np.int64), *writer_args, shift=shift)
         return metadata
+
+
+def next_position_shift(sample_rows: list[int], step: StepTokens, shift: torch.Tensor | None) -> torch.Tensor | None:
+    """Each sampled request's correction, on the device, of the position after its step as the host wrote it
+    (computed + new tokens): back by the step's own shift and by the drafts it did not keep; None where neither."""
+    if shift is None and step.rejected is None:
+        return None
+    correction = torch.zeros(len(sample_rows), dtype=torch.int64, device=step.next_ids.device)
+    if shift is not None:
+        correction += shift.index_select(0, to_device(sample_rows, torch.int64, shift.device))
+    if step.rejected is not None:
+        correction -= step.rejected
+    return correction

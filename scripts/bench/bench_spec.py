@@ -45,6 +45,7 @@ import torch
 
 from kiln.compile import default_capture_sizes
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.spec_decode.eagle_proposer import next_position_shift
 from kiln.engine.worker.sampler import to_device
 
 PROMPT_LEN = 32
@@ -62,32 +63,42 @@ class BlindDrafter:
         return [(token_ids[-1] + 1 + i) % self.vocab_size for i in range(min(self.k, limit))]
 
 
-class OracleDrafter:
+class GoldenPhase:
+    """Which draft a stand-in corrupts: the first past those that survive, by the next point of a golden-ratio
+    sequence instead of a random draw, so the kept lengths' mean reaches its target within a few dozen steps rather
+    than a few thousand."""
+
+    keep: float
+    phase: float = 0.0
+
+    def survivors(self, n: int) -> int:
+        """How many of n drafts survive before the first corrupted one."""
+        self.phase = (self.phase + GOLDEN) % 1.0
+        # draft token i (from 1) survives when u < keep^i: P(the first i survive) = keep^i, as with independent draws
+        return sum(self.phase < self.keep ** (i + 1) for i in range(n))
+
+
+class OracleDrafter(GoldenPhase):
     """Proposes each request's continuation from a greedy run without drafts (found by its first `prompt_len`
     tokens), up to `k` tokens, each kept with probability `keep` given that those before it were, else corrupted.
 
-    Only a draft's first corrupted token is written: verification keeps nothing after it anyway. Its position comes
-    from a golden-ratio sequence instead of random draws, so the kept lengths' mean reaches its target within a few
-    dozen steps rather than a few thousand."""
+    Only a draft's first corrupted token is written (GoldenPhase): verification keeps nothing after it anyway."""
 
     def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]], keep: float, vocab_size: int) -> None:
         self.k, self.continuations, self.keep, self.vocab_size = k, continuations, keep, vocab_size
         self.prompt_len = len(next(iter(continuations)))
-        self.phase = 0.0
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         continuation = self.continuations[tuple(token_ids[: self.prompt_len])]
         done = len(token_ids) - self.prompt_len
         draft = continuation[done : done + min(self.k, limit)]
-        self.phase = (self.phase + GOLDEN) % 1.0
-        # draft token i (from 1) survives when u < keep^i: P(the first i survive) = keep^i, as with independent draws
-        kept = sum(self.phase < self.keep ** (i + 1) for i in range(len(draft)))
+        kept = self.survivors(len(draft))
         if kept < len(draft):
             draft[kept] = (draft[kept] + 1) % self.vocab_size
         return draft
 
 
-class DeviceDrafter:
+class DeviceDrafter(GoldenPhase):
     """The two drafters above on the device, as EAGLE-3's proposer runs (`EagleProposer`'s interface): right after a
     step's sampling each decoding request's drafts are left there, read from where its kept tokens end, which only
     the device knows yet, so the engine schedules the next step without waiting for the verdict (async scheduling
@@ -97,7 +108,7 @@ class DeviceDrafter:
     drafts_after_step = True
 
     def __init__(self, k: int, vocab_size: int, continuations=None, keep: float = 1.0) -> None:
-        self.k, self.vocab_size, self.keep, self.phase = k, vocab_size, keep, 0.0
+        self.k, self.vocab_size, self.keep = k, vocab_size, keep
         self.drafts, self.draft_rows = None, {}
         self.table, self.row_of = None, {}
         if continuations is not None:  # (a row a request: its prompt, then the continuation)
@@ -126,17 +137,11 @@ class DeviceDrafter:
             # first corrupted draft from the host's phase, as OracleDrafter's (one pinned copy: no wait on the device)
             ends = [batch.num_computed_tokens[i] + batch.num_new_tokens[i] for i in sample_rows]
             rows = [self.row_of[tuple(batch.requests[i].prompt_token_ids[: self.prompt_len])] for i in sample_rows]
-            corrupt = []
-            for _ in sample_rows:
-                self.phase = (self.phase + GOLDEN) % 1.0
-                corrupt.append(sum(self.phase < self.keep ** (i + 1) for i in range(self.k)))
-            position, requests, table_rows, corrupt = to_device(
-                [ends, sample_rows, rows, corrupt], torch.int64, device
-            ).unbind()
-            if shift is not None:
-                position = position + shift[requests]
-            if step.rejected is not None:
-                position = position - step.rejected
+            corrupt = [self.survivors(self.k) for _ in sample_rows]
+            position, table_rows, corrupt = to_device([ends, rows, corrupt], torch.int64, device).unbind()
+            correction = next_position_shift(sample_rows, step, shift)
+            if correction is not None:
+                position = position + correction
             at = (position[:, None] + offsets).clamp(max=self.table.shape[1] - 1)
             drafts = self.table[table_rows[:, None], at]
             first_corrupt = offsets[None, :] == corrupt[:, None] + 1
