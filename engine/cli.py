@@ -148,7 +148,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding, as JSON with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (drafts from the request\'s own text, verified exactly)',
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (drafts from the request\'s own text, verified exactly; '
+        'looked up on the device on a GPU, "ngram_gpu" anywhere)',
     )
     parser.add_argument(
         "--kv-events-config",

@@ -28,9 +28,12 @@ from kiln.engine.spec_decode.eagle3 import load_eagle3
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
 from kiln.engine.spec_decode.mtp import load_mtp
 from kiln.engine.spec_decode.ngram import NgramProposer
+from kiln.engine.spec_decode.ngram_device import DeviceNgramProposer
 from kiln.engine.structured_output.admission import GrammarAdmission
 from kiln.engine.text.tokenizer import load_tokenizer, tokenizer_dir_of
 from kiln.engine.worker.inputs import ModelRunnerOutput, StepHandle
+
+Drafter = NgramProposer | DeviceNgramProposer | EagleProposer
 
 logger = logging.getLogger("kiln")
 
@@ -78,8 +81,8 @@ class EngineCore:
         if executor.state_rows is not None:  # recurrent layers: their state slots beside the KV blocks
             states = RecurrentStateCache(*executor.state_rows)
             self.kv_cache_manager = StateKVCacheManager(self.kv_cache_manager, states)
-        drafter = self._drafter(config.speculative_config)
-        on_device = isinstance(drafter, EagleProposer)
+        drafter = self._drafter(config.speculative_config, config.async_scheduling)
+        on_device = getattr(drafter, "drafts_after_step", False)  # (drafts made on the device after each step)
         if on_device:
             self.runner.drafter = drafter
         self.scheduler = Scheduler(
@@ -243,10 +246,18 @@ class EngineCore:
             else:
                 outputs += self._collect(launched, failed)
 
-    def _drafter(self, spec: SpeculativeConfig | None) -> NgramProposer | EagleProposer | None:
-        """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses."""
+    def _drafter(self, spec: SpeculativeConfig | None, async_scheduling: bool) -> Drafter | None:
+        """Speculative decoding's drafter, or None; a model whose state cannot take back rejected drafts refuses.
+        N-gram drafts are looked up on the device where that keeps async scheduling on (a CUDA device whose steps'
+        positions it can move back; `ngram_gpu` anywhere), else on the host."""
         if spec is None:
             return None
+        runner = self.runner
+        if spec.method == "ngram_gpu" or (
+            spec.method == "ngram" and async_scheduling and runner.device.type == "cuda" and runner.shifts_positions
+        ):
+            lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner)
         if spec.method == "mtp":
             executor = self.executor
             if not self.model_config.linear_layers or executor.load_format == "dummy":

@@ -47,6 +47,20 @@ class SchedulerOutput:
     # rows scheduled while a step in flight verifies their drafts, as if it kept them all: the device moves their
     # positions back by the drafts it did not keep (ModelRunner._shift)
     shifted_rows: list[int] = field(default_factory=list)
+    # how many of each request's device drafts are real (a device n-gram lookup's; the rest are fillers): a host
+    # tensor, read once this step is done, and each request's row there; None: every draft is
+    draft_counts: Any = None
+
+    def num_real_drafts(self, i: int) -> int:
+        """Of row i's drafts, how many a drafter proposed (the acceptance metrics count those alone)."""
+        num_drafts = len(self.spec_token_ids[i])
+        if self.draft_counts is None:
+            return num_drafts
+        counts, row_of = self.draft_counts
+        if not isinstance(counts, list):  # (the step is done by now: its copy has landed)
+            counts = counts.tolist()
+            self.draft_counts = (counts, row_of)
+        return min(num_drafts, counts[row_of[self.requests[i].request_id]])
 
     @property
     def total_num_tokens(self) -> int:
@@ -75,6 +89,7 @@ class SchedulerOutput:
             ((), ()),
             self.spec_token_ids[i : i + 1],
             self.device_drafts,
+            draft_counts=self.draft_counts,
         )
 
 
@@ -248,6 +263,7 @@ class Scheduler:
         if self.drafter is not None:
             output.spec_token_ids = [r.spec_token_ids if r.status == RequestStatus.RUNNING else [] for r in scheduled]
             output.device_drafts = getattr(self.drafter, "device_drafts", None)
+            output.draft_counts = getattr(self.drafter, "draft_counts", None)
         if self.states is not None:
             slot_of = self.states.states.slot_of
             output.state_slots = [slot_of[r.request_id] for r in scheduled]
@@ -279,9 +295,10 @@ class Scheduler:
             if drafts:
                 request.num_draft_placeholders -= len(drafts)
                 accepted = accepted_token_ids[i]
-                self.num_spec_steps += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += len(accepted)
+                real = output.num_real_drafts(i)
+                self.num_spec_steps += real > 0
+                self.num_draft_tokens += real
+                self.num_accepted_tokens += min(len(accepted), real)
                 if request.status == RequestStatus.RUNNING and len(accepted) < len(drafts):
                     if self.states is not None:  # a recurrent state cannot drop tokens: back to before the step
                         request.num_computed_tokens = output.num_computed_tokens[i]

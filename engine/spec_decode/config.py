@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "eagle3", "mtp")  # drafters Kiln has; the others are refused with a reason (not yet)
+METHODS = ("ngram", "ngram_gpu", "eagle3", "mtp")  # drafters Kiln has; the others are refused with a reason (not yet)
 NOT_YET = ("eagle", "medusa", "draft_model", "suffix")
 
 

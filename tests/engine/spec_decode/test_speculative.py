@@ -9,7 +9,6 @@ kept in full, in part and not at all, each path of the verification.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -23,10 +22,14 @@ from kiln.engine.spec_decode.rejection import verify
 from kiln.engine.worker.sampler import SamplingMetadata
 
 from helpers.models import assert_greedy_matches_hf
-
-PROMPTS = [[5, 17, 33, 2, 101, 45, 9, 5, 17, 33], [7, 7, 7], list(range(20, 61)), [300, 12]]
-MAX_TOKENS = 20
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+from helpers.speculative import (
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_blocks_back,
+    assert_same_as_baseline,
+    brute_force_lookup,
+)
 
 
 class OracleProposer:
@@ -64,20 +67,6 @@ def with_oracle(llm: LLM, baseline, k: int) -> OracleProposer:
     oracle = OracleProposer(k, {p: list(o.token_ids) for p, o in baseline.items()}, llm.engine.model_config.vocab_size)
     llm.engine.scheduler.drafter = oracle
     return oracle
-
-
-def assert_same_as_baseline(outputs, baseline) -> None:
-    for prompt, output in zip(PROMPTS, outputs, strict=True):
-        got, want = output.outputs[0], baseline[tuple(prompt)]
-        assert got.token_ids == want.token_ids
-        for lp_got, lp_want in zip(got.logprobs, want.logprobs, strict=True):
-            assert lp_got.keys() == lp_want.keys()
-            assert all(math.isclose(lp_got[t].logprob, lp_want[t].logprob, abs_tol=1e-5) for t in lp_got)
-
-
-def assert_blocks_back(llm: LLM) -> None:
-    manager = llm.engine.kv_cache_manager
-    assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
@@ -187,18 +176,6 @@ def test_the_ngram_proposer():
     assert proposer.propose([4, 5, 6, 4, 5, 7, 4, 5], 10) == [7, 4, 5]  # the latest earlier (4, 5)
     assert proposer.propose([1, 2, 3, 4], 10) == []  # no suffix occurred before
     assert NgramProposer(3, 2, 3).propose([1, 2, 5, 2], 10) == []  # a 1-gram match is below prompt_lookup_min
-
-
-def brute_force_lookup(token_ids: list[int], k: int, min_n: int, max_n: int, limit: int) -> list[int]:
-    """Prompt lookup as its definition reads: the longest suffix first, its latest earlier occurrence."""
-    tokens = token_ids[-MAX_LOOKBACK:]
-    if min(k, limit) < 1 or len(token_ids) <= min_n:
-        return []
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == tokens[-n:]:
-                return tokens[start + n : start + n + min(k, limit)]
-    return []
 
 
 def test_the_ngram_proposer_as_its_definition_reads():
