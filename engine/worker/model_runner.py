@@ -170,9 +170,10 @@ class ModelRunner(DraftVerification):
                 result = self.sampler(logits, sampling)
             sampled = result.sampled_token_ids
             index = {r.request_id: j for j, r in enumerate(requests)}
-            # (the rows a copy: the arena's field is the drafter's to write next)
-            rows = logits_indices
-            next_rows = rows.clone() if isinstance(rows, torch.Tensor) else self.writer.device_arange[: len(requests)]
+            # (the rows a copy where a drafter reads them: the arena's field is the drafter's to write next)
+            on_device = isinstance(logits_indices, torch.Tensor)
+            rows = logits_indices if on_device else self.writer.device_arange[: len(requests)]
+            next_rows = rows.clone() if on_device and self.drafter is not None else rows
             self._prev = StepTokens(index, sampled, next_rows, next_rows, sampled)
             handle.sampled_cpu = result.sampled_token_ids.to("cpu", non_blocking=True)
             if result.logprobs is not None:
