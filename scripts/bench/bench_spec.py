@@ -279,6 +279,17 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def timed_runs(llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int) -> tuple[list, dict]:
+    """`repeats` timed runs, and where an engine step's time went over them: the host's ms a step (scheduling,
+    inputs, launches, outputs) and its wait for the device's tokens (none: the host sets the pace)."""
+    engine = llm.engine
+    engine.step_timing = type(engine.step_timing)()
+    runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
+    t = engine.step_timing
+    steps = max(t.steps, 1)
+    return runs, {"host_ms": t.host_seconds / steps * 1e3, "wait_ms": t.wait_seconds / steps * 1e3}
+
+
 def same_requests(runs: list[tuple[float, list[list[int]]]], reference: list[list[int]]) -> int:
     """The requests whose tokens equal the reference's in every run."""
     return sum(all(tokens[i] == want for _, tokens in runs) for i, want in enumerate(reference))
@@ -293,12 +304,12 @@ def end_to_end(
     prompts = make_prompts(batch, vocab_size, seed=1000 + batch)
     install(llm, None)
     timed_generate(llm, prompts, 8)  # (warm-up)
-    runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
+    runs, split = timed_runs(llm, prompts, max_tokens, repeats)
     reference = runs[0][1]
     base = batch * max_tokens / statistics.median(seconds for seconds, _ in runs)
     row = {"batch": batch, "k": k, "target": None, "corrupt": None, "mean_accepted": 1.0, "acceptance": None}
     # a request counts as the same when every run's tokens equal the reference's (the first run without drafts)
-    rows = [{**row, "tokens_per_s": base, "speedup": 1.0, "same": same_requests(runs, reference)}]
+    rows = [{**row, "tokens_per_s": base, "speedup": 1.0, "same": same_requests(runs, reference), **split}]
     continuations = {tuple(p): tokens for p, tokens in zip(prompts, reference)}
     for drafter, target in [(d, t) for d in drafters for t in targets]:
         keep = keep_for(target, k)
@@ -308,7 +319,7 @@ def end_to_end(
             install(llm, OracleDrafter(k, continuations, keep, vocab_size))
         timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
         before, full_before = spec_counters(llm), full_verifications(llm)
-        runs = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
+        runs, split = timed_runs(llm, prompts, max_tokens, repeats)
         spec_steps, drafted, kept = (now - then for now, then in zip(spec_counters(llm), before))
         full = full_verifications(llm) - full_before
         rate = batch * max_tokens / statistics.median(seconds for seconds, _ in runs)
@@ -324,6 +335,7 @@ def end_to_end(
                 "speedup": rate / base,
                 "same": same_requests(runs, reference),
                 "full_graph_share": full / spec_steps * batch if spec_steps else 0.0,
+                **split,
             }
         )
     install(llm, None)
@@ -358,7 +370,7 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
         )
         print(
             f"{'batch':>5} {'drafter':>7} {'target':>6} {'corrupt':>7} {'mean accepted':>13} {'kept':>6} "
-            f"{'tok/s':>9} {'speedup':>8} {'same':>6} {'full graph':>10}"
+            f"{'tok/s':>9} {'speedup':>8} {'same':>6} {'full graph':>10} {'host ms':>8} {'wait ms':>8}"
         )
         for r in e2e_rows:
             target = "none" if r["target"] is None else f"{r['target']:g}"
@@ -369,7 +381,8 @@ def print_tables(header: str, step_rows: list[dict], e2e_rows: list[dict], max_t
             print(
                 f"{r['batch']:>5} {r.get('drafter', '-'):>7} {target:>6} {corrupt:>7} {r['mean_accepted']:>13.2f} "
                 f"{acceptance:>6} "
-                f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6} {full:>10}"
+                f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>6} {full:>10} "
+                f"{r.get('host_ms', 0):>8.3f} {r.get('wait_ms', 0):>8.3f}"
             )
 
 

@@ -113,9 +113,12 @@ def test_gpu_check_spec_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
     assert [tuple(row[:3]) for row in rows] == [
         (str(r["batch"]), r.get("drafter", "-"), "none" if r["target"] is None else f"{r['target']:g}") for r in e2e
     ]
-    assert all(row[-2] == f"{row[0]}/{row[0]}" for row in rows)  # (same as without drafts: every request)
+    assert all(row[-4] == f"{row[0]}/{row[0]}" for row in rows)  # (same as without drafts: every request)
     # no full graphs on the CPU: the runs without drafts have none to count, those with drafts replayed none
-    assert [row[-1] for row in rows] == ["-" if row[2] == "none" else "0%" for row in rows]
+    assert [row[-3] for row in rows] == ["-" if row[2] == "none" else "0%" for row in rows]
+    # where a step's time went: the host's part and its wait for the device, as the engine's step timing has them
+    assert [row[-2:] for row in rows] == [[f"{r['host_ms']:.3f}", f"{r['wait_ms']:.3f}"] for r in e2e]
+    assert all(r["host_ms"] > 0 and r["wait_ms"] >= 0 for r in e2e)
 
 
 def want_of(batch: int, targets: tuple) -> list[tuple]:
