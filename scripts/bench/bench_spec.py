@@ -16,9 +16,12 @@ scheduler's (`llm.engine.scheduler.drafter`: `propose(token_ids, limit) -> list[
   accepted length from the scheduler's counters (1 + drafts kept / steps that verified drafts), the speedup over the
   run without drafts, and whether every request's tokens equal that run's (greedy is exact).
 
-Each drafter runs on the host (`propose(token_ids, limit)`, as n-gram drafts are made: a step with drafts waits for the
-one before it) and on the device (`DeviceDrafter`, as EAGLE-3's and MTP's: async scheduling stays on while drafting),
-`--drafters device,host`; the `drafter` column says which.
+Each drafter runs on the host (`propose(token_ids, limit)`, as n-gram drafts are made without a GPU: a step with
+drafts waits for the one before it) and on the device (`DeviceDrafter`, as EAGLE-3's, MTP's and n-gram's on a GPU:
+async scheduling stays on while drafting), `--drafters device,host`; the `drafter` column says which. `ngram` adds
+step-cost rows of the engine's own device n-gram lookup (`DeviceNgramProposer`, prompt_lookup 1-4) in the blind
+drafter's place: its k drafts a step cost what the device drafter's do, plus the lookup (its acceptance is the
+decisive model's, which repeats its input token: not a workload's, so it has no end-to-end rows).
 
 With dummy weights the greedy choice is first made decisive (`--decisive`, `make_greedy_decisive`): their near-flat
 logits would otherwise let a verification step and a one-row step round to different tokens in bf16.
@@ -46,6 +49,7 @@ import torch
 from kiln.compile import default_capture_sizes
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.spec_decode.eagle_proposer import next_position_shift
+from kiln.engine.spec_decode.ngram_device import DeviceNgramProposer
 from kiln.engine.worker.sampler import to_device
 
 PROMPT_LEN = 32
@@ -154,7 +158,7 @@ def install(llm: LLM, drafter) -> None:
     schedules ahead of its verdicts where the engine can (as with EAGLE-3)."""
     engine = llm.engine
     engine.scheduler.drafter = drafter
-    on_device = isinstance(drafter, DeviceDrafter)
+    on_device = getattr(drafter, "drafts_after_step", False)
     engine.runner.drafter = drafter if on_device else None
     engine.scheduler.optimistic = on_device and engine.async_scheduling and engine.runner.shifts_positions
 
@@ -221,16 +225,17 @@ def spec_counters(llm: LLM) -> tuple[int, int, int]:
     return scheduler.num_spec_steps, scheduler.num_draft_tokens, scheduler.num_accepted_tokens
 
 
-def step_ms(
-    llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, on_device: bool, warmup: int = 4
-) -> dict:
+def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, kind: str, warmup: int = 4) -> dict:
     """A decode step of `batch` requests each verifying `drafts` drafts (None: speculation off), median of `repeats`
-    windows of `steps` steps; `on_device`: the drafter's (DeviceDrafter) rather than the host's."""
+    windows of `steps` steps; `kind`: the drafter's (device: DeviceDrafter, host: BlindDrafter, ngram: the engine's
+    DeviceNgramProposer)."""
     engine = llm.engine
     vocab_size = engine.model_config.vocab_size
     drafter = None
-    if drafts is not None:
-        drafter = DeviceDrafter(drafts, vocab_size) if on_device and drafts else BlindDrafter(drafts, vocab_size)
+    if drafts and kind == "ngram":
+        drafter = DeviceNgramProposer(drafts, 1, 4, engine.runner)
+    elif drafts is not None:
+        drafter = DeviceDrafter(drafts, vocab_size) if kind == "device" and drafts else BlindDrafter(drafts, vocab_size)
     install(llm, drafter)
     # room for every step's drafts, were they all kept (the drafter proposes fewer once a request nears max_tokens)
     max_tokens = (warmup + steps * repeats + 2) * (1 + (drafts or 0)) + 1
@@ -256,11 +261,11 @@ def step_ms(
     while engine.has_unfinished_requests():
         engine.step()
     install(llm, None)
-    if drafts:  # every timed step verified `drafts` drafts of every request
+    if drafts and kind != "ngram":  # every timed step verified `drafts` drafts of every request
         assert spec_steps == batch * steps * repeats and drafted == spec_steps * drafts, (spec_steps, drafted)
     return {
         "batch": batch,
-        "drafter": "device" if isinstance(drafter, DeviceDrafter) else "host",
+        "drafter": kind if drafts else "host",
         "drafts": "none" if drafts is None else drafts,
         "query_tokens": batch * (1 + (drafts or 0)),
         "step_ms": statistics.median(times) * 1e3,
@@ -403,7 +408,8 @@ def main() -> None:
     p.add_argument(
         "--drafters",
         default="device,host",
-        help="where the stand-in drafters run: device (as EAGLE-3's: async scheduling stays on), host (as n-gram's)",
+        help="where the stand-in drafters run: device (as EAGLE-3's: async scheduling stays on), host (as n-gram's "
+        "without a GPU); ngram: step-cost rows of the engine's device n-gram lookup too",
     )
     p.add_argument(
         "--decisive",
@@ -445,15 +451,18 @@ def main() -> None:
 
     step_rows = []
     drafters = [d for d in args.drafters.split(",") if d]
+    if set(drafters) - {"device", "host", "ngram"}:
+        p.error(f"--drafters: device, host or ngram, got {args.drafters!r}")
     for batch in batches:
-        points = [(None, False), (0, False), *((k, d == "device") for d in drafters for k in ks)]
-        for drafts, on_device in points:
-            row = step_ms(llm, batch, drafts, args.steps, args.repeats, on_device)
+        points = [(None, "host"), (0, "host"), *((k, d) for d in drafters for k in ks)]
+        for drafts, kind in points:
+            row = step_ms(llm, batch, drafts, args.steps, args.repeats, kind)
             print(f"step: {row}", flush=True)
             step_rows.append(row)
     e2e_rows = []
     for batch in e2e_batches:
-        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, drafters):
+        oracles = [d for d in drafters if d != "ngram"]
+        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles):
             print(f"end to end: {row}", flush=True)
             e2e_rows.append(row)
     llm.close()

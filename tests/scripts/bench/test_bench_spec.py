@@ -144,3 +144,25 @@ def test_decisive_weights_keep_bf16_greedy_exact(tiny_llama_dir, tmp_path):
     for r in result["end_to_end"]:
         assert r["same"] == 2
         assert r["mean_accepted"] == pytest.approx(r["target"] or 1.0, abs=0.25)
+
+
+def test_step_cost_of_the_engines_device_ngram_lookup(tiny_llama_dir, tmp_path):
+    """`--drafters ngram`: step-cost rows of DeviceNgramProposer itself, every request verifying k tokens a step (the
+    decisive model repeats its input token: matches found, fillers after them, all kept; the kept count is the real
+    drafts', one a step), and no end-to-end rows for it; a drafter it does not know is one error."""
+    json_path = tmp_path / "spec.json"
+    args = ["--model", str(tiny_llama_dir), "--enforce-eager", "--batches", "2", "--k", "2", "--steps", "4"]
+    args += ["--repeats", "1", "--e2e-batches", "", "--drafters", "ngram", "--decisive", "on", "--json", str(json_path)]
+    run = [sys.executable, str(BENCH / "bench_spec.py")]
+    done = subprocess.run([*run, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(json_path.read_text())
+    steps = result["step"]
+    assert [(r["drafter"], r["drafts"], r["query_tokens"]) for r in steps] == [
+        ("host", "none", 2),
+        ("host", 0, 2),
+        ("ngram", 2, 6),
+    ]
+    assert steps[-1]["drafts_kept"] == 2 * 4 and result["end_to_end"] == []
+    wrong = subprocess.run([*run, *args[:-2], "--drafters", "gpu"], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "--drafters: device, host or ngram" in wrong.stderr
