@@ -39,9 +39,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown keys {unknown}; Kiln reads {sorted(known)}")
         method = value.get("method")
         if method in NOT_YET:
-            raise ValueError(
-                f"speculative_config: method {method!r} is not supported yet; use 'ngram', 'eagle3' or 'mtp'"
-            )
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; use one of {list(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; choose one of {list(METHODS)}")
         config = cls(**{"num_speculative_tokens": None, **value})

@@ -44,8 +44,9 @@ class DeviceNgramProposer:
         self.ring = self.window + num_speculative_tokens + 1  # (a step's rejected inputs land past the window)
         # a row a request, let go of least recently drafted for first: twice the seats, so preempted ones keep theirs
         num_rows = 2 * runner.inputs.max_reqs
-        self.history = torch.zeros(num_rows, self.ring, dtype=torch.int64, device=runner.device)
-        self.rows: OrderedDict[str, tuple[Request, int]] = OrderedDict()
+        self.history = torch.zeros(num_rows, self.ring, dtype=torch.int32, device=runner.device)
+        # each request id's (id() of its request, row): a finished request is not kept alive by its row
+        self.rows: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.free = list(range(num_rows))
         self.uploaded: dict[int, int] = {}  # a row's tokens the host has copied in: its request's first ones
         self.drafts: torch.Tensor | None = None  # [requests, k], each request's row as `draft_rows` says
@@ -100,14 +101,14 @@ class DeviceNgramProposer:
         positions, token_rows, owner, history_rows = to_device(np.stack(flat), torch.int64, device).unbind()
         if shift is not None:
             positions = positions + shift.index_select(0, to_device(sample_rows, torch.int64, device))[owner]
-        tokens = self.runner.inputs.input_ids.index_select(0, token_rows)
+        tokens = self.runner.inputs.input_ids.index_select(0, token_rows).to(torch.int32)
         self.history.index_put_((history_rows, positions % self.ring), tokens)
         # each request's next input token closes its text
         end, row_index = to_device(np.stack([computed + num_new, rows]), torch.int64, device).unbind()
         correction = next_position_shift(sample_rows, step, shift)
         if correction is not None:
             end = end + correction
-        self.history.index_put_((row_index, end % self.ring), step.next_ids)
+        self.history.index_put_((row_index, end % self.ring), step.next_ids.to(torch.int32))
         self.lengths = end + 1  # (each text's length, on the device: for tests)
         self.drafts, self.valid_counts = self._lookup(row_index, self.lengths, int((computed + num_new).max()) + 1)
         self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}
@@ -115,13 +116,13 @@ class DeviceNgramProposer:
     def _row(self, request: Request) -> int:
         """The request's history row; a new one (the least recently used, if none is free) starts empty."""
         held = self.rows.get(request.request_id)
-        if held is not None and held[0] is request:
+        if held is not None and held[0] == id(request):
             self.rows.move_to_end(request.request_id)
             return held[1]
         if held is not None:  # (a request id used again: another request's tokens)
             self.free.append(self.rows.pop(request.request_id)[1])
         row = self.free.pop() if self.free else self.rows.popitem(last=False)[1][1]
-        self.rows[request.request_id] = (request, row)
+        self.rows[request.request_id] = (id(request), row)
         self.uploaded[row] = 0
         return row
 
@@ -140,7 +141,7 @@ class DeviceNgramProposer:
         if at:
             flat = [np.concatenate(at), np.concatenate(where), np.concatenate(tokens)]
             row_index, slot, token = to_device(np.stack(flat), torch.int64, self.runner.device).unbind()
-            self.history.index_put_((row_index, slot), token)
+            self.history.index_put_((row_index, slot), token.to(torch.int32))
 
     def _lookup(self, rows: torch.Tensor, lengths: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's k drafts (fillers past what a match found) and how many are real, for texts of `lengths`
@@ -153,7 +154,7 @@ class DeviceNgramProposer:
         # run[e]: how many tokens, ending at window place e, equal the text's last ones (its own end excluded)
         alive = torch.ones_like(window[:, :-1], dtype=torch.bool)
         run = torch.zeros_like(window[:, :-1])
-        for j in range(self.max_n):
+        for j in range(min(self.max_n, width - 1)):  # (a longer suffix than the text has matches nothing)
             suffix_token = window[:, width - 1 - j : width - j]
             earlier = torch.nn.functional.pad(window[:, : width - 1 - j], (j, 0), value=-1)
             alive &= (earlier == suffix_token) & (earlier >= 0)
@@ -166,7 +167,7 @@ class DeviceNgramProposer:
         at = follow[:, None] + torch.arange(self.k, device=device)
         real = (at < lengths[:, None]) & found[:, None]
         filler = window[:, -1:]  # (the text's last token)
-        drafts = torch.where(real, self.history[rows[:, None], at % self.ring], filler)
+        drafts = torch.where(real, self.history[rows[:, None], at % self.ring], filler).long()
         valid = real.sum(dim=1)
         if device.type == "cuda":
             valid = valid.to("cpu", non_blocking=True)

@@ -116,6 +116,23 @@ def test_fillers_are_verified_but_not_counted(tiny_llama_dir, baseline):
     assert scheduler.num_draft_tokens == scheduler.num_accepted_tokens == scheduler.num_spec_steps == 0
 
 
+def test_texts_shorter_than_the_longest_suffix(tiny_llama_dir):
+    """prompt_lookup_max 4 (the default) over one-token prompts, alone (the lookup's window then narrower than the
+    suffix) and together: the lookups as defined, the tokens those without drafts."""
+    prompts = [[7], [1], [3, 4, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram_gpu", "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=64, speculative_config=spec)
+    spy = Spy(llm)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in together] == want
+    spy.assert_lookups_as_defined(texts_of(together, prompts), 3, 1, 4)
+    assert_blocks_back(llm)
+
+
 def test_device_lookups_chunked_compiled_against_hf(tiny_llama_dir, baseline, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).float().eval()
     kwargs = dict(max_model_len=256, max_num_batched_tokens=12, compile_cache_dir=str(tmp_path))
