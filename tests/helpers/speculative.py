@@ -28,6 +28,18 @@ def assert_blocks_back(llm: LLM) -> None:
     assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
 
 
+def abort_midway(llm: LLM) -> None:
+    """A request aborted after four steps (its drafts in flight), the engine drained, every block back."""
+    engine = llm.engine
+    engine.add_request("a", list(PROMPTS[2]), GREEDY)
+    for _ in range(4):
+        engine.step()
+    engine.abort_requests(["a"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_blocks_back(llm)
+
+
 def brute_force_lookup(token_ids: list[int], k: int, min_n: int, max_n: int, limit: int) -> list[int]:
     """Prompt lookup as its definition reads: the longest suffix first, its latest earlier occurrence."""
     tokens = token_ids[-MAX_LOOKBACK:]

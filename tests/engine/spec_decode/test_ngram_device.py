@@ -16,6 +16,7 @@ from helpers.speculative import (
     GREEDY,
     MAX_TOKENS,
     PROMPTS,
+    abort_midway,
     assert_blocks_back,
     assert_same_as_baseline,
     brute_force_lookup,
@@ -61,13 +62,6 @@ class Spy:
             text = texts[prompt]
             assert length <= len(text)
             assert drafts == brute_force_lookup(text[:length], k, min_n, max_n, k), (prompt, length)
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_llama_dir):
-    """The tokens and logprobs of a run without drafts, by prompt."""
-    outputs = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256).generate(PROMPTS, GREEDY, use_tqdm=False)
-    return {tuple(p): o.outputs[0] for p, o in zip(PROMPTS, outputs)}
 
 
 def texts_of(outputs, prompts=PROMPTS) -> dict[tuple, list[int]]:
@@ -161,14 +155,7 @@ def test_device_lookups_through_preemption_prefix_hits_a_stop_and_an_abort(tiny_
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[want[9]], ignore_eos=True)
     stopped = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == want[: want.index(want[9]) + 1] and stopped.finish_reason == "stop"
-    engine = llm.engine
-    engine.add_request("a", list(PROMPTS[2]), GREEDY)
-    for _ in range(4):
-        engine.step()
-    engine.abort_requests(["a"])
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_blocks_back(llm)
+    abort_midway(llm)
 
 
 def test_device_lookups_over_two_ranks(tiny_llama_dir, baseline):

@@ -26,6 +26,7 @@ from helpers.speculative import (
     GREEDY,
     MAX_TOKENS,
     PROMPTS,
+    abort_midway,
     assert_blocks_back,
     assert_same_as_baseline,
     brute_force_lookup,
@@ -54,13 +55,6 @@ class OracleProposer:
 
 def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_llama_dir):
-    """The tokens and logprobs of a run without drafts, by prompt."""
-    outputs = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256).generate(PROMPTS, GREEDY, use_tqdm=False)
-    return {tuple(p): o.outputs[0] for p, o in zip(PROMPTS, outputs)}
 
 
 def with_oracle(llm: LLM, baseline, k: int) -> OracleProposer:
@@ -134,14 +128,7 @@ def test_max_tokens_eos_and_stop_strings_inside_a_draft(tiny_llama_dir, baseline
 def test_abort_while_drafting(tiny_llama_dir, baseline):
     llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=ngram(3))
     with_oracle(llm, baseline, 3)
-    engine = llm.engine
-    engine.add_request("a", list(PROMPTS[2]), GREEDY)
-    for _ in range(4):
-        engine.step()
-    engine.abort_requests(["a"])
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_blocks_back(llm)
+    abort_midway(llm)
 
 
 def test_rejection_sampler_draws_the_targets_distribution():
