@@ -2,9 +2,10 @@
 
 The host's lookup (ngram.py) needs each step's output tokens, so a step with n-gram drafts waits for the one before
 it. Here the lookup runs right after each step's sampling, as EAGLE-3's drafter does: each request's recent tokens
-are kept on the device (a ring of its last MAX_LOOKBACK + k + 1 positions), written from the step's own inputs (the
-drafts it kept among them), its next token and what the host knows, and the same rule picks the match: the longest
-suffix, prompt_lookup_max tokens down to prompt_lookup_min, at its latest earlier occurrence.
+are kept on the device (a ring of its last MAX_LOOKBACK + k + 1 positions): what the host knows when a request's row
+is new, then each step's last inputs (the drafts it kept among them) and its next token, written by the device; the
+same rule picks the match: the longest suffix, prompt_lookup_max tokens down to prompt_lookup_min, at its latest
+earlier occurrence.
 
 A request verifies k tokens every step, since the host schedules the step before the lookup has run: where no match
 was found (or a match ends near the text's end) the rest are fillers, the request's last token, which verification
@@ -48,7 +49,6 @@ class DeviceNgramProposer:
         # each request id's (id() of its request, row): a finished request is not kept alive by its row
         self.rows: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.free = list(range(num_rows))
-        self.uploaded: dict[int, int] = {}  # a row's tokens the host has copied in: its request's first ones
         self.drafts: torch.Tensor | None = None  # [requests, k], each request's row as `draft_rows` says
         self.draft_rows: dict[str, int] = {}
         self.valid_counts: torch.Tensor | None = None  # [requests] on the host once the step is done: real drafts
@@ -86,8 +86,14 @@ class DeviceNgramProposer:
             return
         device = self.runner.device
         ends = np.cumsum(batch.num_new_tokens)
-        rows = [self._row(batch.requests[i]) for i in sample_rows]
-        self._upload([batch.requests[i] for i in sample_rows], rows)
+        rows, new = [], []
+        for i in sample_rows:
+            row, fresh = self._row(batch.requests[i])
+            rows.append(row)
+            if fresh:
+                new.append((batch.requests[i], row))
+        if new:  # (from then on the device writes each of its steps' tokens itself)
+            self._upload(new)
         # the step's last inputs at their positions: those only the device has (the input its previous step sampled,
         # the drafts it kept, at most k + 1); the rejected drafts' land past the text's end, where nothing reads them
         # before they are written over
@@ -113,35 +119,31 @@ class DeviceNgramProposer:
         self.drafts, self.valid_counts = self._lookup(row_index, self.lengths, int((computed + num_new).max()) + 1)
         self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}
 
-    def _row(self, request: Request) -> int:
-        """The request's history row; a new one (the least recently used, if none is free) starts empty."""
+    def _row(self, request: Request) -> tuple[int, bool]:
+        """The request's history row, and whether it is new (the least recently used, if none is free): empty."""
         held = self.rows.get(request.request_id)
         if held is not None and held[0] == id(request):
             self.rows.move_to_end(request.request_id)
-            return held[1]
+            return held[1], False
         if held is not None:  # (a request id used again: another request's tokens)
             self.free.append(self.rows.pop(request.request_id)[1])
         row = self.free.pop() if self.free else self.rows.popitem(last=False)[1][1]
         self.rows[request.request_id] = (id(request), row)
-        self.uploaded[row] = 0
-        return row
+        return row, True
 
-    def _upload(self, requests: list[Request], rows: list[int]) -> None:
-        """The tokens the host has and a request's row lacks (a new row's every one within the window; a request
-        that lost its row lacks those in flight until the host has them: a few steps of poorer drafts)."""
+    def _upload(self, new: list[tuple[Request, int]]) -> None:
+        """New rows' tokens within the window, as the host has them (a request's first lookup: its prompt, or all it
+        had when it lost its row; the step's own inputs and next token are written after them)."""
         at, where, tokens = [], [], []
-        for request, row in zip(requests, rows):
+        for request, row in new:
             all_token_ids = request.all_token_ids
-            start = max(self.uploaded[row], len(all_token_ids) - self.window)
-            if start < len(all_token_ids):
-                at.append(np.full(len(all_token_ids) - start, row))
-                where.append(np.arange(start, len(all_token_ids)) % self.ring)
-                tokens.append(all_token_ids[start:])
-            self.uploaded[row] = len(all_token_ids)
-        if at:
-            flat = [np.concatenate(at), np.concatenate(where), np.concatenate(tokens)]
-            row_index, slot, token = to_device(np.stack(flat), torch.int64, self.runner.device).unbind()
-            self.history.index_put_((row_index, slot), token.to(torch.int32))
+            start = max(len(all_token_ids) - self.window, 0)
+            at.append(np.full(len(all_token_ids) - start, row))
+            where.append(np.arange(start, len(all_token_ids)) % self.ring)
+            tokens.append(all_token_ids[start:])
+        flat = [np.concatenate(at), np.concatenate(where), np.concatenate(tokens)]
+        row_index, slot, token = to_device(np.stack(flat), torch.int64, self.runner.device).unbind()
+        self.history.index_put_((row_index, slot), token.to(torch.int32))
 
     def _lookup(self, rows: torch.Tensor, lengths: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's k drafts (fillers past what a match found) and how many are real, for texts of `lengths`
