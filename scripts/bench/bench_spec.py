@@ -397,6 +397,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto", help="auto: dummy (random) weights for a preset")
     p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, float32 on CPU (the engine's choice)")
     p.add_argument("--enforce-eager", action="store_true", help="no compile, no CUDA graphs (default: both)")
+    p.add_argument("--quantization", default=None, help="fp8: the linear layers quantized at load")
     p.add_argument("--batches", default="1,8,64", help="step cost: decoding requests a step")
     p.add_argument("--k", default="1,2,3,4,5", help="step cost: drafts a request verifies a step")
     p.add_argument("--steps", type=int, default=32, help="step cost: steps a timed window")
@@ -433,6 +434,7 @@ def main() -> None:
         load_format=args.load_format,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         max_num_seqs=max(batches + e2e_batches),
         max_model_len=PROMPT_LEN + max(step_tokens, args.max_tokens) + 16,
         # verification steps of every request's 1 + k tokens replay graphs too
@@ -442,6 +444,7 @@ def main() -> None:
     )
     mode = "eager" if args.enforce_eager else "compiled"
     weights = "dummy weights" if llm.uses_dummy_weights else "checkpoint weights"
+    weights += f", --quantization {args.quantization}" if args.quantization else ""
     if args.decisive == "on" or (args.decisive == "auto" and llm.uses_dummy_weights):
         make_greedy_decisive(llm)
         weights += " (greedy made decisive)"

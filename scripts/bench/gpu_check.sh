@@ -42,7 +42,7 @@
 # Logs come back as $OUT/logs.tgz.
 # env:VAR=VALUE exports VAR for the steps after it (an A/B, e.g. env:KILN_PDL=0 latency:llama-3.2-1b); their log
 # names carry it. A latency or profile step run again under the same name gets a numbered log (_2, _3, ...).
-# QUANT=fp8 / KV_DTYPE=fp8 run the latency, longctx and throughput-compiled steps with --quantization fp8 /
+# QUANT=fp8 / KV_DTYPE=fp8 run the latency, longctx and throughput-compiled steps (QUANT: the spec step too) with --quantization fp8 /
 # --kv-cache-dtype fp8 (their logs' names carry them: set them with env:QUANT=fp8 between steps for a bf16/FP8 pair in
 # one call, env:QUANT= to go back to bf16).
 # TP=2 runs the latency, longctx, multiturn, throughput-compiled and profile steps with tensor parallelism over 2 GPUs
@@ -227,7 +227,7 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       # real acceptance, so an oracle drafter proposes the model's own greedy continuation, a share of it corrupted)
       model=${step#spec:}
       base=$(fresh "$OUT/spec_${model##*/}$tag")
-      timeout -s ABRT -k 15 ${SPEC_TIMEOUT:-540} python3 scripts/bench/bench_spec.py --model "$model" ${SPEC_ARGS:-} \
+      timeout -s ABRT -k 15 ${SPEC_TIMEOUT:-540} python3 scripts/bench/bench_spec.py --model "$model" ${QUANT:+--quantization $QUANT} ${SPEC_ARGS:-} \
         --json "$base.json" 2>&1 | tee "$base.log" | grep -v -E "^(step|end to end): \{" | tail -n 50
       echo "-- spec:$model$tag" >> "$summary"
       grep -A60 "^speculative decoding, the engine's side" "$base.log" >> "$summary" ;;
