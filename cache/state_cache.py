@@ -29,12 +29,9 @@ StateCopies = tuple[list[tuple[int, int]], list[tuple[int, int]]]  # (before the
 
 
 class RecurrentStateCache:
-    def __init__(self, num_slots: int, num_snapshots: int, backups: bool = False) -> None:
-        """`backups`: speculative decoding's, a row a slot (rows num_slots + 1 .. 2 num_slots, before the
-        snapshots), where a step verifying drafts keeps the state it started from."""
+    def __init__(self, num_slots: int, num_snapshots: int) -> None:
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
-        self.num_backups = num_slots if backups else 0
-        first_snapshot = num_slots + self.num_backups + 1
+        first_snapshot = num_slots + 1
         self.free_slots = list(range(num_slots, 0, -1))  # (popped from the end: low rows first)
         self.free_snapshots = list(range(first_snapshot + num_snapshots - 1, first_snapshot - 1, -1))
         self.slot_of: dict[str, int] = {}
@@ -45,8 +42,8 @@ class RecurrentStateCache:
 
     @property
     def num_rows(self) -> int:
-        """Rows every state tensor needs: scratch, slots, backups, snapshots."""
-        return 1 + self.num_slots + self.num_backups + self.num_snapshots
+        """Rows every state tensor needs: scratch, slots, snapshots."""
+        return 1 + self.num_slots + self.num_snapshots
 
     def has_free_slot(self) -> bool:
         return bool(self.free_slots)
@@ -62,17 +59,6 @@ class RecurrentStateCache:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
-
-    def backup(self, request_id: str) -> None:
-        """Before the next forward, keep the request's state in its backup row (the step verifies drafts)."""
-        slot = self.slot_of[request_id]
-        self._before.append((slot, slot + self.num_slots))
-
-    def restore_backup(self, request_id: str) -> None:
-        """Before the next forward, put back the state the request's last step started from (it rejected a draft:
-        the step's tokens are computed again)."""
-        slot = self.slot_of[request_id]
-        self._before.append((slot + self.num_slots, slot))
 
     def snapshot_of(self, block_hash: BlockHash) -> int | None:
         """The snapshot after the block of this hash, marked recently used; None if there is none."""

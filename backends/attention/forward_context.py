@@ -49,6 +49,9 @@ class AttentionMetadata:
     # requests: the scratch row 0), on the device and the host
     state_slots: torch.Tensor | None = None
     state_slots_cpu: torch.Tensor | None = None
+    # with speculative decoding too, [2, B] int32 on the device: the tokens of each request's last step it folds into
+    # its state first, and whether this step's are folded later instead (it verifies drafts; linear_attention/op.py)
+    state_folds: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -78,6 +81,8 @@ class ForwardContext:
     recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     # speculative decoding (EAGLE-3): where `kiln::save_hidden` copies the target layers' states [max_tokens, n * H]
     aux_hidden: torch.Tensor | None = None
+    # with speculative decoding, each recurrent layer's record of its slots' last step (linear_attention.op.DraftRecord)
+    draft_records: tuple = ()
 
 
 _forward_context: ForwardContext | None = None

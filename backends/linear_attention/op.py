@@ -10,16 +10,33 @@ softplus and sigmoid, the gated norm) stays in the compiled pieces.
 The delta rule's state is kept in float32: it is a running sum over the whole context, decayed and corrected at
 every token, and bf16's 8 bits of mantissa would drift over thousands of steps (Qwen's and the
 flash-linear-attention kernels keep it so).
+
+Speculative decoding: a step verifying drafts cannot know which of its tokens the model keeps, and a state cannot
+drop tokens. So such a request (`state_folds[1]`, keep) writes back the state it started from, and records its
+tokens in its slot's `DraftRecord` (the conv's inputs after the window it started from, the conv's outputs, g and
+beta); its next step first folds in the ones kept (`state_folds[0]`, how many: its input and kept drafts, which the
+device knows before the next step reads it, so the host may schedule that step before the verdict).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from kiln.backends.attention.forward_context import get_forward_context
 from kiln.backends.linear_attention import torch_forms
+from kiln.backends.linear_attention.torch_forms import Fold
+
+
+class DraftRecord(NamedTuple):
+    """A Gated DeltaNet layer's record of each slot's last step (speculative decoding), P = 1 + k tokens a slot."""
+
+    window: torch.Tensor  # [S, K - 1 + P, conv_dim]: the conv state the step started from, then its inputs
+    conv_out: torch.Tensor  # [S, P, conv_dim]: the conv's outputs (q | k | v)
+    g: torch.Tensor  # [S, P, Hv] float32
+    beta: torch.Tensor  # [S, P, Hv] float32
 
 
 class _TritonKernels:
@@ -68,6 +85,21 @@ def gated_delta_net(
     seq_lens = metadata.seq_lens if on_device else metadata.seq_lens_cpu
     slots = metadata.state_slots if on_device else metadata.state_slots_cpu
     starts = metadata.query_start_loc if on_device else metadata.query_start_loc_cpu
+    record = context.draft_records[state_index] if context.draft_records else None
+    fold = None
+    if record is not None:
+        counts, keep = metadata.state_folds
+        _fold_window(record, conv_states, slots.long(), counts)
+        record_rows, window_rows = _record_rows(record, starts, slots.long(), num_tokens, decode)
+        record.window.view(-1, record.window.shape[-1]).index_copy_(0, window_rows, x)
+        fold = Fold(
+            counts,
+            keep,
+            record.conv_out[:, :, key_dim : 2 * key_dim].unflatten(-1, (-1, head_k_dim)),
+            record.conv_out[:, :, 2 * key_dim :].unflatten(-1, (num_value_heads, head_v_dim)),
+            record.g,
+            record.beta,
+        )
     if decode:
         kernels.causal_conv1d_update(x, conv_weight, conv_states, seq_lens, slots, conv_out)
     else:
@@ -79,9 +111,44 @@ def gated_delta_net(
     scale = head_k_dim**-0.5
     g, beta = g[:num_tokens], beta[:num_tokens]
     if decode:
-        kernels.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, seq_lens, slots, scale, out)
+        kernels.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, seq_lens, slots, scale, out, fold)
     else:
-        kernels.chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, starts, seq_lens, slots, scale, out)
+        kernels.chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, starts, seq_lens, slots, scale, out, fold)
+    if record is not None:  # (after the delta rule, which read the last step's record)
+        record.conv_out.view(-1, record.conv_out.shape[-1]).index_copy_(0, record_rows, conv_out)
+        record.g.view(-1, num_value_heads).index_copy_(0, record_rows, g.float())
+        record.beta.view(-1, num_value_heads).index_copy_(0, record_rows, beta.float())
+
+
+def _fold_window(record: DraftRecord, conv_states: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
+    """Before the conv: a request folding n kept tokens takes its conv state from its record's window (the K - 1
+    inputs after the first n of its last step's); every request's window then starts from the state it now has."""
+    width = conv_states.shape[1]
+    n = counts.long()
+    index = (n[:, None] + torch.arange(width, device=n.device)).unsqueeze(-1).expand(-1, -1, conv_states.shape[2])
+    shifted = record.window.index_select(0, slots).gather(1, index)
+    folded = torch.where((n > 0)[:, None, None], shifted, conv_states.index_select(0, slots))
+    conv_states.index_copy_(0, slots, folded)
+    record.window[:, :width].index_copy_(0, slots, folded)
+
+
+def _record_rows(
+    record: DraftRecord, starts: torch.Tensor, slots: torch.Tensor, num_tokens: int, decode: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's row in its slot's flat record [S * P] and window [S * (K - 1 + P)]: its place in its request,
+    for the first P of every request's tokens (only a verifying request's are read, and it has no more; the rest
+    go to the scratch slot's rows). On the device, without a host read (a full CUDA graph captures it)."""
+    token = torch.arange(num_tokens, device=slots.device)
+    if decode:
+        request, place = token, torch.zeros_like(token)
+    else:  # (a full graph's padding past the last request's tokens: scratch)
+        request = torch.searchsorted(starts[1:], token.to(starts.dtype), right=True).clamp_(max=slots.shape[0] - 1)
+        place = token - starts.index_select(0, request)
+    slot = slots.index_select(0, request)
+    places, window_rows = record.conv_out.shape[1], record.window.shape[1]
+    inside = (place < places) & (token < starts[-1])
+    width = window_rows - places
+    return torch.where(inside, slot * places + place, 0), torch.where(inside, slot * window_rows + width + place, 0)
 
 
 @torch.library.custom_op("kiln::gated_delta_net", mutates_args=("output",))

@@ -6,7 +6,9 @@ Per value head and token t, with S the [Dk, Dv] state (float32) and q, k L2-norm
 
 Value head h reads q/k head h // (Hv // Hk). Inputs are flat varlen rows (request i: rows
 query_start_loc[i]:query_start_loc[i + 1]); request i reads `states[state_slots[i]]` when it has context
-(seq_lens[i] > its query length), starts from zeros otherwise, and always writes its final state back there.
+(seq_lens[i] > its query length), starts from zeros otherwise, and writes its final state back there. With
+speculative decoding (a `Fold`, op.py) it first takes in the kept tokens of its slot's record, one at a time as the
+decode step does, and a request verifying drafts writes back that state instead of its final one.
 
 The prefill takes the chunked form (Gated DeltaNet, Yang, Kautz and Hatamizadeh, ICLR 2025). In a chunk of C = 64
 tokens entered with state S0, with G_i = g_1 + ... + g_i (cumulative within the chunk):
@@ -29,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kiln.backends.linear_attention.torch_forms import Fold
 
 CHUNK = 64
 # the chunk scan's launch: BLOCK_V (the state's columns a program keeps), warps, stages; at Dk = Dv = 128 this
@@ -63,6 +67,48 @@ def _dot_float32(x, y, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
         return tl.dot(x, low, tl.dot(x, high))
     else:
         return tl.dot(x, y, input_precision=PRECISION)
+
+
+@triton.jit
+def _fold_record(
+    state,
+    n,
+    slot,
+    head,
+    k_head,
+    fk_ptr,
+    fv_ptr,
+    fg_ptr,
+    fbeta_ptr,
+    stride_fk_slot,
+    stride_fk_t,
+    stride_fk_h,
+    stride_fv_slot,
+    stride_fv_t,
+    stride_fv_h,
+    stride_fg_slot,
+    stride_fg_t,
+    offs_k,
+    k_mask,
+    offs_v,
+    v_mask,
+):
+    """The state after the first n tokens of the slot's record (speculative decoding's kept tokens, op.py), one
+    token at a time as the decode step takes them."""
+    for t in range(0, n):
+        k = tl.load(
+            fk_ptr + slot * stride_fk_slot + t * stride_fk_t + k_head * stride_fk_h + offs_k, mask=k_mask, other=0.0
+        )
+        k = k.to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        v = tl.load(
+            fv_ptr + slot * stride_fv_slot + t * stride_fv_t + head * stride_fv_h + offs_v, mask=v_mask, other=0.0
+        )
+        at = slot * stride_fg_slot + t * stride_fg_t + head
+        state = state * tl.exp(tl.load(fg_ptr + at))
+        predicted = tl.sum(k[:, None] * state, 0)
+        state += k[:, None] * (tl.load(fbeta_ptr + at) * (v.to(tl.float32) - predicted))[None, :]
+    return state
 
 
 @triton.jit
@@ -152,6 +198,12 @@ def _chunk_scan_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     state_slots_ptr,
+    counts_ptr,
+    keep_ptr,
+    fk_ptr,
+    fv_ptr,
+    fg_ptr,
+    fbeta_ptr,
     stride_q_t,
     stride_q_h,
     stride_k_t,
@@ -168,6 +220,14 @@ def _chunk_scan_kernel(
     stride_s_slot,
     stride_s_h,
     stride_s_k,
+    stride_fk_slot,
+    stride_fk_t,
+    stride_fk_h,
+    stride_fv_slot,
+    stride_fv_t,
+    stride_fv_h,
+    stride_fg_slot,
+    stride_fg_t,
     Q_PER_K: tl.constexpr,
     DK: tl.constexpr,
     DK_P: tl.constexpr,
@@ -176,6 +236,7 @@ def _chunk_scan_kernel(
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Program: one request, one value head, BLOCK_V of the state's columns; the request's chunks in order."""
     head = tl.program_id(1)
@@ -193,6 +254,33 @@ def _chunk_scan_kernel(
     state_mask = (offs_k < DK)[:, None] & v_mask[None, :]
     # (tl.where: Triton's interpreter refuses a tensor mask and-ed with a loaded scalar)
     state = tl.load(state_ptrs, mask=tl.where(has_state, state_mask, False), other=0.0)
+    keep = 0
+    if FOLD:
+        state = _fold_record(
+            state,
+            tl.load(counts_ptr + request),
+            slot,
+            head,
+            k_head,
+            fk_ptr,
+            fv_ptr,
+            fg_ptr,
+            fbeta_ptr,
+            stride_fk_slot,
+            stride_fk_t,
+            stride_fk_h,
+            stride_fv_slot,
+            stride_fv_t,
+            stride_fv_h,
+            stride_fg_slot,
+            stride_fg_t,
+            offs_k,
+            offs_k < DK,
+            offs_v,
+            v_mask,
+        )
+        keep = tl.load(keep_ptr + request)
+        tl.store(state_ptrs, state, mask=tl.where(keep != 0, state_mask, False))
     for chunk_start in range(start, end, CHUNK):
         rows = chunk_start + offs_c
         row_mask = rows < end
@@ -220,12 +308,22 @@ def _chunk_scan_kernel(
         g_last = tl.sum(tl.where(offs_c == CHUNK - 1, g_cum, 0.0), 0)
         v_write = v_new * (k_scale * tl.exp(g_last - g_cum))[:, None]
         state = state * tl.exp(g_last) + _dot_float32(tl.trans(k), v_write, SPLIT, PRECISION)
-    tl.store(state_ptrs, state, mask=state_mask)
+    tl.store(state_ptrs, state, mask=tl.where(keep != 0, False, state_mask))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 models get exact float32 products; 16-bit ones TF32's tensor cores (a 10-bit mantissa, finer than bf16's)
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fold_args(fold: Fold | None, states: torch.Tensor) -> tuple[list, list]:
+    """A kernel's fold pointers and strides (any tensor's and zeros without a fold: FOLD is then off)."""
+    if fold is None:
+        return [states] * 6, [0] * 8
+    assert fold.g.stride() == fold.beta.stride() and fold.g.stride(-1) == 1 and fold.k.stride(-1) == 1
+    pointers = [fold.counts, fold.keep, fold.k, fold.v, fold.g, fold.beta]
+    strides = [*fold.k.stride()[:3], *fold.v.stride()[:3], *fold.g.stride()[:2]]
+    return pointers, strides
 
 
 def _check_layout(q, k, v, states, out) -> None:
@@ -247,11 +345,13 @@ def chunk_gated_delta_rule(
     state_slots: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    fold: Fold | None = None,
 ) -> None:
     """The delta rule over requests of any query length (prefill, mixed with one-token requests), chunked.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g: [T, Hv] float32 (log decay, <= 0); beta: [T, Hv]; states:
-    [S, Hv, Dk, Dv] float32, updated at `state_slots`; out: [T, Hv, Dv], written. No host synchronisation."""
+    [S, Hv, Dk, Dv] float32, updated at `state_slots`; out: [T, Hv, Dv], written; `fold`: torch_forms.Fold's.
+    No host synchronisation."""
     _check_layout(q, k, v, states, out)
     num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[1:]
@@ -302,6 +402,7 @@ def chunk_gated_delta_rule(
         PRECISION=precision,
         num_warps=4,
     )
+    fold_pointers, fold_strides = _fold_args(fold, states)
     block_v, warps, stages = SCAN_CONFIG
     block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
     _chunk_scan_kernel[(triton.cdiv(dv, block_v), num_v_heads, num_requests)](
@@ -318,6 +419,7 @@ def chunk_gated_delta_rule(
         query_start_loc,
         seq_lens,
         state_slots,
+        *fold_pointers,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -334,6 +436,7 @@ def chunk_gated_delta_rule(
         states.stride(0),
         states.stride(1),
         states.stride(2),
+        *fold_strides,
         Q_PER_K=q_per_k,
         DK=dk,
         DK_P=dk_p,
@@ -342,6 +445,7 @@ def chunk_gated_delta_rule(
         BLOCK_V=block_v,
         PRECISION=precision,
         SPLIT=q.dtype != torch.float32,
+        FOLD=fold is not None,
         num_warps=warps,
         num_stages=stages,
     )
@@ -358,6 +462,12 @@ def _recurrent_kernel(
     beta_ptr,
     seq_lens_ptr,
     state_slots_ptr,
+    counts_ptr,
+    keep_ptr,
+    fk_ptr,
+    fv_ptr,
+    fg_ptr,
+    fbeta_ptr,
     scale,
     stride_q_t,
     stride_q_h,
@@ -372,11 +482,20 @@ def _recurrent_kernel(
     stride_s_slot,
     stride_s_h,
     stride_s_k,
+    stride_fk_slot,
+    stride_fk_t,
+    stride_fk_h,
+    stride_fv_slot,
+    stride_fv_t,
+    stride_fv_h,
+    stride_fg_slot,
+    stride_fg_t,
     Q_PER_K: tl.constexpr,
     DK: tl.constexpr,
     DK_P: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Program: one request's token (row = request), one value head, BLOCK_V of the state's columns."""
     head = tl.program_id(1)
@@ -398,12 +517,40 @@ def _recurrent_kernel(
     beta = tl.load(beta_ptr + token * stride_beta_t + head).to(tl.float32)
     state_ptrs = states_ptr + slot * stride_s_slot + head * stride_s_h + offs_k[:, None] * stride_s_k + offs_v[None, :]
     state_mask = k_mask[:, None] & v_mask[None, :]
-    state = tl.load(state_ptrs, mask=tl.where(has_state, state_mask, False), other=0.0) * decay
+    state = tl.load(state_ptrs, mask=tl.where(has_state, state_mask, False), other=0.0)
+    keep = 0
+    if FOLD:
+        state = _fold_record(
+            state,
+            tl.load(counts_ptr + token),
+            slot,
+            head,
+            k_head,
+            fk_ptr,
+            fv_ptr,
+            fg_ptr,
+            fbeta_ptr,
+            stride_fk_slot,
+            stride_fk_t,
+            stride_fk_h,
+            stride_fv_slot,
+            stride_fv_t,
+            stride_fv_h,
+            stride_fg_slot,
+            stride_fg_t,
+            offs_k,
+            k_mask,
+            offs_v,
+            v_mask,
+        )
+        keep = tl.load(keep_ptr + token)
+        tl.store(state_ptrs, state, mask=tl.where(keep != 0, state_mask, False))
+    state = state * decay
     predicted = tl.sum(k[:, None] * state, 0)
     state += k[:, None] * (beta * (v - predicted))[None, :]
     o = tl.sum(q[:, None] * state, 0)
     tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_v, o.to(out_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(state_ptrs, state, mask=state_mask)
+    tl.store(state_ptrs, state, mask=tl.where(keep != 0, False, state_mask))
 
 
 def recurrent_gated_delta_rule(
@@ -417,6 +564,7 @@ def recurrent_gated_delta_rule(
     state_slots: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    fold: Fold | None = None,
 ) -> None:
     """One decode step: row i is request i's one token (T == B); its state is updated in place at
     `state_slots[i]`. Shapes as `chunk_gated_delta_rule`'s. Launches one kernel and nothing else (CUDA-graph safe)."""
@@ -426,6 +574,7 @@ def recurrent_gated_delta_rule(
     if num_tokens == 0:
         return
     block_v = min(STEP_BLOCK_V, triton.next_power_of_2(dv))
+    fold_pointers, fold_strides = _fold_args(fold, states)
     _recurrent_kernel[(triton.cdiv(dv, block_v), num_v_heads, num_tokens)](
         out,
         states,
@@ -436,6 +585,7 @@ def recurrent_gated_delta_rule(
         beta,
         seq_lens,
         state_slots,
+        *fold_pointers,
         scale,
         q.stride(0),
         q.stride(1),
@@ -450,10 +600,12 @@ def recurrent_gated_delta_rule(
         states.stride(0),
         states.stride(1),
         states.stride(2),
+        *fold_strides,
         Q_PER_K=num_v_heads // num_k_heads,
         DK=dk,
         DK_P=triton.next_power_of_2(dk),
         DV=dv,
         BLOCK_V=block_v,
+        FOLD=fold is not None,
         num_warps=4,
     )

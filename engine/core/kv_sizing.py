@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.backends.linear_attention.op import DraftRecord
 from kiln.cache import KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
@@ -212,25 +213,38 @@ def allocate_recurrent_states(
     shard: TensorParallelShard,
     dtype: torch.dtype,
     device: torch.device,
-) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], tuple[int, int] | None]:
+) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], tuple[int, int] | None, tuple[DraftRecord, ...]]:
     """Each recurrent layer's state tensors (this rank's heads), zeroed, and their rows' (slots, snapshots): a slot
     for each of max_num_seqs running requests, as many snapshots (none without prefix caching), and the scratch row.
-    The conv window is kept in the model's dtype, the delta rule's matrix in float32 (backends/linear_attention)."""
+    The conv window is kept in the model's dtype, the delta rule's matrix in float32 (backends/linear_attention).
+    With speculative decoding, each layer's record of its slots' last step too (DraftRecord: 1 + k tokens a slot)."""
     if not model_config.linear_layers:
-        return (), None
+        return (), None, ()
     slots = config.max_num_seqs
     snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-    backups = slots if config.speculative_config is not None else 0  # (a step verifying drafts may go back)
-    rows = 1 + slots + backups + snapshots
+    rows = 1 + slots + snapshots
     key_dim = model_config.linear_num_key_heads * model_config.linear_key_head_dim // shard.size
     value_heads = model_config.linear_num_value_heads // shard.size
     conv_dim = 2 * key_dim + value_heads * model_config.linear_value_head_dim
-    conv_shape = (rows, model_config.linear_conv_kernel_dim - 1, conv_dim)
+    width = model_config.linear_conv_kernel_dim - 1
+    conv_shape = (rows, width, conv_dim)
     ssm_shape = (rows, value_heads, model_config.linear_key_head_dim, model_config.linear_value_head_dim)
     conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in model_config.linear_layers]
     ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in model_config.linear_layers]
     states = tuple(zip(conv, ssm))
-    nbytes = sum(t.numel() * t.element_size() for pair in states for t in pair)
+    records = ()
+    if config.speculative_config is not None:
+        places = 1 + config.speculative_config.num_speculative_tokens
+        records = tuple(
+            DraftRecord(
+                torch.zeros(1 + slots, width + places, conv_dim, dtype=dtype, device=device),
+                torch.zeros(1 + slots, places, conv_dim, dtype=dtype, device=device),
+                torch.zeros(1 + slots, places, value_heads, dtype=torch.float32, device=device),
+                torch.zeros(1 + slots, places, value_heads, dtype=torch.float32, device=device),
+            )
+            for _ in model_config.linear_layers
+        )
+    nbytes = sum(t.numel() * t.element_size() for group in (*states, *records) for t in group)
     logger.info(
         "recurrent state of %d layers: %d request slots and %d prefix snapshots, %.2f GiB",
         len(states),
@@ -238,4 +252,4 @@ def allocate_recurrent_states(
         snapshots,
         nbytes / (1 << 30),
     )
-    return states, (slots, snapshots, bool(backups))
+    return states, (slots, snapshots), records

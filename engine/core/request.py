@@ -67,6 +67,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     # speculative decoding: the draft tokens its last step verified (after its input token), and of them accepted
     spec_token_ids: list[int] = field(default_factory=list)
+    # ... and with recurrent layers: whether its last step verified drafts (its next folds the kept ones into its state)
+    folds_drafts: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -39,6 +39,9 @@ class SchedulerOutput:
     # a model with recurrent layers: each request's state slot, and the state rows to copy around this step's forward
     state_slots: list[int] = field(default_factory=list)
     state_copies: StateCopies = ((), ())
+    # ... and with speculative decoding (fold, verifies): whether its last step verified drafts (the device folds the
+    # ones kept into its state first) and whether this one does (linear_attention/op.py)
+    state_folds: list[tuple[int, int]] = field(default_factory=list)
     # speculative decoding: each request's draft tokens this step verifies after its input token (empty: none)
     spec_token_ids: list[list[int]] = field(default_factory=list)
     # drafts the host has not seen (DRAFT_ON_DEVICE in spec_token_ids): the drafter's [requests, k] tensor on the
@@ -87,6 +90,7 @@ class SchedulerOutput:
             self.prompt_logprobs,
             self.state_slots[i : i + 1],
             ((), ()),
+            self.state_folds[i : i + 1],
             self.spec_token_ids[i : i + 1],
             self.device_drafts,
             draft_counts=self.draft_counts,
@@ -186,13 +190,13 @@ class Scheduler:
             if self.drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
                 ahead = not pending or self.optimistic  # (tokens in flight: the device corrects the positions)
                 drafting = ahead and num_computed + n == num_tokens and not request.needs_sync
+                # (a recurrent state records a verifying step's tokens from its first: one input, then the drafts)
+                drafting = drafting and (n == 1 or self.states is None)
                 if drafting and self._drafting():
                     request.spec_token_ids = self._draft(request, budget - n, pending)
                 else:
                     request.spec_token_ids = []
                 n += len(request.spec_token_ids)
-                if request.spec_token_ids and self.states is not None:  # (its state, to go back to if one is rejected)
-                    self.states.states.backup(request.request_id)
             # drafts in flight count as new tokens, not computed ones: a sliding window frees no block their
             # rejection would leave inside it
             unverified = request.num_draft_placeholders
@@ -245,7 +249,7 @@ class Scheduler:
         computed = [r.num_computed_tokens for r in scheduled]
         samples = []
         for request, n in zip(scheduled, num_new):
-            if self.states is not None:
+            if self.states is not None and not request.spec_token_ids:  # (drafts' states are folded later)
                 self.states.after_schedule(request.request_id, request.num_computed_tokens, n)
             num_computed_tokens = request.num_computed_tokens + n
             request.num_computed_tokens = num_computed_tokens
@@ -268,6 +272,12 @@ class Scheduler:
             slot_of = self.states.states.slot_of
             output.state_slots = [slot_of[r.request_id] for r in scheduled]
             output.state_copies = self.states.states.copies()
+            if self.drafter is not None:
+                output.state_folds = [
+                    (int(r.folds_drafts), int(bool(d))) for r, d in zip(scheduled, output.spec_token_ids)
+                ]
+                for request, drafts in zip(scheduled, output.spec_token_ids):
+                    request.folds_drafts = bool(drafts)
         return output
 
     def update_from_output(
@@ -300,11 +310,8 @@ class Scheduler:
                 self.num_draft_tokens += real
                 self.num_accepted_tokens += min(len(accepted), real)
                 if request.status == RequestStatus.RUNNING and len(accepted) < len(drafts):
-                    if self.states is not None:  # a recurrent state cannot drop tokens: back to before the step
-                        request.num_computed_tokens = output.num_computed_tokens[i]
-                        self.states.states.restore_backup(request.request_id)
-                    else:  # (their KV is written over next step)
-                        request.num_computed_tokens -= len(drafts) - len(accepted)
+                    # (their KV is written over next step; a recurrent state folds in only the kept ones)
+                    request.num_computed_tokens -= len(drafts) - len(accepted)
                 tokens = [*accepted, token]
             for token in tokens:
                 request.append_output_token(token)
@@ -397,6 +404,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.spec_token_ids = []
+        request.folds_drafts = False  # (its state is computed again from its tokens)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -76,7 +76,7 @@ class ModelExecutor:
     tp_workers: TensorParallelWorkers | None
     startup_stats: dict[str, Any]
     # a model with recurrent layers: (request slots, snapshots) of their state tensors' rows (the scratch row besides)
-    state_rows: tuple[int, int, bool] | None = None
+    state_rows: tuple[int, int] | None = None
     draft_dir: Path | None = None  # speculative decoding with an EAGLE-3 draft: its directory
 
     @property
@@ -234,7 +234,9 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         kv_layers = model_config.attention_layers  # (a hybrid's recurrent layers keep states, not KV)
         windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
         # NOTE: allocated before the KV cache is sized, so its profile counts them as it counts the weights
-        recurrent_states, state_rows = allocate_recurrent_states(config, model_config, shard, dtype, device)
+        recurrent_states, state_rows, draft_records = allocate_recurrent_states(
+            config, model_config, shard, dtype, device
+        )
         # (Gemma 4's full layers: heads of another width and number, in groups of their own)
         shapes = [
             (kv_heads_per_rank(model_config.kv_heads_of(i), shard.size), model_config.head_dim_of(i)) for i in kv_layers
@@ -269,6 +271,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
                 kv_spec.groups,
                 recurrent_states,
                 config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0,
+                draft_records,
             )
 
         cache = compiled.backend.cache if compiled is not None else None

@@ -120,6 +120,7 @@ def step_tensors(runner: ModelRunner, header: StepHeader) -> list[torch.Tensor]:
         inputs.query_start_loc,
         inputs.seq_lens,
         inputs.state_slots,
+        inputs.state_folds,
         inputs.block_table[: header.num_scheduled_reqs],
     ]
 

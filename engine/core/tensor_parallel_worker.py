@@ -102,6 +102,7 @@ def run_step(runner: ModelRunner, header: StepHeader) -> None:
         seq_lens_cpu=torch.tensor(header.seq_lens, dtype=torch.int32),
         state_slots=inputs.state_slots,
         state_slots_cpu=inputs.state_slots.cpu(),
+        state_folds=inputs.state_folds,
     )
     if runner.inputs.num_groups > 1:
         metadata = metadata.with_groups(inputs.block_table, metadata.slot_mapping)

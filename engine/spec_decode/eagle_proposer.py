@@ -162,7 +162,7 @@ class EagleProposer:
         if isinstance(ids, torch.Tensor):
             rows = list(range(len(ids)))
             placeholders = np.zeros(len(ids), dtype=np.int64)
-            metadata, _ = self.runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids, (), shift)
+            metadata, _ = self.runner.writer.write(placeholders, *writer_args, (), (rows, rows), ids, ((), ()), shift)
         else:
             metadata, _ = self.runner.writer.write(ids.astype(np.int64), *writer_args, shift=shift)
         return metadata

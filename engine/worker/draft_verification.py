@@ -25,11 +25,11 @@ class DraftVerification:
 
     @property
     def shifts_positions(self) -> bool:
-        """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with
-        recurrent layers (a state restored by the host when drafts are rejected) or an attention backend that reads
-        sequence lengths on the host (off the CPU, where the host's copy is corrected too)."""
+        """Whether a step's positions can be moved back on the device (async scheduling while drafting): not with an
+        attention backend that reads sequence lengths on the host (off the CPU, where the host's copy is corrected
+        too). (Recurrent layers fold in a step's kept tokens on the device: `kept_tokens`.)"""
         host_lens = not self.backend.cudagraph_safe and self.device.type != "cpu"
-        return not self.recurrent_states and not host_lens
+        return not host_lens
 
     def _shift(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Each request's correction of its computed count on the device: minus the drafts the step in flight did
@@ -89,6 +89,9 @@ class DraftVerification:
         stops = torch.where(accepted, lasts.index_select(0, span_of), place)
         kept = torch.full_like(firsts, len(rows)).scatter_reduce_(0, span_of, stops, "amin")
         next_at = firsts + kept
+        if self.draft_records:  # each recurrent-state slot's kept tokens: the input and drafts kept (op.py folds them)
+            slots = to_device([batch.state_slots[i] for i in handle.sample_rows], torch.int64, self.device)
+            self.writer.kept_tokens.index_copy_(0, slots, (kept + 1).to(torch.int32))
         index = {batch.requests[i].request_id: j for j, i in enumerate(handle.sample_rows)}
         next_rows = rows_index.index_select(0, next_at)
         self._prev = StepTokens(index, emitted.index_select(0, next_at), next_rows, rows_index, emitted, lasts - kept)

@@ -51,6 +51,9 @@ class InputWriter:
         # The host mirror the next write fills (they take turns), and the copy out of each (done once its event fires).
         self._parity = 0
         self._fences: list[torch.cuda.Event | None] = [None] * mirrors
+        # a hybrid model verifying drafts: per recurrent-state slot, the tokens its request's last verification step
+        # kept (its input and the drafts kept), written by the runner after the verdict (set by the runner)
+        self.kept_tokens: torch.Tensor | None = None
 
     def prepare(
         self,
@@ -102,8 +105,9 @@ class InputWriter:
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         carry = (carry_dst, carry_src)
         prev_ids = prev.next_ids if prev is not None else None
+        states = (batch.state_slots, batch.state_folds)
         written = self.write(
-            input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_ids, batch.state_slots, shift
+            input_ids, computed, num_new, batch.block_ids, plan, sample_rows, carry, prev_ids, states, shift
         )
         if draft_dst:  # (in the stream after the chain that drafted them, and before this step's forward)
             dst, src = to_device([draft_dst, draft_src], torch.int64, self.device)
@@ -120,7 +124,7 @@ class InputWriter:
         sample_rows: list[int] = (),
         carry: tuple[list[int], list[int]] = ((), ()),
         prev_sampled: torch.Tensor | None = None,
-        state_slots: list[int] = (),
+        states: tuple[list[int], list[tuple[int, int]]] = ((), ()),
         shift: torch.Tensor | None = None,
     ) -> tuple[AttentionMetadata, Rows]:
         """Write the step's inputs into this step's pinned mirrors with numpy, then copy them over. `block_ids`:
@@ -185,8 +189,13 @@ class InputWriter:
             field[..., num_tokens:] = 0
         host.seq_lens[:num_reqs] = seq_lens
         host.seq_lens[num_reqs:] = 0
+        state_slots, state_folds = states
         host.state_slots[: len(state_slots)] = state_slots
         host.state_slots[len(state_slots) :] = 0  # (none: the scratch row, as padded requests)
+        folds = len(state_folds)
+        if folds:
+            host.state_folds[:, :folds] = np.asarray(state_folds, dtype=np.int32).T
+        host.state_folds[:, folds:] = 0
         carry_dst, carry_src = carry
         k = len(carry_dst)
         # a decode batch in the previous step's order takes its tokens with a plain copy, others by index
@@ -207,6 +216,9 @@ class InputWriter:
             inputs.input_ids.index_copy_(0, dst, prev_sampled.index_select(0, src))
         if shift is not None:
             self._shift(inputs, host, num_tokens, num_reqs, req_of_token, shift)
+        if folds and any(fold for fold, _ in state_folds):
+            slots = inputs.state_slots[:folds]
+            inputs.state_folds[0, :folds].mul_(self.kept_tokens.index_select(0, slots))
         if self.device.type == "cuda":
             self._fences[p] = torch.cuda.Event()
             self._fences[p].record()
@@ -228,6 +240,7 @@ class InputWriter:
             seq_lens_cpu=host_views.seq_lens,
             state_slots=inputs.state_slots,
             state_slots_cpu=host_views.state_slots,
+            state_folds=inputs.state_folds,
         )
         if self.num_groups > 1:
             metadata = metadata.with_groups(inputs.block_table, slot_mapping)

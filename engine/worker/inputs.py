@@ -77,10 +77,11 @@ class StepInputs(NamedTuple):
     logits_indices: Any  # [r] int64: the rows to sample when they are not simply the first r
     carry: Any  # [2, r] int64: tokens of the previous step the host has not seen (where they go, their row there)
     state_slots: Any  # [r] int32: each request's row of the recurrent layers' states (0, the scratch row, without)
+    state_folds: Any  # [2, r] int32: tokens each request folds into those states first, and whether it verifies drafts
     block_table: Any  # [r, width] int32; with G > 1 KV groups [r, G, width], a request's tables together
 
 
-DTYPES = (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64,) * 2 + (torch.int32,) * 2
+DTYPES = (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64,) * 2 + (torch.int32,) * 3
 # a draft token the host has not seen (EAGLE-3's and MTP's stay on the device): its step copies it from there
 DRAFT_ON_DEVICE = -1
 
@@ -115,8 +116,8 @@ class InputArena:
     def _shapes(self, n: int, r: int) -> list[tuple[int, ...]]:
         if self.num_groups > 1:
             g = self.num_groups
-            return [(n,), (n,), (g, n), (r + 1,), (r,), (r,), (2, r), (r,), (r, g, self.width)]
-        return [(n,), (n,), (n,), (r + 1,), (r,), (r,), (2, r), (r,), (r, self.width)]
+            return [(n,), (n,), (g, n), (r + 1,), (r,), (r,), (2, r), (r,), (2, r), (r, g, self.width)]
+        return [(n,), (n,), (n,), (r + 1,), (r,), (r,), (2, r), (r,), (2, r), (r, self.width)]
 
     def _offsets(self, n: int, r: int) -> list[int]:
         """Each field's byte offset, then the end of the last."""

@@ -67,12 +67,14 @@ class ModelRunner(DraftVerification):
         kv_groups: KVGroups | None = None,
         recurrent_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
         num_speculative_tokens: int = 0,
+        draft_records: tuple = (),
     ) -> None:
         """`tp_workers`: rank 0's handle on the other tensor-parallel ranks, which run each step's forward too.
         `kv_groups`: the layers' KV groups (kiln.cache.groups), each with block tables of its own when several.
         `recurrent_states`: each recurrent layer's (conv, delta-rule) state tensors, a row a slot
         (kiln.cache.state_cache). `num_speculative_tokens`: speculative decoding's k, for whose verification steps
-        full graphs are captured too."""
+        full graphs are captured too; `draft_records`: each recurrent layer's record of its slots' last verification
+        step (backends/linear_attention/op.py)."""
         self.model = model
         self.compiled = compiled
         self.kv_caches = kv_caches
@@ -105,7 +107,8 @@ class ModelRunner(DraftVerification):
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
         # A step verifying k drafts of every request (1 + k query tokens each) replays a full graph of its own, sizes
-        # up to `largest_full` requests. (Not a recurrent model's: its multi-token state update runs outside graphs.)
+        # up to `largest_full` requests. (Not a recurrent model's yet: its conv kernel takes a request for every token,
+        # and such a graph's padding past the last request's tokens has none.)
         self.verify_len = 1 + num_speculative_tokens if num_speculative_tokens and not recurrent_states else 1
         self.verify_sizes: list[int] = []
         self.full_verifications = 0  # steps that verified drafts in a full graph
@@ -118,6 +121,10 @@ class ModelRunner(DraftVerification):
         writes = 1 + num_speculative_tokens
         self.writer = InputWriter(max_tokens, max_reqs, max_model_len, block_size, device, num_groups, writes)
         self.inputs = self.writer.arena  # the persistent buffers every step's inputs (and a graph's) live in
+        self.draft_records = draft_records
+        if draft_records:  # (each slot's kept tokens: written after a verdict, read by the next step's inputs)
+            num_slots = draft_records[0].g.shape[0]
+            self.writer.kept_tokens = torch.zeros(num_slots, dtype=torch.int32, device=device)
         # The last launched step's sampled tokens on the device (the next step's inputs read them there).
         self._prev: StepTokens | None = None
         # EAGLE-3's or MTP's proposer (engine_core.py): it drafts on the device right after each step's sampling
@@ -293,6 +300,7 @@ class ModelRunner(DraftVerification):
             self.layer_groups,
             self.recurrent_states,
             self.aux_hidden,
+            self.draft_records,
         )
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:

@@ -281,14 +281,17 @@ def gated_delta_net_variants(model: str):
     step, the gated norm."""
     heads = dict(Q_PER_K=32 // 16, DK=128, DK_P=128)
     chunk = dict(heads, CHUNK=triton_delta_rule.CHUNK, PRECISION="tf32")
-    pointers = {n: "*i32" for n in ("chunk_request_ptr", "first_chunk_ptr", "state_slots_ptr", "token_request_ptr")}
-    pointers |= {n: "*fp32" for n in ("states_ptr", "a_ptr", "scores_ptr", "norms_ptr", "g_ptr")}
+    ints = ("chunk_request_ptr", "first_chunk_ptr", "state_slots_ptr", "token_request_ptr", "counts_ptr", "keep_ptr")
+    pointers = {n: "*i32" for n in ints}
+    pointers |= {n: "*fp32" for n in ("states_ptr", "a_ptr", "scores_ptr", "norms_ptr", "g_ptr", "fg_ptr", "fbeta_ptr")}
     yield "ut transform", triton_delta_rule._ut_transform_kernel, chunk, 4, 3, pointers
     block_v, warps, stages = triton_delta_rule.SCAN_CONFIG
-    scan = dict(chunk, DV=128, BLOCK_V=block_v, SPLIT=True)
-    yield "chunk scan", triton_delta_rule._chunk_scan_kernel, scan, warps, stages, pointers
-    step = dict(heads, DV=128, BLOCK_V=triton_delta_rule.STEP_BLOCK_V)
-    yield "recurrent step", triton_delta_rule._recurrent_kernel, step, 4, 3, pointers
+    for fold in (False, True):  # (speculative decoding's: the kept tokens of a verification step folded in first)
+        name = " (fold)" if fold else ""
+        scan = dict(chunk, DV=128, BLOCK_V=block_v, SPLIT=True, FOLD=fold)
+        yield f"chunk scan{name}", triton_delta_rule._chunk_scan_kernel, scan, warps, stages, pointers
+        step = dict(heads, DV=128, BLOCK_V=triton_delta_rule.STEP_BLOCK_V, FOLD=fold)
+        yield f"recurrent step{name}", triton_delta_rule._recurrent_kernel, step, 4, 3, pointers
     conv = dict(D=8192, K=4, BLOCK_D=triton_conv.BLOCK_D)
     yield "conv", triton_conv._causal_conv1d_kernel, dict(conv, BLOCK_T=triton_conv.BLOCK_T), 4, 3, pointers
     yield "conv state", triton_conv._conv_state_kernel, dict(conv, ROWS_P=4), 4, 3, pointers

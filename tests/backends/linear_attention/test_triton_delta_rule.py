@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.backends.linear_attention import torch_forms
+from kiln.backends.linear_attention.torch_forms import Fold
 from kiln.backends.linear_attention.triton_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 from helpers.kernels import DEVICE
@@ -204,6 +206,55 @@ def test_recurrent_from_zeros_or_from_state(context):
     assert_state_and_output(out, states, want_out, want_states, [2, 5])
 
 
+@pytest.mark.parametrize("kernel", ["chunked", "recurrent"])
+def test_fold_takes_the_kept_tokens_first(kernel):
+    """Speculative decoding's fold: each request first takes its slot record's first counts[i] tokens (a verification
+    step's kept ones) into the state it read, then its own; with keep set the state written back is the folded one
+    (its own tokens are drafts, folded a step later). Against the float64 loop over the record's tokens then the
+    request's, and the plain-torch form (the CPU's) alike."""
+    P = 4  # (a record's tokens: 1 + num_speculative_tokens)
+    one = kernel == "recurrent"
+    q_lens = [1, 1, 1, 1] if one else [3, 1, 4, 2]
+    counts, keep, slots = [2, 0, 4, 1], [0 if one else 1, 0, 0, 1 if not one else 0], [2, 5, 1, 3]
+    contexts = [7, 3, 9, 4]
+    q, k, v, g, beta = make_inputs(sum(q_lens), seed=20)
+    record = make_inputs(NUM_SLOTS * P, seed=21)
+    fold = Fold(
+        torch.tensor(counts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(keep, dtype=torch.int32, device=DEVICE),
+        record[1].reshape(NUM_SLOTS, P, HK, DK),
+        record[2].reshape(NUM_SLOTS, P, HV, DV),
+        record[3].reshape(NUM_SLOTS, P, HV).contiguous(),
+        record[4].reshape(NUM_SLOTS, P, HV).contiguous(),
+    )
+    query_start_loc, seq_lens, slot_tensor = metadata(q_lens, contexts, slots)
+    states = random_states()
+    # the reference: the kept tokens as a step of their own (no output), then the request's tokens
+    want_states = states.double().clone()
+    kept = [torch.arange(s * P, s * P + n) for s, n in zip(slots, counts)]
+    rows = torch.cat(kept)
+    fold_loc, fold_lens, fold_slots = metadata(counts, contexts, slots)
+    _, want_states = reference(*(x[rows] for x in record), want_states, fold_loc, fold_lens, fold_slots, 1.0)
+    folded = want_states.clone()
+    want_out, want_states = reference(q, k, v, g, beta, want_states, query_start_loc, seq_lens, slot_tensor, 0.4)
+    for i, slot in enumerate(slots):
+        if keep[i]:
+            want_states[slot] = folded[slot]
+    for run in ("kernel", "torch"):
+        got = states.clone()
+        out = torch.full((sum(q_lens), HV, DV), float("nan"), device=DEVICE)
+        if run == "torch":
+            args = (q, k, v, g, beta, got, query_start_loc.cpu(), seq_lens.cpu(), slot_tensor.cpu(), 0.4, out)
+            torch_forms.chunk_gated_delta_rule(*args, Fold(*(x.cpu() for x in fold)))
+        elif one:
+            recurrent_gated_delta_rule(q, k, v, g, beta, got, seq_lens, slot_tensor, 0.4, out, fold)
+        else:
+            chunk_gated_delta_rule(q, k, v, g, beta, got, query_start_loc, seq_lens, slot_tensor, 0.4, out, fold)
+        assert_state_and_output(out, got, want_out, want_states, slots)
+        untouched = [s for s in range(NUM_SLOTS) if s not in slots]
+        assert torch.equal(got[untouched], states[untouched])
+
+
 def qwen36_inputs(num_tokens, seed):
     """Qwen3.6-35B-A3B's linear layers: 16 key heads, 32 value heads of 128, bf16; q, k, v views of one row."""
     torch.manual_seed(seed)
@@ -244,13 +295,13 @@ def test_on_gpu_at_qwen36_shapes():
 
 
 def test_kernels_compile_for_sm90_without_spilling(tmp_path):
-    """Every Gated DeltaNet kernel (the delta rule's, the conv's, the norm's) compiled for the H200 at Qwen3.6's shapes
-    by `scripts/dev/kernel_resources.py`, on any machine: none spills registers (the chunk scan keeps a state slice,
-    and spilled before its scores moved to the UT transform's kernel)."""
+    """Every Gated DeltaNet kernel (the delta rule's, with and without a fold, the conv's, the norm's) compiled for the
+    H200 at Qwen3.6's shapes by `scripts/dev/kernel_resources.py`, on any machine: none spills registers (the chunk
+    scan keeps a state slice, and spilled before its scores moved to the UT transform's kernel)."""
     script = Path(__file__).resolve().parents[3] / "scripts" / "dev" / "kernel_resources.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     args = ["--families", "gated_delta_net", "--models", "qwen3-0.6b", "--check"]
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("gated_delta_net") == 7 and "spills" not in run.stdout, run.stdout
+    assert run.stdout.count("gated_delta_net") == 9 and "spills" not in run.stdout, run.stdout  # (7 + two folds)

@@ -1,7 +1,8 @@
 """The Gated DeltaNet hybrids on the GPU: the Triton kernels (chunked delta rule, recurrent step, causal conv, gated
 norm) eager, and compiled with the linear-attention op inside the full decode CUDA graphs; float32 against
 transformers token for token, bf16 as close to transformers' float32 as its own bf16 run is; a next turn from a
-snapshot; speculative decoding's drafts verified in full graphs (every request k drafts) and piecewise ones."""
+snapshot; speculative decoding's drafts verified in full graphs (every request k drafts) and piecewise ones, and a
+hybrid's drafts made on the device folded into its recurrent states with async scheduling on."""
 
 from __future__ import annotations
 
@@ -85,3 +86,25 @@ def test_drafts_verified_in_full_graphs_equal_no_drafts(tiny_llama_dir, tmp_path
         assert llm.engine.runner.full_verifications > 0
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_device_drafts_fold_into_the_hybrids_state(tiny_qwen3_5_dir, tmp_path):
+    """Drafts made on the device (bench_spec's oracle: the run without drafts' tokens, about 40% of draft tokens
+    corrupted) on the hybrid, compiled with CUDA graphs: each step scheduled before the verdict on the one in flight,
+    the Triton kernels folding the kept tokens into the states; float32 tokens those of the run without drafts."""
+    from bench_spec import DeviceDrafter, install  # noqa: PLC0415
+
+    prompts = [[5, 17, 33, 2, 101, 45, 9, 5, 17], [7] * 9, list(range(20, 29)), [300, 12] * 4 + [1]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=128, block_size=4, compile_cache_dir=str(tmp_path))
+    with LLM(str(tiny_qwen3_5_dir), **kwargs) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(str(tiny_qwen3_5_dir), speculative_config=spec, **kwargs) as llm:
+        continuations = {tuple(p): list(w) for p, w in zip(prompts, want)}
+        install(llm, DeviceDrafter(3, llm.engine.model_config.vocab_size, continuations, keep=0.6))
+        assert llm.engine.scheduler.optimistic
+        for _ in range(2):  # (the second time from the first's snapshots)
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        scheduler = llm.engine.scheduler
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens

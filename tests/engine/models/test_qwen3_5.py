@@ -192,9 +192,10 @@ def test_the_triton_kernels_in_the_model_match_hf(tiny_qwen3_5_dir, monkeypatch)
 
 
 def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
-    """Speculative decoding on the hybrid: a step verifying drafts keeps its requests' states in backup rows; where a
-    draft is rejected the state goes back and the kept tokens are computed again. Drafts from an oracle (the run
-    without drafts' tokens, every other proposal's last token wrong): tokens and logprobs equal that run's."""
+    """Speculative decoding on the hybrid, drafts from the host (the step after one verifying drafts waits for its
+    verdict): a step verifying drafts writes back the state it started from and records its tokens; the next step
+    folds in those kept. Drafts from an oracle (the run without drafts' tokens, every other proposal's last token
+    wrong): tokens and logprobs equal that run's."""
     plain = LLM(str(tiny_qwen3_5_dir), enforce_eager=True, max_model_len=256)
     want = {tuple(p): o.outputs[0] for p, o in zip(PROMPTS, plain.generate(PROMPTS, GREEDY, use_tqdm=False))}
 
@@ -225,6 +226,49 @@ def test_drafts_verified_over_the_recurrent_state(tiny_qwen3_5_dir):
             abs(a[t].logprob - b[t].logprob) < TOL for a, b, t in zip(got.logprobs, expected.logprobs, got.token_ids)
         )
     assert_nothing_held(llm)
+
+
+SAME_LENGTH = [[5, 17, 33, 2, 101, 45, 9, 5, 17], [7] * 9, list(range(20, 29)), [300, 12] * 4 + [1]]
+
+
+@pytest.mark.parametrize(
+    "k,setup",
+    [(1, "eager"), (3, "eager"), (4, "chunked-compiled"), (3, "preempted"), (2, "tp2")],
+)
+def test_drafts_on_the_device_fold_into_the_state(tiny_qwen3_5_dir, tmp_path, k, setup):
+    """Drafts made on the device (as MTP's and EAGLE-3's: bench_spec's oracle, the run without drafts' tokens with
+    about 40% of draft tokens corrupted): the engine schedules each step before the verdict on the one in flight, and
+    the device folds each request's kept tokens into its recurrent state (op.py's DraftRecord). Tokens and logprobs
+    those of the run without drafts, with chunked prefill and compiled, preemption, two ranks over gloo, and again
+    from the prefix cache's snapshots; every slot and block back."""
+    from bench_spec import DeviceDrafter, install  # noqa: PLC0415
+
+    kwargs = dict(enforce_eager=setup != "chunked-compiled", max_model_len=64, block_size=4)
+    if setup == "chunked-compiled":
+        kwargs.update(max_num_batched_tokens=8, compile_cache_dir=str(tmp_path))
+    if setup == "preempted":
+        kwargs.update(num_kv_blocks=11, max_model_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    with LLM(str(tiny_qwen3_5_dir), **kwargs) as plain:
+        want = plain.generate(SAME_LENGTH, params, use_tqdm=False)
+    continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(SAME_LENGTH, want)}
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    tp = 2 if setup == "tp2" else 1
+    with LLM(str(tiny_qwen3_5_dir), speculative_config=spec, tensor_parallel_size=tp, **kwargs) as llm:
+        install(llm, DeviceDrafter(k, llm.engine.model_config.vocab_size, continuations, keep=0.6))
+        assert llm.engine.scheduler.optimistic
+        for _ in range(2):  # (the second time from the first's snapshots)
+            outputs = llm.generate(SAME_LENGTH, params, use_tqdm=False)
+            for got, expected in zip(outputs, want, strict=True):
+                got, expected = got.outputs[0], expected.outputs[0]
+                assert got.token_ids == expected.token_ids
+                for a, b, t in zip(got.logprobs, expected.logprobs, got.token_ids):
+                    assert abs(a[t].logprob - b[t].logprob) < TOL
+        scheduler = llm.engine.scheduler
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+        assert all(o.num_cached_tokens >= 4 for o in outputs) or setup == "preempted"
+        assert (scheduler.num_preemptions > 0) == (setup == "preempted")
+        assert_nothing_held(llm)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
