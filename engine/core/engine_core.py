@@ -257,7 +257,7 @@ class EngineCore:
             spec.method == "ngram" and async_scheduling and runner.device.type == "cuda" and runner.shifts_positions
         ):
             lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
-            return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner)
+            return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner, spec.disable_by_batch_size)
         if spec.method == "mtp":
             executor = self.executor
             if not self.model_config.linear_layers or executor.load_format == "dummy":

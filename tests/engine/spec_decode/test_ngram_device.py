@@ -110,6 +110,33 @@ def test_fillers_are_verified_but_not_counted(tiny_llama_dir, baseline):
     assert scheduler.num_draft_tokens == scheduler.num_accepted_tokens == scheduler.num_spec_steps == 0
 
 
+def test_no_lookups_past_disable_by_batch_size(tiny_llama_dir, baseline):
+    """disable_by_batch_size 3: while four requests run, each step's tokens still reach the device's texts but nothing
+    is looked up (no drafts, no lookup's work); with one left its lookups resume over the whole text, as defined, and
+    its tokens are those without drafts."""
+    spec = {**ngram_gpu(3), "disable_by_batch_size": 3}
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=256, speculative_config=spec)
+    spy = Spy(llm)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), list(prompt), GREEDY)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+
+    def step() -> None:
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+
+    for _ in range(5):
+        step()
+    assert not spy.lookups and spy.scheduled_drafts == 0 and len(scheduler.running) == 4
+    engine.abort_requests(["0", "1", "2"])
+    while engine.has_unfinished_requests():
+        step()
+    assert spy.lookups and scheduler.num_draft_tokens > 0
+    assert tokens["3"] == baseline[tuple(PROMPTS[3])].token_ids
+    spy.assert_lookups_as_defined({tuple(PROMPTS[3]): [*PROMPTS[3], *tokens["3"]]}, 3, 1, 3)
+
+
 def test_texts_shorter_than_the_longest_suffix(tiny_llama_dir):
     """prompt_lookup_max 4 (the default) over one-token prompts, alone (the lookup's window then narrower than the
     suffix) and together: the lookups as defined, the tokens those without drafts."""
