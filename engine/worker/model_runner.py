@@ -107,8 +107,7 @@ class ModelRunner(DraftVerification):
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
         # A step verifying k drafts of every request (1 + k query tokens each) replays a full graph of its own, sizes
-        # up to `largest_full` requests. (Not a recurrent model's yet: its conv kernel takes a request for every token,
-        # and such a graph's padding past the last request's tokens has none.)
+        # up to `largest_full` requests. (Not a recurrent model's yet: its op inside such a graph is untried on a GPU.)
         self.verify_len = 1 + num_speculative_tokens if num_speculative_tokens and not recurrent_states else 1
         self.verify_sizes: list[int] = []
         self.full_verifications = 0  # steps that verified drafts in a full graph

@@ -243,9 +243,11 @@ def test_fold_takes_the_kept_tokens_first(kernel):
     for run in ("kernel", "torch"):
         got = states.clone()
         out = torch.full((sum(q_lens), HV, DV), float("nan"), device=DEVICE)
-        if run == "torch":
-            args = (q, k, v, g, beta, got, query_start_loc.cpu(), seq_lens.cpu(), slot_tensor.cpu(), 0.4, out)
-            torch_forms.chunk_gated_delta_rule(*args, Fold(*(x.cpu() for x in fold)))
+        if run == "torch":  # (the CPU's form: host tensors throughout)
+            cpu, host_states, host_out = (q, k, v, g, beta), got.cpu(), out.cpu()
+            args = (*(x.cpu() for x in cpu), host_states, query_start_loc.cpu(), seq_lens.cpu(), slot_tensor.cpu(), 0.4)
+            torch_forms.chunk_gated_delta_rule(*args, host_out, Fold(*(x.cpu() for x in fold)))
+            got.copy_(host_states), out.copy_(host_out)
         elif one:
             recurrent_gated_delta_rule(q, k, v, g, beta, got, seq_lens, slot_tensor, 0.4, out, fold)
         else:

@@ -72,6 +72,8 @@ class ContinuationDrafter:
 
 
 def test_drafts_verified_in_full_graphs_equal_no_drafts(tiny_llama_dir, tmp_path):
+    from bench_spec import install  # noqa: PLC0415
+
     prompts = [[5, 17, 33, 2, 101, 45, 9] * 4, list(range(20, 60)) * 2]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
     kwargs = dict(dtype="float32", max_model_len=256, compile_cache_dir=str(tmp_path))
@@ -80,10 +82,9 @@ def test_drafts_verified_in_full_graphs_equal_no_drafts(tiny_llama_dir, tmp_path
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
         continuations = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
-        llm.engine.scheduler.drafter = ContinuationDrafter(3, continuations)
+        install(llm, ContinuationDrafter(3, continuations))  # (on the host: `ngram` itself looks up on the device)
         got = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.num_accepted_tokens > 0
-        assert llm.engine.runner.full_verifications > 0
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
@@ -106,5 +107,8 @@ def test_device_drafts_fold_into_the_hybrids_state(tiny_qwen3_5_dir, tmp_path):
         assert llm.engine.scheduler.optimistic
         for _ in range(2):  # (the second time from the first's snapshots)
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        # three requests (the decode graphs' padding)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)] == want[:3]
         scheduler = llm.engine.scheduler
         assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+        assert llm.engine.runner.full_verifications > 0
