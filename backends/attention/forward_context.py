@@ -52,6 +52,8 @@ class AttentionMetadata:
     # with speculative decoding too, [2, B] int32 on the device: the tokens of each request's last step it folds into
     # its state first, and whether this step's are folded later instead (it verifies drafts; linear_attention/op.py)
     state_folds: torch.Tensor | None = None
+    # what ops derive from this step's metadata alone, computed by the first layer that needs it (op.py's plan)
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

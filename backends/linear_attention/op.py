@@ -88,10 +88,12 @@ def gated_delta_net(
     record = context.draft_records[state_index] if context.draft_records else None
     fold = None
     if record is not None:
+        plan = metadata.derived.get("draft_plan")
+        if plan is None:  # (the same for every linear layer of the step)
+            plan = metadata.derived["draft_plan"] = _plan(metadata, record, starts, slots, num_tokens, decode)
+        _fold_window(record, conv_states, plan)
+        record.window.view(-1, record.window.shape[-1]).index_copy_(0, plan.window_rows, x)
         counts, keep = metadata.state_folds
-        _fold_window(record, conv_states, slots.long(), counts)
-        record_rows, window_rows = _record_rows(record, starts, slots.long(), num_tokens, decode)
-        record.window.view(-1, record.window.shape[-1]).index_copy_(0, window_rows, x)
         fold = Fold(
             counts,
             keep,
@@ -115,29 +117,27 @@ def gated_delta_net(
     else:
         kernels.chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, starts, seq_lens, slots, scale, out, fold)
     if record is not None:  # (after the delta rule, which read the last step's record)
-        record.conv_out.view(-1, record.conv_out.shape[-1]).index_copy_(0, record_rows, conv_out)
-        record.g.view(-1, num_value_heads).index_copy_(0, record_rows, g.float())
-        record.beta.view(-1, num_value_heads).index_copy_(0, record_rows, beta.float())
+        record.conv_out.view(-1, record.conv_out.shape[-1]).index_copy_(0, plan.record_rows, conv_out)
+        record.g.view(-1, num_value_heads).index_copy_(0, plan.record_rows, g.float())
+        record.beta.view(-1, num_value_heads).index_copy_(0, plan.record_rows, beta.float())
 
 
-def _fold_window(record: DraftRecord, conv_states: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
-    """Before the conv: a request folding n kept tokens takes its conv state from its record's window (the K - 1
-    inputs after the first n of its last step's); every request's window then starts from the state it now has."""
-    width = conv_states.shape[1]
-    n = counts.long()
-    index = (n[:, None] + torch.arange(width, device=n.device)).unsqueeze(-1).expand(-1, -1, conv_states.shape[2])
-    shifted = record.window.index_select(0, slots).gather(1, index)
-    folded = torch.where((n > 0)[:, None, None], shifted, conv_states.index_select(0, slots))
-    conv_states.index_copy_(0, slots, folded)
-    record.window[:, :width].index_copy_(0, slots, folded)
+class _Plan(NamedTuple):
+    """A step's rows of the draft records, the same for every linear layer (op.py's `_plan`)."""
+
+    slots: torch.Tensor  # [r] int64
+    folds: torch.Tensor  # [r, 1, 1] bool: the request folds kept tokens in
+    window_index: torch.Tensor  # [r, K - 1, conv_dim] int64: its conv state's rows in its window, once folded
+    record_rows: torch.Tensor  # [T] int64: each token's row in its slot's flat record [S * P]
+    window_rows: torch.Tensor  # [T] int64: ... and in its flat window [S * (K - 1 + P)]
 
 
-def _record_rows(
-    record: DraftRecord, starts: torch.Tensor, slots: torch.Tensor, num_tokens: int, decode: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's row in its slot's flat record [S * P] and window [S * (K - 1 + P)]: its place in its request,
-    for the first P of every request's tokens (only a verifying request's are read, and it has no more; the rest
-    go to the scratch slot's rows). On the device, without a host read (a full CUDA graph captures it)."""
+def _plan(metadata, record: DraftRecord, starts, slots, num_tokens: int, decode: bool) -> _Plan:
+    """Each token's record and window rows: its place in its request, for the first P of every request's tokens
+    (only a verifying request's are read, and it has no more; the rest go to the scratch slot's rows); and where a
+    folding request's conv state lies in its window. On the device, without a host read (a full CUDA graph captures
+    it)."""
+    slots = slots.long()
     token = torch.arange(num_tokens, device=slots.device)
     if decode:
         request, place = token, torch.zeros_like(token)
@@ -145,10 +145,29 @@ def _record_rows(
         request = torch.searchsorted(starts[1:], token.to(starts.dtype), right=True).clamp_(max=slots.shape[0] - 1)
         place = token - starts.index_select(0, request)
     slot = slots.index_select(0, request)
-    places, window_rows = record.conv_out.shape[1], record.window.shape[1]
+    _, window_rows, dim = record.window.shape
+    places = record.conv_out.shape[1]
     inside = (place < places) & (token < starts[-1])
     width = window_rows - places
-    return torch.where(inside, slot * places + place, 0), torch.where(inside, slot * window_rows + width + place, 0)
+    n = metadata.state_folds[0].long()
+    window_index = (n[:, None] + torch.arange(width, device=n.device)).unsqueeze(-1).expand(-1, -1, dim)
+    return _Plan(
+        slots,
+        (n > 0)[:, None, None],
+        window_index,
+        torch.where(inside, slot * places + place, 0),
+        torch.where(inside, slot * window_rows + width + place, 0),
+    )
+
+
+def _fold_window(record: DraftRecord, conv_states: torch.Tensor, plan: _Plan) -> None:
+    """Before the conv: a request folding n kept tokens takes its conv state from its record's window (the K - 1
+    inputs after the first n of its last step's); every request's window then starts from the state it now has."""
+    width = conv_states.shape[1]
+    shifted = record.window.index_select(0, plan.slots).gather(1, plan.window_index)
+    folded = torch.where(plan.folds, shifted, conv_states.index_select(0, plan.slots))
+    conv_states.index_copy_(0, plan.slots, folded)
+    record.window[:, :width].index_copy_(0, plan.slots, folded)
 
 
 @torch.library.custom_op("kiln::gated_delta_net", mutates_args=("output",))

@@ -233,16 +233,21 @@ SAME_LENGTH = [[5, 17, 33, 2, 101, 45, 9, 5, 17], [7] * 9, list(range(20, 29)), 
 
 @pytest.mark.parametrize(
     "k,setup",
-    [(1, "eager"), (3, "eager"), (4, "chunked-compiled"), (3, "preempted"), (2, "tp2")],
+    [(1, "eager"), (3, "eager"), (4, "chunked-compiled"), (3, "preempted"), (2, "tp2"), (2, "triton")],
 )
-def test_drafts_on_the_device_fold_into_the_state(tiny_qwen3_5_dir, tmp_path, k, setup):
+def test_drafts_on_the_device_fold_into_the_state(tiny_qwen3_5_dir, tmp_path, monkeypatch, k, setup):
     """Drafts made on the device (as MTP's and EAGLE-3's: bench_spec's oracle, the run without drafts' tokens with
     about 40% of draft tokens corrupted): the engine schedules each step before the verdict on the one in flight, and
     the device folds each request's kept tokens into its recurrent state (op.py's DraftRecord). Tokens and logprobs
-    those of the run without drafts, with chunked prefill and compiled, preemption, two ranks over gloo, and again
-    from the prefix cache's snapshots; every slot and block back."""
+    those of the run without drafts, with chunked prefill and compiled, preemption, two ranks over gloo, the Triton
+    kernels, and again from the prefix cache's snapshots; every slot and block back."""
     from bench_spec import DeviceDrafter, install  # noqa: PLC0415
 
+    if setup == "triton":  # (the GPU's kernels, under Triton's interpreter: the fold's strided record views)
+        skip_uninterpreted_triton("triton")
+        from kiln.backends.linear_attention import op
+
+        monkeypatch.setattr(op, "_kernels", lambda device: op._triton_kernels())
     kwargs = dict(enforce_eager=setup != "chunked-compiled", max_model_len=64, block_size=4)
     if setup == "chunked-compiled":
         kwargs.update(max_num_batched_tokens=8, compile_cache_dir=str(tmp_path))
