@@ -135,9 +135,8 @@ def causal_conv1d(
         # each token's request, found on the device: the number of ends at or before it
         tokens = torch.arange(num_tokens, device=x.device, dtype=query_start_loc.dtype)
         token_request = torch.searchsorted(query_start_loc[1:], tokens, right=True, out_int32=True)
-        token_request.clamp_(
-            max=num_requests - 1
-        )  # (a verification graph's padding past the last request: a padded one's)
+        # (a verification graph's padding past the last request's tokens: a padded request's)
+        token_request.clamp_(max=num_requests - 1)
         _causal_conv1d_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(dim, BLOCK_D))](
             out,
             x,

@@ -68,9 +68,12 @@ class DraftVerification:
         place = np.arange(len(rows)) - firsts[span_of]
         following = np.asarray(rows) + 1
         following[firsts + counts - 1] = -1
-        packed = np.concatenate([rows, following, span_of, place, firsts, counts - 1])
+        # (and with recurrent layers each sampled request's state slot, for its kept tokens below)
+        slots = [batch.state_slots[i] for i in handle.sample_rows] if self.draft_records else []
+        packed = np.concatenate([rows, following, span_of, place, firsts, counts - 1, slots])
         packed = to_device(packed, torch.int64, self.device)
-        rows_index, following, span_of, place, firsts, lasts = packed.split([len(rows)] * 4 + [len(spans)] * 2)
+        sizes = [len(rows)] * 4 + [len(spans)] * 2 + [len(slots)]
+        rows_index, following, span_of, place, firsts, lasts, slots = packed.split(sizes)
         logits = self.model.compute_logits(hidden[rows_index]) if head is None else head[0][rows_index]
         grammars = [None] * len(rows)  # (a constrained request verifies no drafts: its one row takes its mask)
         for (first, count), i in zip(spans, handle.sample_rows):
@@ -90,7 +93,6 @@ class DraftVerification:
         kept = torch.full_like(firsts, len(rows)).scatter_reduce_(0, span_of, stops, "amin")
         next_at = firsts + kept
         if self.draft_records:  # each recurrent-state slot's kept tokens: the input and drafts kept (op.py folds them)
-            slots = to_device([batch.state_slots[i] for i in handle.sample_rows], torch.int64, self.device)
             self.writer.kept_tokens.index_copy_(0, slots, (kept + 1).to(torch.int32))
         index = {batch.requests[i].request_id: j for j, i in enumerate(handle.sample_rows)}
         next_rows = rows_index.index_select(0, next_at)
