@@ -168,14 +168,19 @@ class EagleProposer:
         return metadata
 
 
-def next_position_shift(sample_rows: list[int], step: StepTokens, shift: torch.Tensor | None) -> torch.Tensor | None:
+def next_position_shift(
+    sample_rows: list[int] | torch.Tensor, step: StepTokens, shift: torch.Tensor | None
+) -> torch.Tensor | None:
     """Each sampled request's correction, on the device, of the position after its step as the host wrote it
-    (computed + new tokens): back by the step's own shift and by the drafts it did not keep; None where neither."""
+    (computed + new tokens): back by the step's own shift and by the drafts it did not keep; None where neither.
+    `sample_rows` the sampled requests' rows in the step (on the device already, or a list)."""
     if shift is None and step.rejected is None:
         return None
     correction = torch.zeros(len(sample_rows), dtype=torch.int64, device=step.next_ids.device)
     if shift is not None:
-        correction += shift.index_select(0, to_device(sample_rows, torch.int64, shift.device))
+        if not isinstance(sample_rows, torch.Tensor):
+            sample_rows = to_device(sample_rows, torch.int64, shift.device)
+        correction += shift.index_select(0, sample_rows)
     if step.rejected is not None:
         correction -= step.rejected
     return correction

@@ -110,15 +110,20 @@ class DeviceNgramProposer:
         owner = np.repeat(np.arange(len(sample_rows)), tail)
         offsets = np.arange(len(owner)) - np.repeat(np.cumsum(tail) - tail, tail) + (num_new - tail)[owner]
         token_rows = ends[sample_rows][owner] - num_new[owner] + offsets
-        flat = [computed[owner] + offsets, token_rows, owner, np.asarray(rows)[owner]]
-        positions, token_rows, owner, history_rows = to_device(np.stack(flat), torch.int64, device).unbind()
+        # (one copy to the device: each tail token's position, input row, owner and history row; then each sampled
+        # request's text end, history row and row in the step)
+        packed = [computed[owner] + offsets, token_rows, owner, np.asarray(rows)[owner]]
+        packed += [computed + num_new, np.asarray(rows, dtype=np.int64), np.asarray(sample_rows, dtype=np.int64)]
+        packed = to_device(np.concatenate(packed), torch.int64, device)
+        positions, token_rows, owner, history_rows, end, row_index, sample_index = packed.split(
+            [len(owner)] * 4 + [len(sample_rows)] * 3
+        )
         if shift is not None:
-            positions = positions + shift.index_select(0, to_device(sample_rows, torch.int64, device))[owner]
+            positions = positions + shift.index_select(0, sample_index)[owner]
         tokens = self.runner.inputs.input_ids.index_select(0, token_rows).to(torch.int32)
         self.history.index_put_((history_rows, positions % self.ring), tokens)
         # each request's next input token closes its text
-        end, row_index = to_device(np.stack([computed + num_new, rows]), torch.int64, device).unbind()
-        correction = next_position_shift(sample_rows, step, shift)
+        correction = next_position_shift(sample_index, step, shift)
         if correction is not None:
             end = end + correction
         self.history.index_put_((row_index, end % self.ring), step.next_ids.to(torch.int32))
