@@ -107,8 +107,8 @@ class ModelRunner(DraftVerification):
         max_reqs = max(max_num_seqs, *self.capture_sizes, 1)
         self.max_model_len = max_model_len
         # A step verifying k drafts of every request (1 + k query tokens each) replays a full graph of its own, sizes
-        # up to `largest_full` requests. (Not a recurrent model's yet: its op inside such a graph is untried on a GPU.)
-        self.verify_len = 1 + num_speculative_tokens if num_speculative_tokens and not recurrent_states else 1
+        # up to `largest_full` requests (a recurrent model's too: its op plans its fold and records on the device).
+        self.verify_len = 1 + num_speculative_tokens if num_speculative_tokens else 1
         self.verify_sizes: list[int] = []
         self.full_verifications = 0  # steps that verified drafts in a full graph
         if self.verify_len > 1 and self.cudagraph_mode == "full_and_piecewise":
@@ -380,6 +380,7 @@ class ModelRunner(DraftVerification):
         metadata, plan = self._dummy_metadata(num_reqs * query_len, True, "full", query_len)
         if warm:
             self.forward(metadata, GraphPlan("none", plan.num_tokens, plan.num_reqs))
+            metadata.derived.clear()  # (what the warm-up derived lives outside the graph: the capture derives its own)
         inputs = self.inputs.views(plan.num_tokens, plan.num_reqs)
         with set_forward_context(self._context(metadata)):
             self.compiled.capture_full_graph(
