@@ -70,6 +70,7 @@ class CompiledModel:
         self.counters = counters
         self.backend = KilnBackend(cache, counters)
         self._forward = None  # torch.compile's wrapper, made for the trace (a warm start never needs it)
+        self._code: types.CodeType | None = None  # the code object Dynamo keeps the trace's cache entry on
         # keyed (tokens, requests): a decode's (n, n), a verification of k drafts a request's ((1 + k) r, r)
         self.full_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # None until traced or loaded
@@ -110,8 +111,10 @@ class CompiledModel:
             raise ValueError("the first (tracing) call needs at least 2 tokens: a size of 1 would be specialised")
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
+        forward = _private_forward(self.model)
+        self._code = forward.__code__
         self._forward = torch.compile(
-            _private_forward(self.model),
+            forward,
             backend=self.backend,
             fullgraph=True,
             options={"guard_filter_fn": _without_shape_guards},
@@ -185,6 +188,14 @@ class CompiledModel:
         call this before they leave their group."""
         self.full_graphs.clear()
         self.backend.release_graphs()
+
+    def close(self) -> None:
+        """Drop the CUDA graphs and Dynamo's cache entry of the trace: its guards hold the model (every weight) and
+        outlive this object on a GPU, so a closed engine's memory would stay taken."""
+        self.release_graphs()
+        if self._code is not None:
+            torch._dynamo.reset_code(self._code)
+        self._forward = self._code = self.run = None
 
     def replay_full_graph(self, size: int, num_reqs: int) -> tuple[torch.Tensor, ...]:
         """The hidden states, then the head's outputs, of the graph of `size` tokens and `num_reqs` requests (views

@@ -89,7 +89,7 @@ class ModelExecutor:
         if self.tp_workers is not None:
             self.tp_workers.close()
         if self.compiled is not None:
-            self.compiled.release_graphs()
+            self.compiled.close()
         self.runner = self.compiled = self.kv_caches = self.model = None
         if torch.cuda.is_initialized():
             gc.collect()  # (the model's modules and graphs hold cycles: freed now, before the cache is emptied)

@@ -21,41 +21,58 @@ import torch
 from kiln.engine import LLM, SamplingParams
 
 
-def holders(obj, depth: int = 8) -> str:
-    """The first chain of referrers of `obj` (type names, a dict's key), `depth` deep."""
-    chain, seen = [], {id(obj)}
-    for _ in range(depth):
-        refs = [
-            r
-            for r in gc.get_referrers(obj)
-            if id(r) not in seen and not isinstance(r, types.FrameType) and not type(r).__name__.endswith("iterator")
-        ]
-        if not refs:
-            break
-        obj = refs[0]
-        seen.add(id(obj))
-        name = type(obj).__name__
-        if isinstance(obj, dict):
-            keys = [k for k, v in obj.items() if id(v) in seen][:2]
-            name += str(keys)
-        elif isinstance(obj, types.FunctionType):
-            name += f"({obj.__qualname__})"
-        chain.append(name)
-        if isinstance(obj, (types.ModuleType, type)):
-            break
-    return " <- ".join(chain)
+def describe(obj) -> str:
+    name = type(obj).__name__
+    if isinstance(obj, dict):
+        return f"{name}({len(obj)} keys: {list(obj)[:4]})"[:160]
+    if isinstance(obj, (list, tuple)):
+        return f"{name}(len {len(obj)}: {[type(x).__name__ for x in obj[:4]]})"
+    if isinstance(obj, types.FunctionType):
+        return f"{name}({obj.__qualname__})"
+    if isinstance(obj, types.CellType):
+        return "cell"
+    return name
+
+
+def holders(obj, ignore: set[int], depth: int = 7, width: int = 3) -> str:
+    """Who refers to `obj`, breadth-first: up to `width` referrers of each object, `depth` levels up."""
+    lines, seen, level = [], {id(obj), *ignore}, [obj]
+    seen.update((id(lines), id(seen), id(globals())))
+    for d in range(depth):
+        nxt = []
+        seen.update((id(level), id(nxt)))
+        for o in level:
+            refs = [
+                r
+                for r in gc.get_referrers(o)
+                if id(r) not in seen
+                and not isinstance(r, types.FrameType)
+                and not type(r).__name__.endswith("iterator")
+                and not (isinstance(r, list) and len(r) > 1000)
+            ]
+            seen.add(id(refs))
+            for r in refs[:width]:
+                seen.add(id(r))
+                lines.append("      " + "  " * d + describe(r))
+                if not isinstance(r, (types.ModuleType, type)):
+                    nxt.append(r)
+        level = nxt
+    return "\n" + "\n".join(lines)
 
 
 def survivors(top: int) -> None:
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    fake = torch._subclasses.FakeTensor
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, fake) and o.is_cuda]
     graphs = [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
     total = sum(t.untyped_storage().nbytes() for t in tensors)
     print(f"  alive: {len(tensors)} CUDA tensors ({total / 2**20:.1f} MiB of storage), {len(graphs)} CUDA graphs")
-    for t in sorted(tensors, key=lambda t: -t.untyped_storage().nbytes())[:top]:
+    ranked = sorted(tensors, key=lambda t: -t.untyped_storage().nbytes())[:top]
+    ignore = {id(tensors), id(graphs), id(ranked)}
+    for t in ranked:
         size = t.untyped_storage().nbytes() / 2**20
-        print(f"  {size:9.1f} MiB {tuple(t.shape)} {t.dtype}: {holders(t)}")
+        print(f"  {size:9.1f} MiB {tuple(t.shape)} {t.dtype}, held by: {holders(t, ignore)}")
     for g in graphs[:top]:
-        print(f"  CUDA graph: {holders(g)}")
+        print(f"  CUDA graph, held by: {holders(g, ignore)}")
 
 
 def main() -> None:

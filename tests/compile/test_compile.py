@@ -14,6 +14,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from kiln.backends import environment
 from kiln.backends.attention.op import attend
@@ -68,6 +69,13 @@ def test_compiled_equals_eager_and_never_recompiles(model_dir, tmp_path):
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert compiled.engine.executor.counters.dynamo_traces == 1
     assert compiled.engine.executor.counters.inductor_compiles == compiles
+
+    # Closing drops the trace's Dynamo cache entry: its guards hold the model (on a GPU they outlived the engine)
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    code = compiled.engine.executor.compiled._code
+    assert len(entries(code)) == 1
+    compiled.close()
+    assert len(entries(code)) == 0
 
 
 def _start_in_subprocess(model_dir, cache_dir, dtype="float32") -> subprocess.Popen:
