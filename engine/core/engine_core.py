@@ -389,7 +389,10 @@ class EngineCore:
         """Stop the tensor-parallel workers and give back the GPU memory the engine holds (CUDA graphs, KV cache,
         weights) even while the engine object itself stays referenced. Idempotent; the engine cannot step after."""
         self.executor.close()
-        self.runner = None
+        if self.runner is not None:
+            self.runner.drafter = None
+        self.scheduler.drafter = None  # (a device drafter holds the runner, and so the weights and KV cache)
+        self.runner = self.in_flight = None
 
 
 def _whole_tensor(executor: ModelExecutor, suffix: str) -> torch.Tensor:

@@ -5,6 +5,9 @@ chunked prefill, compiled, preemption, prefix hits, a stop token, an abort and t
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -135,6 +138,18 @@ def test_no_lookups_past_disable_by_batch_size(tiny_llama_dir, baseline):
     assert spy.lookups and scheduler.num_draft_tokens > 0
     assert tokens["3"] == baseline[tuple(PROMPTS[3])].token_ids
     spy.assert_lookups_as_defined({tuple(PROMPTS[3]): [*PROMPTS[3], *tokens["3"]]}, 3, 1, 3)
+
+
+def test_a_closed_engine_lets_its_weights_go(tiny_llama_dir):
+    """Closed, the engine gives its weights back though the LLM is still referenced (the device drafter holds the
+    runner, and the scheduler the drafter)."""
+    spec = {"method": "ngram_gpu", "num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=64, speculative_config=spec)
+    llm.generate([[1, 2, 3, 1, 2]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    weight = weakref.ref(llm.engine.executor.model.model.embed_tokens.weight)
+    llm.close()
+    gc.collect()
+    assert weight() is None
 
 
 def test_texts_shorter_than_the_longest_suffix(tiny_llama_dir):
