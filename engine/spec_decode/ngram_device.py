@@ -112,8 +112,9 @@ class DeviceNgramProposer:
         token_rows = ends[sample_rows][owner] - num_new[owner] + offsets
         # (one copy to the device: each tail token's position, input row, owner and history row; then each sampled
         # request's text end, history row and row in the step)
-        packed = [computed[owner] + offsets, token_rows, owner, np.asarray(rows)[owner]]
-        packed += [computed + num_new, np.asarray(rows, dtype=np.int64), np.asarray(sample_rows, dtype=np.int64)]
+        rows = np.asarray(rows, dtype=np.int64)
+        packed = [computed[owner] + offsets, token_rows, owner, rows[owner]]
+        packed += [computed + num_new, rows, np.asarray(sample_rows, dtype=np.int64)]
         packed = to_device(np.concatenate(packed), torch.int64, device)
         positions, token_rows, owner, history_rows, end, row_index, sample_index = packed.split(
             [len(owner)] * 4 + [len(sample_rows)] * 3
