@@ -65,13 +65,15 @@ class KVCacheSpec:
         return self.groups.group_pages(self.groups.layer_group[layer]) if self.groups is not None else 1
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
-    """Whole blocks that fit in ``budget_bytes``; at least 2 (block 0 is reserved) or ValueError."""
-    num_blocks = max(budget_bytes, 0) // spec.bytes_per_block
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, extra_bytes_per_block: int = 0) -> int:
+    """Whole blocks that fit in ``budget_bytes``; at least 2 (block 0 is reserved) or ValueError.
+    ``extra_bytes_per_block``: another cache indexed by the same blocks (a speculative draft's layer)."""
+    block_bytes = spec.bytes_per_block + extra_bytes_per_block
+    num_blocks = max(budget_bytes, 0) // block_bytes
     if num_blocks < 2:
         raise ValueError(
             f"KV cache budget of {budget_bytes} bytes ({budget_bytes / _GIB:.3f} GiB) fits {num_blocks} "
-            f"blocks of {spec.bytes_per_block} bytes; at least 2 are needed (block 0 is reserved). "
+            f"blocks of {block_bytes} bytes; at least 2 are needed (block 0 is reserved). "
             "Raise gpu_memory_utilization, or lower max_num_batched_tokens or block_size."
         )
     return num_blocks

@@ -20,13 +20,10 @@ from kiln.engine.core.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.core.startup import ModelExecutor, build_executor, model_memo
 from kiln.engine.core.tensor_parallel import RanksOutOfStepError, WorkerDiedError
 from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
-from kiln.engine.models.loader import checkpoint_tensors
 from kiln.engine.models.source import resolve_tokenizer_class
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.spec_decode.config import SpeculativeConfig
-from kiln.engine.spec_decode.eagle3 import load_eagle3
 from kiln.engine.spec_decode.eagle_proposer import EagleProposer
-from kiln.engine.spec_decode.mtp import load_mtp
 from kiln.engine.spec_decode.ngram import NgramProposer
 from kiln.engine.spec_decode.ngram_device import DeviceNgramProposer
 from kiln.engine.structured_output.admission import GrammarAdmission
@@ -258,44 +255,9 @@ class EngineCore:
         ):
             lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
             return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner, spec.disable_by_batch_size)
-        if spec.method == "mtp":
-            executor = self.executor
-            if not self.model_config.linear_layers or executor.load_format == "dummy":
-                raise ValueError(
-                    "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships"
-                )
-            draft = load_mtp(
-                executor.source.model_dir,
-                executor.load_format,
-                self.model_config,
-                executor.model,
-                executor.dtype,
-                executor.device,
-            )
-            if executor.shard.size > 1:  # (the draft runs on rank 0, over the whole vocabulary)
-                draft.embed_tokens = self._whole_embedding(executor)
-                tied = self.model_config.tie_word_embeddings
-                draft.lm_head_weight = draft.embed_tokens.weight if tied else _whole_tensor(executor, "lm_head.weight")
-            return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
-        if spec.method == "eagle3":
-            executor = self.executor
-            draft = load_eagle3(executor.draft_dir, self.max_model_len, executor.dtype, executor.device)
-            if draft.embed_tokens is None:  # the target's, as the draft was trained (whole: the draft runs on rank 0)
-                draft.embed_tokens = self._whole_embedding(executor)
-            return EagleProposer(draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
+        if spec.method in ("mtp", "eagle3"):  # (the draft model was loaded with the target: startup.py)
+            return EagleProposer(self.executor.draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-
-    @staticmethod
-    def _whole_embedding(executor: ModelExecutor) -> torch.nn.Module:
-        """The target's token embedding over the whole vocabulary: its own with one rank; with several (each holds a
-        slice, and its lookup is a collective) a copy read from the checkpoint."""
-        embedding = executor.model.model.embed_tokens
-        if executor.shard.size == 1:
-            return embedding
-        config = executor.model_config
-        whole = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=executor.device, dtype=executor.dtype)
-        whole.weight.data = _whole_tensor(executor, "embed_tokens.weight")
-        return whole.requires_grad_(False)
 
     def _load_tokenizer(self):
         """The tokenizer grammars are compiled for: the one that reads this engine's outputs."""
@@ -393,15 +355,3 @@ class EngineCore:
             self.runner.drafter = None
         self.scheduler.drafter = None  # (a device drafter holds the runner, and so the weights and KV cache)
         self.runner = self.in_flight = None
-
-
-def _whole_tensor(executor: ModelExecutor, suffix: str) -> torch.Tensor:
-    """The target's checkpoint tensor whose name ends with `suffix`, whole, on this rank's device: a draft on rank 0
-    reads what the ranks hold a slice each of."""
-    if executor.load_format == "dummy":
-        raise ValueError("speculative drafts with tensor parallelism need the target's checkpoint, not dummy weights")
-    config = executor.model_config
-    for _, name, tensor in checkpoint_tensors(executor.source.model_dir, config, executor.load_format):
-        if name.endswith(suffix):
-            return tensor[:].to(executor.device, executor.dtype)
-    raise ValueError(f"{executor.source.model_dir}: no {suffix} for the draft")

@@ -43,15 +43,17 @@ def num_kv_blocks(
     uses_graphs: bool,
     cache: CompileCache | None,
     make_runner: RunnerFactory,
+    draft_block_bytes: int = 0,
 ) -> int:
     """The configured count, or the configured bytes' worth, or (on the GPU) what `gpu_memory_utilization`
-    leaves after the profiled peak of a step and the CUDA graphs' reserve (`uses_graphs`)."""
+    leaves after the profiled peak of a step and the CUDA graphs' reserve (`uses_graphs`). A block's bytes
+    count the speculative draft's own KV cache (`draft_block_bytes` a block), its weights are in the peak."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_bytes is not None:
-        return num_blocks_for_budget(kv_spec, config.kv_cache_memory_bytes)
+        return num_blocks_for_budget(kv_spec, config.kv_cache_memory_bytes, draft_block_bytes)
     if device.type != "cuda":
-        return num_blocks_for_budget(kv_spec, CPU_DEFAULT_KV_BYTES)
+        return num_blocks_for_budget(kv_spec, CPU_DEFAULT_KV_BYTES, draft_block_bytes)
     peak = measured_peak(config, kv_spec, device, max_model_len, cache, make_runner)
     if uses_graphs:
         # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
@@ -59,7 +61,7 @@ def num_kv_blocks(
         peak += CUDAGRAPH_RESERVE_BYTES
     total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
-    return num_blocks_for_budget(kv_spec, budget)
+    return num_blocks_for_budget(kv_spec, budget, draft_block_bytes)
 
 
 def measured_peak(
@@ -81,6 +83,8 @@ def measured_peak(
         "block_size": config.block_size,
         "kv_spec": repr(kv_spec),
         "tensor_parallel_size": config.tensor_parallel_size,
+        # (a draft's weights are loaded before the profile, so they are in its peak)
+        "draft": _draft_of(config),
     }
     saved = cache.read_json(KV_SIZING) if cache is not None else None
     found = isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int)
@@ -93,6 +97,11 @@ def measured_peak(
     if cache is not None:
         cache.write_text(KV_SIZING, json.dumps({"inputs": inputs, "peak_bytes": peak}))
     return peak
+
+
+def _draft_of(config: EngineConfig) -> list | None:
+    spec = config.speculative_config
+    return [spec.method, spec.model] if spec is not None and spec.method in ("mtp", "eagle3") else None
 
 
 def profile_forward(

@@ -16,7 +16,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
+from kiln.engine.spec_decode.draft_model import draft_block_bytes, load_draft
 from kiln.engine.spec_decode.eagle3 import set_target_layers
 from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
 
@@ -77,7 +77,7 @@ class ModelExecutor:
     startup_stats: dict[str, Any]
     # a model with recurrent layers: (request slots, snapshots) of their state tensors' rows (the scratch row besides)
     state_rows: tuple[int, int] | None = None
-    draft_dir: Path | None = None  # speculative decoding with an EAGLE-3 draft: its directory
+    draft: nn.Module | None = None  # speculative decoding's EAGLE-3 or MTP draft model (rank 0)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -90,7 +90,7 @@ class ModelExecutor:
             self.tp_workers.close()
         if self.compiled is not None:
             self.compiled.close()
-        self.runner = self.compiled = self.kv_caches = self.model = None
+        self.runner = self.compiled = self.kv_caches = self.model = self.draft = None
         if torch.cuda.is_initialized():
             gc.collect()  # (the model's modules and graphs hold cycles: freed now, before the cache is emptied)
             torch.cuda.empty_cache()
@@ -228,6 +228,11 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
         # forms itself.
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
+        # an EAGLE-3 or MTP draft on rank 0: before the KV cache is sized, which its weights and its KV share
+        draft = None
+        if rank == 0:
+            where = (source.model_dir, load_format, draft_dir)
+            draft = load_draft(config, model, *where, max_model_len, shard, dtype, device)
         if compiled is not None:  # a warm start's split graph and artifacts, on every rank or on none
             compiled.load_saved((lambda found: min_across_ranks(int(found)) == 1) if shard.size > 1 else None)
         # (a backend without windows runs every layer full, over a context capped at the window)
@@ -283,6 +288,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
             cudagraph_mode != "none",
             cache,
             lambda kv_caches: make_runner(kv_caches, max_model_len),
+            draft_block_bytes(draft, config.block_size),
         )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
@@ -338,7 +344,7 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
         tp_workers,
         stats,
         state_rows,
-        draft_dir,
+        draft,
     )
 
 

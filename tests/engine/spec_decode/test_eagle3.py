@@ -73,6 +73,22 @@ def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config=eagle(tiny_llama_dir))
 
 
+def test_the_drafts_kv_cache_comes_out_of_the_kv_budget(tiny_llama_dir, tmp_path):
+    """`kv_cache_memory_bytes` holds the draft's own KV cache beside the target's (the draft is loaded before the
+    cache is sized): the whole blocks of both that fit, no more."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    budget = 1 << 20
+    kwargs = dict(enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=budget)
+    with LLM(str(tiny_llama_dir), speculative_config=eagle(draft_dir, 2), **kwargs) as llm:
+        engine = llm.engine
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in engine.executor.kv_caches}
+        blocks, draft_bytes = engine.num_kv_blocks, engine.scheduler.drafter.kv_cache.nbytes
+        block_bytes = (sum(storages.values()) + draft_bytes) // blocks
+        assert blocks * block_bytes <= budget < (blocks + 1) * block_bytes
+    with LLM(str(tiny_llama_dir), **kwargs) as plain:
+        assert plain.engine.num_kv_blocks > blocks  # (the target's blocks alone fill the budget)
+
+
 def test_eagle_drafts_with_tp2(tiny_llama_dir, tmp_path):
     """Two ranks over gloo: the draft runs on rank 0 over the target's states (whole on every rank)."""
     draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")

@@ -201,6 +201,11 @@ def test_a_wrong_speculative_config_is_one_error(value, message):
         SpeculativeConfig.parse(value)
 
 
+def test_mtp_for_a_model_without_an_mtp_layer_is_one_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="method mtp runs the MTP layer"):
+        LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
 def test_served_with_drafts_the_metrics_count_them(tiny_llama_dir):
     """`kiln serve --speculative-config`: a completion of a prompt that repeats itself equals the engine's without
     drafts, and /metrics holds the drafts under Kiln's and vLLM's names."""
