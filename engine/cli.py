@@ -222,8 +222,9 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     tokenizers = tokenizer_dir_of(config)
     if tokenizers is not None:
         resolve_tokenizer_class(tokenizers, model_memo(config))
-    # Weights do not change what is compiled: random ones skip reading the checkpoint.
-    executor = build_executor(dataclasses.replace(config, load_format="dummy"))
+    # Weights do not change what is compiled: random ones skip reading the checkpoint (and a draft model's: its
+    # chain runs uncompiled).
+    executor = build_executor(dataclasses.replace(config, load_format="dummy"), with_draft=False)
     stats = executor.startup_stats
     executor.close()
     print(f"compile cache: {stats['compile_cache_dir']}")

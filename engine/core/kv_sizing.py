@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from kiln.backends.linear_attention.op import DraftRecord
 from kiln.cache import KVCacheSpec, allocate_kv_caches, gpu_kv_budget_bytes, num_blocks_for_budget
@@ -20,6 +21,7 @@ from kiln.engine.core.tensor_parallel import min_across_ranks
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.parallel import TensorParallelShard
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.spec_decode.draft_model import draft_block_bytes
 
 if TYPE_CHECKING:
     from kiln.compile import CompileCache
@@ -43,25 +45,26 @@ def num_kv_blocks(
     uses_graphs: bool,
     cache: CompileCache | None,
     make_runner: RunnerFactory,
-    draft_block_bytes: int = 0,
+    draft: nn.Module | None = None,
 ) -> int:
     """The configured count, or the configured bytes' worth, or (on the GPU) what `gpu_memory_utilization`
     leaves after the profiled peak of a step and the CUDA graphs' reserve (`uses_graphs`). A block's bytes
-    count the speculative draft's own KV cache (`draft_block_bytes` a block), its weights are in the peak."""
+    count the speculative `draft` model's own KV cache; its weights, loaded already, are in the peak."""
+    extra = draft_block_bytes(draft, config.block_size)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_bytes is not None:
-        return num_blocks_for_budget(kv_spec, config.kv_cache_memory_bytes, draft_block_bytes)
+        return num_blocks_for_budget(kv_spec, config.kv_cache_memory_bytes, extra)
     if device.type != "cuda":
-        return num_blocks_for_budget(kv_spec, CPU_DEFAULT_KV_BYTES, draft_block_bytes)
-    peak = measured_peak(config, kv_spec, device, max_model_len, cache, make_runner)
+        return num_blocks_for_budget(kv_spec, CPU_DEFAULT_KV_BYTES, extra)
+    peak = measured_peak(config, kv_spec, device, max_model_len, cache, make_runner, draft)
     if uses_graphs:
         # NOTE: graphs are captured after the KV cache exists (full graphs read its addresses); their
         # pool is reserved here up front, and its real size is logged after capture.
         peak += CUDAGRAPH_RESERVE_BYTES
     total = torch.cuda.get_device_properties(device).total_memory
     budget = gpu_kv_budget_bytes(total, config.gpu_memory_utilization, peak)
-    return num_blocks_for_budget(kv_spec, budget, draft_block_bytes)
+    return num_blocks_for_budget(kv_spec, budget, extra)
 
 
 def measured_peak(
@@ -71,6 +74,7 @@ def measured_peak(
     max_model_len: int,
     cache: CompileCache | None,
     make_runner: RunnerFactory,
+    draft: nn.Module | None = None,
 ) -> int:
     """`profile_forward`'s peak, measured once per compile-cache entry and these sizing inputs: a warm start reads it
     there (the profile is an eager forward of the whole token budget). The cache's key covers the model, dtype,
@@ -83,8 +87,8 @@ def measured_peak(
         "block_size": config.block_size,
         "kv_spec": repr(kv_spec),
         "tensor_parallel_size": config.tensor_parallel_size,
-        # (a draft's weights are loaded before the profile, so they are in its peak)
-        "draft": _draft_of(config),
+        # (the draft's weights are in the peak, and a hybrid's draft records hold k tokens a slot)
+        "speculative": _speculative_inputs(config, draft),
     }
     saved = cache.read_json(KV_SIZING) if cache is not None else None
     found = isinstance(saved, dict) and saved.get("inputs") == inputs and isinstance(saved.get("peak_bytes"), int)
@@ -99,9 +103,11 @@ def measured_peak(
     return peak
 
 
-def _draft_of(config: EngineConfig) -> list | None:
+def _speculative_inputs(config: EngineConfig, draft: nn.Module | None) -> list | None:
     spec = config.speculative_config
-    return [spec.method, spec.model] if spec is not None and spec.method in ("mtp", "eagle3") else None
+    if spec is None:
+        return None
+    return [spec.method, spec.num_speculative_tokens, sum(p.nbytes for p in draft.parameters()) if draft else 0]
 
 
 def profile_forward(

@@ -48,7 +48,7 @@ from kiln.engine.models.layers import use_fused_kernels
 from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
-from kiln.engine.spec_decode.draft_model import draft_block_bytes, load_draft
+from kiln.engine.spec_decode.draft_model import check_draft, load_draft
 from kiln.engine.spec_decode.eagle3 import set_target_layers
 from kiln.engine.worker.model_runner import INPUT_SOURCES, ModelRunner
 
@@ -180,8 +180,9 @@ def _build_on_device(
     raise ValueError(f"out of GPU memory while allocating the model's weights on {device}")
 
 
-def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
-    """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several)."""
+def build_executor(config: EngineConfig, rank: int = 0, with_draft: bool = True) -> ModelExecutor:
+    """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several).
+    `with_draft=False` leaves an EAGLE-3 or MTP draft model unloaded (`kiln precompile`: the target's trace only)."""
     start = time.perf_counter()
     pin_triton_setup()  # before anything compiles
     source = resolve_model(config.model, model_memo(config), config.revision, config.download_dir, config.gguf_file)
@@ -207,6 +208,9 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
     shard = TensorParallelShard(rank, config.tensor_parallel_size)
     model = _build_on_device(model_config, dtype, device, max_model_len, shard, config)
     draft_dir = set_target_layers(config, model)  # (before the trace: the target then saves those layers' states)
+    with_draft = with_draft and rank == 0  # (the draft runs on rank 0)
+    if with_draft:  # (before the other ranks start: they would wait out a refusal in a collective)
+        check_draft(config, model_config, load_format, shard)
     cudagraph_mode = _cudagraph_mode(config, device, backend)
     counters = CompileCounters()
     compiled = None
@@ -224,15 +228,15 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
             init_dummy_weights(model, config.seed)
         else:
             load_checkpoint(model, source.model_dir, load_format)
+        # an EAGLE-3 or MTP draft: before the KV cache is sized, which its weights and its own KV share
+        draft = None
+        if with_draft:
+            where = (source.model_dir, load_format, draft_dir)
+            draft = load_draft(config, model, *where, max_model_len, shard, dtype, device)
         load_seconds = time.perf_counter() - start
         # Hand-written Triton kernels in eager mode on the GPU; under compilation Inductor fuses the plain-torch
         # forms itself.
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
-        # an EAGLE-3 or MTP draft on rank 0: before the KV cache is sized, which its weights and its KV share
-        draft = None
-        if rank == 0:
-            where = (source.model_dir, load_format, draft_dir)
-            draft = load_draft(config, model, *where, max_model_len, shard, dtype, device)
         if compiled is not None:  # a warm start's split graph and artifacts, on every rank or on none
             compiled.load_saved((lambda found: min_across_ranks(int(found)) == 1) if shard.size > 1 else None)
         # (a backend without windows runs every layer full, over a context capped at the window)
@@ -254,6 +258,13 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
             kv_groups(windows, [heads * dim for heads, dim in shapes]),
             tuple(shapes) if len(set(shapes)) > 1 else (),
         )
+        aux_hidden = None
+        if draft_dir is not None:  # where the target's layers leave their states for the draft (as the runner pads)
+            sizes = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
+            rows = max(config.max_num_batched_tokens, *sizes, 1)
+            aux_hidden = torch.zeros(
+                rows, len(model.model.aux_layers) * model_config.hidden_size, dtype=dtype, device=device
+            )
         sizing_start = time.perf_counter()
 
         def make_runner(kv_caches, max_model_len, compiled=None, cudagraph_mode="none", tp_workers=None):
@@ -288,16 +299,14 @@ def build_executor(config: EngineConfig, rank: int = 0) -> ModelExecutor:
             cudagraph_mode != "none",
             cache,
             lambda kv_caches: make_runner(kv_caches, max_model_len),
-            draft_block_bytes(draft, config.block_size),
+            draft,
         )
         if shard.size > 1:
             num_blocks = min_across_ranks(num_blocks)  # every rank's cache shard holds the same blocks
         max_model_len = fit_context(config, max_model_len, num_blocks, kv_spec.groups.windows)
         kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         runner = make_runner(kv_caches, max_model_len, compiled, cudagraph_mode, tp_workers)
-        if draft_dir is not None:  # where the target's layers leave their states for the draft
-            width = len(model.model.aux_layers) * model_config.hidden_size
-            runner.aux_hidden = torch.zeros(runner.inputs.max_tokens, width, dtype=dtype, device=device)
+        runner.aux_hidden = aux_hidden
         counters.kv_sizing_seconds = time.perf_counter() - sizing_start
         if compiled is not None or device.type == "cuda":
             with counters.timed("warm_up_seconds"):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln.engine.config import EngineConfig
+from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.loader import checkpoint_tensors
 from kiln.engine.models.parallel import TensorParallelShard
 from kiln.engine.spec_decode.eagle3 import Eagle3Draft, load_eagle3
@@ -34,10 +35,6 @@ def load_draft(
     target_config = model.config
     whole = _WholeTensors(model_dir, load_format, target_config, dtype, device)
     if spec.method == "mtp":
-        if not target_config.linear_layers or load_format == "dummy":
-            raise ValueError(
-                "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships"
-            )
         draft = load_mtp(model_dir, load_format, target_config, model, dtype, device)
         if shard.size > 1:  # (the draft runs on rank 0, over the whole vocabulary)
             draft.embed_tokens = whole.embedding()
@@ -48,6 +45,19 @@ def load_draft(
     if draft.embed_tokens is None:  # the target's, as the draft was trained (whole: the draft runs on rank 0)
         draft.embed_tokens = model.model.embed_tokens if shard.size == 1 else whole.embedding()
     return draft
+
+
+def check_draft(config: EngineConfig, target_config: ModelConfig, load_format: str, shard: TensorParallelShard) -> None:
+    """What `load_draft` would refuse that is known before any weight is read (one ValueError)."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("mtp", "eagle3"):
+        return
+    if spec.method == "mtp" and (not target_config.linear_layers or load_format == "dummy"):
+        raise ValueError(
+            "speculative_config method mtp runs the MTP layer a Qwen3.5/3.6 or Qwen3-Next checkpoint ships"
+        )
+    if shard.size > 1 and load_format == "dummy":  # (the draft reads the target's whole embedding from it)
+        raise ValueError("speculative drafts with tensor parallelism need the target's checkpoint, not dummy weights")
 
 
 def draft_block_bytes(draft: Eagle3Draft | MtpDraft | None, block_size: int) -> int:
@@ -67,11 +77,7 @@ class _WholeTensors:
         self.dtype, self.device = dtype, device
 
     def __call__(self, suffix: str) -> torch.Tensor:
-        """The tensor whose name ends with `suffix`."""
-        if self.load_format == "dummy":
-            raise ValueError(
-                "speculative drafts with tensor parallelism need the target's checkpoint, not dummy weights"
-            )
+        """The tensor whose name ends with `suffix` (a checkpoint's: `check_draft` refuses dummy weights)."""
         for _, name, tensor in checkpoint_tensors(self.model_dir, self.model_config, self.load_format):
             if name.endswith(suffix):
                 return tensor[:].to(self.device, self.dtype)

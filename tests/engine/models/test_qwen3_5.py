@@ -307,3 +307,22 @@ def test_mtp_drafts(tiny_qwen3_5_dir, tmp_path, monkeypatch, tp):
         assert_nothing_held(llm)
     for got, want in zip(outputs, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_precompile_with_mtp_drafts_warms_the_deployments_cache(tiny_qwen3_5_dir, tmp_path, capsys):
+    """`kiln precompile` with the deployment's --speculative-config traces the target and leaves the draft model
+    unread (its random weights would have no MTP layer to refuse); the deployment then starts warm, drafts made."""
+    from kiln.engine.cli import main
+
+    from helpers.mtp import add_mtp_layer
+
+    model_dir = add_mtp_layer(tiny_qwen3_5_dir, tmp_path / "with-mtp")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    cache = str(tmp_path / "cache")
+    flags = ["--max-model-len", "128", "--compile-cache-dir", cache, "--speculative-config", json.dumps(spec)]
+    assert main(["precompile", str(model_dir), *flags]) == 0
+    assert "inductor_compiles" in capsys.readouterr().out
+    with LLM(str(model_dir), max_model_len=128, compile_cache_dir=cache, speculative_config=spec) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert llm.engine.startup_stats["inductor_compiles"] == 0
+        assert llm.engine.scheduler.num_draft_tokens > 0
