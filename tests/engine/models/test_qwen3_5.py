@@ -253,7 +253,8 @@ def test_drafts_on_the_device_fold_into_the_state(tiny_qwen3_5_dir, tmp_path, mo
         kwargs.update(max_num_batched_tokens=8, compile_cache_dir=str(tmp_path))
     if setup == "preempted":
         kwargs.update(num_kv_blocks=11, max_model_len=40)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    max_tokens = 8 if setup == "triton" else 16  # (the interpreter's steps are slow; a fold happens by the third)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     with LLM(str(tiny_qwen3_5_dir), **kwargs) as plain:
         want = plain.generate(SAME_LENGTH, params, use_tqdm=False)
     continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(SAME_LENGTH, want)}
