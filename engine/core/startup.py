@@ -258,17 +258,16 @@ def build_executor(config: EngineConfig, rank: int = 0, with_draft: bool = True)
             kv_groups(windows, [heads * dim for heads, dim in shapes]),
             tuple(shapes) if len(set(shapes)) > 1 else (),
         )
+        capture_sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
         aux_hidden = None
         if draft_dir is not None:  # where the target's layers leave their states for the draft (as the runner pads)
-            sizes = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
-            rows = max(config.max_num_batched_tokens, *sizes, 1)
+            rows = max(config.max_num_batched_tokens, *capture_sizes, 1)
             aux_hidden = torch.zeros(
                 rows, len(model.model.aux_layers) * model_config.hidden_size, dtype=dtype, device=device
             )
         sizing_start = time.perf_counter()
 
         def make_runner(kv_caches, max_model_len, compiled=None, cudagraph_mode="none", tp_workers=None):
-            sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
             return ModelRunner(
                 model,
                 kv_caches,
@@ -282,7 +281,7 @@ def build_executor(config: EngineConfig, rank: int = 0, with_draft: bool = True)
                 device,
                 compiled,
                 cudagraph_mode,
-                sizes,
+                capture_sizes,
                 tp_workers,
                 kv_spec.groups,
                 recurrent_states,

@@ -64,5 +64,10 @@ class SpeculativeConfig:
                 f"({self.prompt_lookup_max})"
             )
 
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether a draft model (EAGLE-3's head, or the checkpoint's MTP layer) makes the drafts, not a lookup."""
+        return self.method in ("eagle3", "mtp")
+
     def describe(self) -> str:
         return f"{self.method}, k={self.num_speculative_tokens}"

@@ -30,7 +30,7 @@ def load_draft(
     """The draft model an EAGLE-3 or MTP `speculative_config` names, on the target's device and dtype; None for
     n-gram drafts (or none). A target whose checkpoint cannot give the draft refuses (one ValueError)."""
     spec = config.speculative_config
-    if spec is None or spec.method not in ("mtp", "eagle3"):
+    if spec is None or not spec.uses_draft_model:
         return None
     target_config = model.config
     whole = _WholeTensors(model_dir, load_format, target_config, dtype, device)
@@ -50,7 +50,7 @@ def load_draft(
 def check_draft(config: EngineConfig, target_config: ModelConfig, load_format: str, shard: TensorParallelShard) -> None:
     """What `load_draft` would refuse that is known before any weight is read (one ValueError)."""
     spec = config.speculative_config
-    if spec is None or spec.method not in ("mtp", "eagle3"):
+    if spec is None or not spec.uses_draft_model:
         return
     if spec.method == "mtp" and (not target_config.linear_layers or load_format == "dummy"):
         raise ValueError(
