@@ -3,6 +3,7 @@ KV cache is sized: the draft's weights and its own KV blocks come out of the sam
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -28,10 +29,32 @@ def load_draft(
     device: torch.device,
 ) -> Eagle3Draft | MtpDraft | None:
     """The draft model an EAGLE-3 or MTP `speculative_config` names, on the target's device and dtype; None for
-    n-gram drafts (or none). A target whose checkpoint cannot give the draft refuses (one ValueError)."""
+    n-gram drafts (or none). A target whose checkpoint cannot give the draft, or a GPU without room for it beside the
+    target's weights, refuses (one ValueError)."""
     spec = config.speculative_config
     if spec is None or not spec.uses_draft_model:
         return None
+    try:
+        return _load(config, model, model_dir, load_format, draft_dir, max_model_len, shard, dtype, device)
+    except torch.OutOfMemoryError:
+        pass  # (outside the handler: its traceback holds the draft's tensors allocated so far)
+    gc.collect()
+    torch.cuda.empty_cache()
+    gib = 1 << 30
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / gib
+    room = ""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        room = f", {free / gib:.1f} GiB free of {total / gib:.1f} GiB"
+    raise ValueError(
+        f"out of GPU memory while loading the {spec.method} draft model on {device} beside the target's "
+        f"{weights:.1f} GiB of weights{room}; a larger tensor_parallel_size or a smaller target leaves it room"
+    )
+
+
+def _load(config, model, model_dir, load_format, draft_dir, max_model_len, shard, dtype, device):
+    """`load_draft`'s work, for a speculative_config that names a draft model."""
+    spec = config.speculative_config
     target_config = model.config
     whole = _WholeTensors(model_dir, load_format, target_config, dtype, device)
     if spec.method == "mtp":

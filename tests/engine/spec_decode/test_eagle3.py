@@ -73,6 +73,19 @@ def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config=eagle(tiny_llama_dir))
 
 
+def test_a_draft_without_room_on_the_gpu_is_one_error(tiny_llama_dir, tmp_path, monkeypatch):
+    """Out of memory while the draft loads beside the target's weights: one line naming the draft, not a raw OOM."""
+    from kiln.engine.spec_decode import draft_model
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(draft_model, "load_eagle3", out_of_memory)
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    with pytest.raises(ValueError, match="^out of GPU memory while loading the eagle3 draft model on cpu beside the "):
+        LLM(str(tiny_llama_dir), enforce_eager=True, speculative_config=eagle(draft_dir, 2))
+
+
 def test_the_drafts_kv_cache_comes_out_of_the_kv_budget(tiny_llama_dir, tmp_path):
     """`kv_cache_memory_bytes` holds the draft's own KV cache beside the target's (the draft is loaded before the
     cache is sized): the whole blocks of both that fit, no more."""
