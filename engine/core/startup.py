@@ -45,7 +45,13 @@ from kiln.engine.core.tensor_parallel import TensorParallelWorkers, min_across_r
 from kiln.engine.models import quant_config
 from kiln.engine.models.config import ModelConfig
 from kiln.engine.models.layers import use_fused_kernels
-from kiln.engine.models.loader import build_model, checkpoint_format, init_dummy_weights, load_checkpoint
+from kiln.engine.models.loader import (
+    build_model,
+    checkpoint_format,
+    init_dummy_weights,
+    load_checkpoint,
+    release_weights,
+)
 from kiln.engine.models.parallel import TensorParallelShard, kv_heads_per_rank
 from kiln.engine.models.source import ModelSource, resolve_model
 from kiln.engine.spec_decode.draft_model import check_draft, load_draft
@@ -90,6 +96,9 @@ class ModelExecutor:
             self.tp_workers.close()
         if self.compiled is not None:
             self.compiled.close()
+        for model in (self.model, self.draft):
+            if model is not None:
+                release_weights(model)
         self.runner = self.compiled = self.kv_caches = self.model = self.draft = None
         if torch.cuda.is_initialized():
             gc.collect()  # (the model's modules and graphs hold cycles: freed now, before the cache is emptied)

@@ -338,3 +338,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         full.normal_(0.0, 0.02, generator=generator)
         for (shard, _), source in zip(parts, full.split(rows)):
             load_part(module, param_name, source, shard)
+
+
+def release_weights(model: nn.Module) -> None:
+    """Empty every tensor `model` holds (parameters, buffers, plain tensor attributes): whoever still refers to the
+    modules after an engine closes (Dynamo's guards of its trace on some torch versions, a caller) then holds no
+    device memory through them."""
+    for module in model.modules():
+        held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+        for tensor in held:
+            if isinstance(tensor, torch.Tensor):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

@@ -222,6 +222,16 @@ def test_close_gives_the_memory_back_while_the_llm_is_still_referenced(tiny_llam
     llm.close()  # idempotent
 
 
+def test_close_empties_the_weights_of_a_model_still_referenced(tiny_llama_dir):
+    """Whoever still holds the modules after close() (Dynamo's guards of a trace on some torch versions) holds no
+    memory through them: every parameter and buffer is empty."""
+    with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32) as llm:
+        model = llm.engine.executor.model
+        assert sum(t.numel() for t in model.parameters()) > 0
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and all(t.numel() == 0 for t in tensors)
+
+
 def test_none_for_an_engine_setting_means_its_default():
     """vLLM's reading: `LLM(..., max_num_batched_tokens=None)` is the default budget, not a crash deep in the runner."""
     from kiln.engine.config import EngineConfig
