@@ -188,15 +188,14 @@ def test_compiled_and_chunked_fp8_match_hf(tiny_model_dir_qwen3, tmp_path, fmt):
 def test_quantization_fp8_quantizes_a_16_bit_checkpoint_at_load(tiny_llama_dir):
     """Per output channel (a scale a row, its largest |w| / 448), activations per token."""
     with LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=128, quantization="fp8") as llm:
-        model = llm.engine.executor.model
+        down = llm.engine.executor.model.model.layers[1].mlp.down_proj
+        assert down.weight.dtype == FP8_DTYPE and down.weight_scale.shape == (down.out_features,)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     layers = {}
     for name, module in hf.named_modules():
         if name.rpartition(".")[2] in _PROJECTIONS:
             layers[name] = (_dequantize(*_quantize(module.weight, "channel"), "channel"), 0.0)
-    down = model.model.layers[1].mlp.down_proj
-    assert down.weight.dtype == FP8_DTYPE and down.weight_scale.shape == (down.out_features,)
     assert_matches(fp8_reference(tiny_llama_dir, layers, "token"), PROMPTS, outputs, TOL)
 
 
