@@ -4,8 +4,8 @@
 #   install (first: the wheels carried in .whl — pyzmq, xgrammar, gguf... the device lacks — and this checkout,
 #   editable, with the device's own python3 -m pip, no build isolation: the device reaches no index)
 #   | tests | gpu-files (the gpu-marked tests a file at a time, each with its own limit) | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
-#   | throughput-compiled:MODEL | ab-throughput:MODEL (BASE_SRC=.whl/base: this tree against another commit's, cold and
-#     warm starts alternating, scripts/dev/throughput_runs.py) | closed-engine (what a closed engine leaves on the GPU)
+#   | throughput-compiled:MODEL | ab-throughput:MODEL (BASE_SRC=DIR: this tree against another commit's source, cold
+#     and warm starts alternating, scripts/dev/throughput_runs.py) | closed-engine (what a closed engine leaves on the GPU)
 #   | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
 #   | ncu (NCU_SHAPES=64x256,...: Nsight Compute on the decode kernel and the read)
@@ -285,28 +285,34 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
         --rounds 2 2>&1 | tee "$OUT/closed_engine.log" | grep -v "^   " | tail -n 6
       grep -E "^round|alive:" "$OUT/closed_engine.log" >> "$summary" ;;
     ab-throughput:*)
-      # this tree against BASE_SRC (another commit's source: git archive REV | tar -x -C .whl/base, carried), one
-      # process a run, builds alternating: a cold start (a compile cache of its own, empty) then a warm one, each
-      # the first run's tok/s, its slowest steps and the Triton kernels loaded mid-run (AB_ROUNDS=2 rounds;
-      # AB_ARGS more arguments of the script)
+      # this tree against BASE_SRC (another commit's source: mkdir -p .whl/base && git archive REV | tar -x -C
+      # .whl/base, carried), one process a run, builds alternating: a cold start (Kiln's, Inductor's and Triton's
+      # caches of the build's own, empty) then a warm one, each the first run's tok/s, its slowest steps and the
+      # Triton kernels loaded mid-run (AB_ROUNDS=1 rounds, each 4 processes; AB_ARGS more arguments of the script)
       model=${step#ab-throughput:}
-      here=$PWD; mkdir -p /tmp/ab-base/kiln
-      for d in engine compile backends cache; do ln -sfn "$(cd "${BASE_SRC:?BASE_SRC=the other tree}" && pwd)/$d" /tmp/ab-base/kiln/$d; done
-      for round in $(seq 1 ${AB_ROUNDS:-2}); do
+      if [ ! -d "${BASE_SRC:-}/engine" ]; then echo "ab-throughput: BASE_SRC=DIR, another commit's source" | tee -a "$summary"; continue; fi
+      here=$PWD; rows="$OUT/ab_throughput_${model##*/}$tag.jsonl"; mkdir -p /tmp/ab-base/kiln
+      for d in engine compile backends cache; do ln -sfn "$(cd "$BASE_SRC" && pwd)/$d" /tmp/ab-base/kiln/$d; done
+      for round in $(seq 1 ${AB_ROUNDS:-1}); do
         for build in head base; do
-          path=; [ $build = base ] && path=/tmp/ab-base
-          rm -rf /tmp/ab-cache-$build
+          path=; [ $build = base ] && path=/tmp/ab-base:
+          cache=/tmp/ab-cache-$build; rm -rf $cache
           for start in cold warm; do
-            PYTHONPATH=$path KILN_CACHE_DIR=/tmp/ab-cache-$build timeout -s ABRT -k 15 ${AB_TIMEOUT:-150} python3 \
-              "$here/scripts/dev/throughput_runs.py" --model "$model" --tag "$build-$start-$round" --repeats 1 --step-times ${AB_ARGS:-} \
-              2>> "$OUT/ab_throughput.err" | grep '^{' | tee -a "$OUT/ab_throughput.jsonl"
+            PYTHONPATH=$path${PYTHONPATH:-} KILN_CACHE_DIR=$cache TORCHINDUCTOR_CACHE_DIR=$cache/inductor \
+              TRITON_CACHE_DIR=$cache/triton timeout -s ABRT -k 15 ${AB_TIMEOUT:-150} python3 \
+              "$here/scripts/dev/throughput_runs.py" --model "$model" --tag "$build-$start-$round" --repeats 1 --step-times \
+              ${AB_ARGS:-} 2>&1 | tee -a "$OUT/ab_throughput.log" | grep '^{' >> "$rows"
+            echo "$build-$start-$round: rc ${PIPESTATUS[0]}" >> "$OUT/ab_throughput.log"
           done
         done
       done
       echo "-- ab-throughput:$model$tag (head: this tree; base: $BASE_SRC)" >> "$summary"
-      python3 -c "import json, sys; [print(r['tag'], r['tok_s'], 'tok/s, host', r['host_s'], 's, slowest ms', \
-[s[1] for s in r.get('slowest_steps', [])[:3]], 'loads', r.get('triton_cache_hits')) for r in map(json.loads, open(sys.argv[1]))]" \
-        "$OUT/ab_throughput.jsonl" | tee -a "$summary" ;;
+      python3 -c "import json, sys
+for line in open(sys.argv[1]):
+    try: r = json.loads(line)
+    except ValueError: continue
+    print(r['tag'], r['tok_s'], 'tok/s, host', r['host_s'], 's, slowest ms', [s[1] for s in r.get('slowest_steps', [])[:3]],
+          'loads', r.get('triton_cache_hits'))" "$rows" | tee -a "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout -s ABRT -k 15 240 python3 scripts/bench/bench_throughput.py --model "$model" --enforce-eager --hf \

@@ -154,7 +154,8 @@ def main() -> None:
         row = dict(base, seed=seed, profiled=profiled, tok_s=round(num_out / elapsed), seconds=round(elapsed, 3))
         row.update(steps=t.steps, host_s=round(t.host_seconds, 3), wait_s=round(t.wait_seconds, 3))
         row["triton_compiles"] = TRITON_EVENTS["compiles"] - compiles["compiles"]
-        row["triton_cache_hits"] = TRITON_EVENTS["cache_hits"] - compiles["cache_hits"]  # kernels loaded mid-run
+        # kernels loaded mid-run (an older tree's counters may not count them)
+        row["triton_cache_hits"] = TRITON_EVENTS.get("cache_hits", 0) - compiles.get("cache_hits", 0)
         if steps:
             slowest = sorted(range(len(steps)), key=lambda j: -steps[j][0])[:12]
             row["slowest_steps"] = [[j, round(steps[j][0] * 1e3, 2), steps[j][1], steps[j][2]] for j in slowest]
