@@ -291,8 +291,8 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       # Triton kernels loaded mid-run (AB_ROUNDS=1 rounds, each 4 processes; AB_ARGS more arguments of the script)
       model=${step#ab-throughput:}
       if [ ! -d "${BASE_SRC:-}/engine" ]; then echo "ab-throughput: BASE_SRC=DIR, another commit's source" | tee -a "$summary"; continue; fi
-      here=$PWD; rows="$OUT/ab_throughput_${model##*/}$tag.jsonl"; mkdir -p /tmp/ab-base/kiln
-      for d in engine compile backends cache; do ln -sfn "$(cd "$BASE_SRC" && pwd)/$d" /tmp/ab-base/kiln/$d; done
+      here=$PWD; src=$(cd "$BASE_SRC" && pwd); rows="$OUT/ab_throughput_${model##*/}$tag.jsonl"; mkdir -p /tmp/ab-base/kiln
+      for d in engine compile backends cache; do ln -sfn "$src/$d" /tmp/ab-base/kiln/$d; done
       for round in $(seq 1 ${AB_ROUNDS:-1}); do
         for build in head base; do
           path=; [ $build = base ] && path=/tmp/ab-base:
