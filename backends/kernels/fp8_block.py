@@ -29,7 +29,7 @@ def _block_fp8_matmul_kernel(
     stride_ws,
     SCALE_ROWS: tl.constexpr,  # rows of a weight block
     HAS_BIAS: tl.constexpr,
-    FP8_DOT: tl.constexpr,  # the tensor cores' e4m3 dot (a GPU), else float32 (the interpreter)
+    FP8_DOT: tl.constexpr,  # the tensor cores' e4m3 dot (a GPU, BLOCK_K >= 32), else float32 (the interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -102,7 +102,7 @@ def block_fp8_linear(
         weight_scale.stride(0),
         SCALE_ROWS=block_n,
         HAS_BIAS=bias is not None,
-        FP8_DOT=x.is_cuda,
+        FP8_DOT=x.is_cuda and block_k >= 32,  # (the FP8 tensor cores take K 32 at a time; 16 x 16 blocks are tests')
         BLOCK_M=block_m,
         BLOCK_N=block_n_tile,
         BLOCK_K=block_k,

@@ -100,9 +100,18 @@ class ModelExecutor:
             if model is not None:
                 release_weights(model)
         self.runner = self.compiled = self.kv_caches = self.model = self.draft = None
+        gc.unfreeze()  # (start-up's objects, this model's cycles among them, collectable again)
         if torch.cuda.is_initialized():
             gc.collect()  # (the model's modules and graphs hold cycles: freed now, before the cache is emptied)
             torch.cuda.empty_cache()
+
+
+def freeze_startup_objects() -> None:
+    """Start-up's garbage collected, then what survives (modules, compiled pieces, the libraries' caches: millions of
+    objects a process keeps) moved out of the collector's reach: else the first full collection while serving walks
+    them all, and the step it falls in stalls many times over (BENCHMARKS.md, "No regression"). close() undoes it."""
+    gc.collect()
+    gc.freeze()
 
 
 def model_memo(config: EngineConfig) -> JsonFolder | None:

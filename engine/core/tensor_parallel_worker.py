@@ -47,7 +47,7 @@ def worker_main(
     with contextlib.suppress(ValueError):  # (a Ray actor's method runs off the main thread: it has no say)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from kiln.engine.core.startup import build_executor, resolve_device  # noqa: PLC0415  (startup imports this module)
+    from kiln.engine.core.startup import build_executor, freeze_startup_objects, resolve_device  # noqa: PLC0415  (startup imports this module)
 
     device = resolve_device(config)
     size = config.tensor_parallel_size
@@ -65,6 +65,7 @@ def worker_main(
     executor = None
     try:
         executor = build_executor(config, rank)
+        freeze_startup_objects()
         serve_steps(executor.runner, pipe)
     finally:
         if executor is not None and executor.compiled is not None:

@@ -301,7 +301,7 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
             PYTHONPATH=$path${PYTHONPATH:-} KILN_CACHE_DIR=$cache TORCHINDUCTOR_CACHE_DIR=$cache/inductor \
               TRITON_CACHE_DIR=$cache/triton timeout -s ABRT -k 15 ${AB_TIMEOUT:-150} python3 \
               "$here/scripts/dev/throughput_runs.py" --model "$model" --tag "$build-$start-$round" --repeats 1 --step-times \
-              ${AB_ARGS:-} 2>&1 | tee -a "$OUT/ab_throughput.log" | grep '^{' >> "$rows"
+              ${AB_ARGS:-} 2>&1 | tee -a "$OUT/ab_throughput.log" | grep -o '{"tag".*' >> "$rows"
             echo "$build-$start-$round: rc ${PIPESTATUS[0]}" >> "$OUT/ab_throughput.log"
           done
         done
@@ -312,7 +312,7 @@ for line in open(sys.argv[1]):
     try: r = json.loads(line)
     except ValueError: continue
     print(r['tag'], r['tok_s'], 'tok/s, host', r['host_s'], 's, slowest ms', [s[1] for s in r.get('slowest_steps', [])[:3]],
-          'loads', r.get('triton_cache_hits'))" "$rows" | tee -a "$summary" ;;
+          'loads', r.get('triton_cache_hits'), 'gc', r.get('gc'))" "$rows" | tee -a "$summary" ;;
     throughput:*)
       model=${step#throughput:}
       timeout -s ABRT -k 15 240 python3 scripts/bench/bench_throughput.py --model "$model" --enforce-eager --hf \

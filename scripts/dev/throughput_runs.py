@@ -7,6 +7,8 @@ cache). One JSON line a repeat: tok/s, steps, host and waiting-for-the-GPU secon
     --kernels      one more repeat under torch.profiler: GPU kernel time by name, and the GPU's busy time (the union
                    of kernel intervals) against the span, so two builds' GPU work can be compared kernel by kernel
     --step-times   the first repeat's slowest steps (ms, tokens, requests): a one-off stall shows here
+    --gc-freeze    gc.collect() then gc.freeze() once the engine is up: whether the collector's full passes over
+                   start-up's objects are what stalls a run (each row counts the run's collections and their time)
     --cprofile F   the first repeat under cProfile, its top functions into F
 
 A/B of two source trees in one device call (a worktree of the other commit; a fresh cache folder gives a cold start,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -94,6 +97,21 @@ def watch_steps(llm: LLM, steps: list) -> None:
     engine.step, engine.scheduler.schedule = step, schedule
 
 
+def watch_gc() -> tuple[dict, object]:
+    """Each garbage collection's time by generation, into the returned dict, until the callback is removed."""
+    times: dict = {}
+    started: list = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            times.setdefault(info["generation"], []).append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    return times, callback
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default="run", help="a name for this process's lines")
@@ -105,6 +123,7 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--step-times", action="store_true")
     p.add_argument("--cprofile")
+    p.add_argument("--gc-freeze", action="store_true")
     args = p.parse_args()
     start = time.perf_counter()
     llm = LLM(
@@ -117,6 +136,9 @@ def main() -> None:
     base = {"tag": args.tag, "startup_s": round(time.perf_counter() - start, 1), "kv_blocks": llm.engine.num_kv_blocks}
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
     sync()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     vocab = llm.engine.model_config.vocab_size
     for seed in range(args.repeats + args.kernels):
         profiled = args.kernels and seed == args.repeats
@@ -133,10 +155,12 @@ def main() -> None:
             prof.__enter__()
         if cprof is not None:
             cprof.enable()
+        collections, callback = watch_gc()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         sync()
         elapsed = time.perf_counter() - start
+        gc.callbacks.remove(callback)
         if cprof is not None:
             cprof.disable()
             text = io.StringIO()
@@ -156,6 +180,10 @@ def main() -> None:
         row["triton_compiles"] = TRITON_EVENTS["compiles"] - compiles["compiles"]
         # kernels loaded mid-run (an older tree's counters may not count them)
         row["triton_cache_hits"] = TRITON_EVENTS.get("cache_hits", 0) - compiles.get("cache_hits", 0)
+        # per generation: collections, their total and longest ms
+        row["gc"] = {
+            g: [len(t), round(sum(t) * 1e3, 1), round(max(t) * 1e3, 1)] for g, t in sorted(collections.items())
+        }
         if steps:
             slowest = sorted(range(len(steps)), key=lambda j: -steps[j][0])[:12]
             row["slowest_steps"] = [[j, round(steps[j][0] * 1e3, 2), steps[j][1], steps[j][2]] for j in slowest]
