@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import numbers
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.engine_core import EngineCore
-from kiln.engine.core.startup import model_memo
+from kiln.engine.core.startup import freeze_startup_objects, model_memo
 from kiln.engine.messages import EngineCoreOutput
 from kiln.engine.models.model_dir import generation_defaults, model_dir_of
 from kiln.engine.models.source import resolve_tokenizer_class
@@ -70,6 +71,9 @@ class LLM:
         auto = self.config.generation_config == "auto"
         self.sampling_defaults = generation_defaults(model_dir_of(self.config)) if auto else {}
         self.engine = EngineCore(self.config)
+        # (the engine holds reference cycles, which frozen objects never leave: an LLM dropped unclosed closes it here)
+        self._finalizer = weakref.finalize(self, self.engine.close)
+        freeze_startup_objects()
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -78,8 +82,9 @@ class LLM:
         return SamplingParams(**self.sampling_defaults)
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""
-        self.engine.close()
+        """Close the engine: its tensor-parallel workers stopped, its GPU memory given back (also done when the LLM is
+        dropped, and at exit). Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

@@ -3,7 +3,8 @@ FP8_BLOCK: a scale per 128 x 128 weight block, activations per token and 128 col
 rounded to e4m3 a group at a time (fp8_quant.py `quantize_groups`) and W e4m3 [N, K].
 
 Each program computes a BLOCK_M x BLOCK_N tile over K in steps of one scale group (BLOCK_K = the block's columns):
-a step's dot of e4m3 tiles (on the GPU's FP8 tensor cores; in float32 under the interpreter) times its rows'
+a step's dot of e4m3 tiles (on the GPU's FP8 tensor cores; in float32 under the interpreter, and for blocks
+narrower than the tensor cores' K of 32) times its rows'
 activation scales and its columns' weight-block scales, summed in float32. The same arithmetic as the reference
 (fp8.py `fp8_linear_reference`: dequantize both, one float32 matmul) up to the order of the sums.
 """

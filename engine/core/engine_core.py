@@ -17,7 +17,7 @@ from kiln.cache import RecurrentStateCache, StateKVCacheManager, make_kv_cache_m
 from kiln.engine.config import EngineConfig
 from kiln.engine.core.request import Request
 from kiln.engine.core.scheduler import Scheduler, SchedulerOutput
-from kiln.engine.core.startup import ModelExecutor, build_executor, freeze_startup_objects, model_memo
+from kiln.engine.core.startup import ModelExecutor, build_executor, model_memo
 from kiln.engine.core.tensor_parallel import RanksOutOfStepError, WorkerDiedError
 from kiln.engine.messages import EngineCoreOutput, EngineOutputs, RequestFailed
 from kiln.engine.models.source import resolve_tokenizer_class
@@ -103,7 +103,6 @@ class EngineCore:
         # Failures of a step that raised (offline), reported with the next step's
         self._unreported: list[RequestFailed] = []
         self.step_timing = StepTiming()
-        freeze_startup_objects()
         self.startup_stats = {**executor.startup_stats, "total_seconds": time.perf_counter() - start}
         logger.info("startup: %s", self.startup_stats)
         logger.info(

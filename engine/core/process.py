@@ -26,6 +26,7 @@ import zmq
 from kiln.engine import messages
 from kiln.engine.core.engine_core import EngineCore
 from kiln.engine.core.kv_event_publisher import KVEventPublisher
+from kiln.engine.core.startup import freeze_startup_objects
 from kiln.engine.core.tensor_parallel import WorkerDiedError
 from kiln.engine.kv_events_config import KVEventsConfig
 from kiln.engine.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ def main() -> None:
         outputs.put(None)
         output_thread.join()
         sys.exit(2)
+    freeze_startup_objects()  # (this process's engine lives as long as the process; close() on the way out)
     threading.Thread(target=_input_thread, args=(context, args.input_address, inputs), daemon=True).start()
     ready = messages.Ready(
         core.max_model_len,

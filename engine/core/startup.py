@@ -109,7 +109,11 @@ class ModelExecutor:
 def freeze_startup_objects() -> None:
     """Start-up's garbage collected, then what survives (modules, compiled pieces, the libraries' caches: millions of
     objects a process keeps) moved out of the collector's reach: else the first full collection while serving walks
-    them all, and the step it falls in stalls many times over (BENCHMARKS.md, "No regression"). close() undoes it."""
+    them all, and the step it falls in stalls many times over (BENCHMARKS.md, "Offline throughput").
+
+    Frozen cycles are never collected, so the engine is closed explicitly (the engine-core process, a worker, an
+    `LLM`'s finalizer), and close() unfreezes. Process-wide: closing one of two engines in a process unfreezes the
+    other's objects too, which then cost a full collection again (time, not memory)."""
     gc.collect()
     gc.freeze()
 

@@ -7,8 +7,8 @@ cache). One JSON line a repeat: tok/s, steps, host and waiting-for-the-GPU secon
     --kernels      one more repeat under torch.profiler: GPU kernel time by name, and the GPU's busy time (the union
                    of kernel intervals) against the span, so two builds' GPU work can be compared kernel by kernel
     --step-times   the first repeat's slowest steps (ms, tokens, requests): a one-off stall shows here
-    --gc-freeze    gc.collect() then gc.freeze() once the engine is up: whether the collector's full passes over
-                   start-up's objects are what stalls a run (each row counts the run's collections and their time)
+    --gc-freeze    gc.collect() then gc.freeze() once the engine is up, as an `LLM` does itself since c544fa7: for
+                   A/Bs against older builds (each row counts the run's collections and their time)
     --cprofile F   the first repeat under cProfile, its top functions into F
 
 A/B of two source trees in one device call (a worktree of the other commit; a fresh cache folder gives a cold start,

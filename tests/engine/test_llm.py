@@ -224,6 +224,16 @@ def test_close_gives_the_memory_back_while_the_llm_is_still_referenced(tiny_llam
     llm.close()  # idempotent
 
 
+def test_a_dropped_llm_gives_its_memory_back(tiny_llama_dir):
+    """No close(): dropping the LLM closes its engine, whose cycles start-up froze out of the collector's reach."""
+    llm = LLM(str(tiny_llama_dir), enforce_eager=True, max_model_len=32)
+    kv, weight = weakref.ref(llm.engine.executor.kv_caches[0]), weakref.ref(llm.engine.executor.model.lm_head.weight)
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert kv() is None and weight() is None and engine() is None
+
+
 def test_close_empties_the_weights_of_a_model_still_referenced(tiny_llama_dir):
     """Whoever still holds the modules after close() (Dynamo's guards of a trace on some torch versions) holds no
     memory through them: every parameter and buffer is empty."""
