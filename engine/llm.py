@@ -83,7 +83,8 @@ class LLM:
 
     def close(self) -> None:
         """Close the engine: its tensor-parallel workers stopped, its GPU memory given back (also done when the LLM is
-        dropped, and at exit). Idempotent."""
+        dropped, and at exit; not for an LLM kept in a reference cycle, which start-up's freeze keeps from the
+        collector: close that one). Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> LLM:

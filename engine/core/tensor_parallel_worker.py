@@ -4,6 +4,7 @@ then runs each step rank 0 announces, until rank 0 says stop or is gone."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing.connection
 import signal
@@ -68,6 +69,7 @@ def worker_main(
         freeze_startup_objects()
         serve_steps(executor.runner, pipe)
     finally:
+        gc.unfreeze()  # (else the libraries' objects go unfreed at exit, and some of them complain of it)
         if executor is not None and executor.compiled is not None:
             executor.compiled.release_graphs()
         leave_group()
