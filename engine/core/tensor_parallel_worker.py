@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.backends.attention import AttentionMetadata
+from kiln.engine.core.resolve import resolve_device
 from kiln.engine.core.tensor_parallel import (
     COLLECTIVE_TIMEOUT,
     SHUTDOWN,
@@ -48,7 +49,7 @@ def worker_main(
     with contextlib.suppress(ValueError):  # (a Ray actor's method runs off the main thread: it has no say)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from kiln.engine.core.startup import build_executor, freeze_startup_objects, resolve_device  # noqa: PLC0415  (startup imports this module)
+    from kiln.engine.core.startup import build_executor, freeze_startup_objects  # noqa: PLC0415  (startup imports this module)
 
     device = resolve_device(config)
     size = config.tensor_parallel_size

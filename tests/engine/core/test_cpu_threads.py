@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln.engine import LLM, EngineConfig
-from kiln.engine.core.startup import cpu_threads
+from kiln.engine.core.resolve import cpu_threads
 
 
 def test_default_leaves_a_core(monkeypatch):
