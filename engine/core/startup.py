@@ -145,19 +145,52 @@ def _build_on_device(
     raise ValueError(f"out of GPU memory while allocating the model's weights on {device}")
 
 
+def _with_quantization(config: EngineConfig, model_config: ModelConfig) -> ModelConfig:
+    """The model's config with the quantization it runs in: `--quantization`'s, else the checkpoint's (its KV cache
+    scales dropped under a 16-bit KV cache)."""
+    quantization = quant_config.resolve(config.quantization, model_config.quantization)
+    if quantization is not None and quantization.kv_scales and not config.kv_cache_dtype.startswith("fp8"):
+        logger.info("the checkpoint's KV cache scales are unused with a 16-bit KV cache (--kv-cache-dtype fp8)")
+        quantization = dataclasses.replace(quantization, kv_scales=False)
+    if quantization == model_config.quantization:
+        return model_config
+    return dataclasses.replace(model_config, quantization=quantization)  # (--quantization fp8 of a 16-bit checkpoint)
+
+
+def _kv_cache_spec(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    backend: AttentionBackend,
+    shard: TensorParallelShard,
+    dtype: torch.dtype,
+) -> KVCacheSpec:
+    """This rank's KV cache layout: one entry a layer with attention (a hybrid's recurrent layers keep states, not
+    KV), grouped by sliding window; a backend without windows runs every layer full, over a context capped at the
+    window."""
+    kv_layers = model_config.attention_layers
+    windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
+    # (Gemma 4's full layers: heads of another width and number, in groups of their own)
+    shapes = [
+        (kv_heads_per_rank(model_config.kv_heads_of(i), shard.size), model_config.head_dim_of(i)) for i in kv_layers
+    ]
+    return KVCacheSpec(
+        len(kv_layers),
+        *shapes[0],
+        config.block_size,
+        torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else dtype,
+        kv_groups(windows, [heads * dim for heads, dim in shapes]),
+        tuple(shapes) if len(set(shapes)) > 1 else (),
+    )
+
+
 def build_executor(config: EngineConfig, rank: int = 0, with_draft: bool = True) -> ModelExecutor:
     """This rank's executor (rank 0: the engine core's, which starts the other ranks when there are several).
     `with_draft=False` leaves an EAGLE-3 or MTP draft model unloaded (`kiln precompile`: the target's trace only)."""
     start = time.perf_counter()
     pin_triton_setup()  # before anything compiles
     source = resolve_model(config.model, model_memo(config), config.revision, config.download_dir, config.gguf_file)
-    model_config = source.model_config
-    quantization = quant_config.resolve(config.quantization, model_config.quantization)
-    if quantization is not None and quantization.kv_scales and not config.kv_cache_dtype.startswith("fp8"):
-        logger.info("the checkpoint's KV cache scales are unused with a 16-bit KV cache (--kv-cache-dtype fp8)")
-        quantization = dataclasses.replace(quantization, kv_scales=False)
-    if quantization != model_config.quantization:  # (--quantization fp8 of a 16-bit checkpoint; scales dropped)
-        model_config = dataclasses.replace(model_config, quantization=quantization)
+    model_config = _with_quantization(config, source.model_config)
+    quantization = model_config.quantization
     device = resolve_device(config, rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(config))
@@ -204,25 +237,11 @@ def build_executor(config: EngineConfig, rank: int = 0, with_draft: bool = True)
         use_fused_kernels(model, device.type == "cuda" and config.enforce_eager)
         if compiled is not None:  # a warm start's split graph and artifacts, on every rank or on none
             compiled.load_saved((lambda found: min_across_ranks(int(found)) == 1) if shard.size > 1 else None)
-        # (a backend without windows runs every layer full, over a context capped at the window)
-        kv_layers = model_config.attention_layers  # (a hybrid's recurrent layers keep states, not KV)
-        windows = [model_config.window_of(layer) if backend.sliding_window else 0 for layer in kv_layers]
         # NOTE: allocated before the KV cache is sized, so its profile counts them as it counts the weights
         recurrent_states, state_rows, draft_records = allocate_recurrent_states(
             config, model_config, shard, dtype, device
         )
-        # (Gemma 4's full layers: heads of another width and number, in groups of their own)
-        shapes = [
-            (kv_heads_per_rank(model_config.kv_heads_of(i), shard.size), model_config.head_dim_of(i)) for i in kv_layers
-        ]
-        kv_spec = KVCacheSpec(
-            len(kv_layers),
-            *shapes[0],
-            config.block_size,
-            torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else dtype,
-            kv_groups(windows, [heads * dim for heads, dim in shapes]),
-            tuple(shapes) if len(set(shapes)) > 1 else (),
-        )
+        kv_spec = _kv_cache_spec(config, model_config, backend, shard, dtype)
         capture_sizes = list(config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs))
         aux_hidden = None
         if draft_dir is not None:  # where the target's layers leave their states for the draft (as the runner pads)
