@@ -41,6 +41,13 @@ def _is_token_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _token_ids(prompt: list | tuple) -> list[int] | None:
+    """A prompt's token ids as ints (numpy's integers too), or None where it holds anything else."""
+    if all(type(t) is int for t in prompt):  # (the usual case: a fraction of the ABC check's cost a token)
+        return list(prompt)
+    return [int(t) for t in prompt] if all(_is_token_id(t) for t in prompt) else None
+
+
 def _sampling_params(params) -> SamplingParams:
     """A SamplingParams, or a dict of its fields (as some callers pass them)."""
     if isinstance(params, SamplingParams):
@@ -130,8 +137,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, sequences: dict) -> RequestOutput:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
-            text, token_ids = None, [int(t) for t in prompt]  # (numpy's integers too)
+        elif isinstance(prompt, (list, tuple)) and (token_ids := _token_ids(prompt)) is not None:
+            text = None
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if params.structured_output is not None:

@@ -169,14 +169,20 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests first, oldest first; the newest are preempted when blocks run out.
+        # (this loop runs for every running request every step: what it reads from self is read once)
         i = 0
         max_model_len = self.max_model_len
         allocate_slots = self.kv.allocate_slots
         running = self.running
+        states, drafter = self.states, self.drafter
+        lookahead = getattr(drafter, "lookahead", 0)
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            pending = request.num_output_placeholders + request.num_draft_placeholders
+            # drafts in flight count as new tokens, not computed ones: a sliding window frees no block their
+            # rejection would leave inside it
+            unverified = request.num_draft_placeholders
+            pending = request.num_output_placeholders + unverified
             all_token_ids = request.all_token_ids
             num_tokens = len(all_token_ids) + pending
             if pending and (
@@ -185,25 +191,21 @@ class Scheduler:
                 continue  # a length limit its tokens in flight already reach: nothing more to compute
             num_computed = request.num_computed_tokens
             n = min(num_tokens - num_computed, budget)
-            if self.states is not None and n > 1:
-                n = self.states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
-            if self.drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
+            if states is not None and n > 1:
+                n = states.chunk_end(request.request_id, num_computed, n, len(all_token_ids))
+            if drafter is not None:  # a step to its known tokens' end (no history to sync) verifies drafts
                 ahead = not pending or self.optimistic  # (tokens in flight: the device corrects the positions)
                 drafting = ahead and num_computed + n == num_tokens and not request.needs_sync
                 # (a recurrent state records a verifying step's tokens from its first: one input, then the drafts)
-                drafting = drafting and (n == 1 or self.states is None)
+                drafting = drafting and (n == 1 or states is None)
                 if drafting and self._drafting():
                     request.spec_token_ids = self._draft(request, budget - n, pending)
                 else:
                     request.spec_token_ids = []
                 n += len(request.spec_token_ids)
-            # drafts in flight count as new tokens, not computed ones: a sliding window frees no block their
-            # rejection would leave inside it
-            unverified = request.num_draft_placeholders
             computed = num_computed - unverified
-            fits = allocate_slots(
-                request.request_id, all_token_ids, computed, n + unverified, (), self._lookahead(num_computed + n)
-            )
+            slots_ahead = max(min(lookahead, max_model_len - num_computed - n), 0) if lookahead else 0  # (_lookahead)
+            fits = allocate_slots(request.request_id, all_token_ids, computed, n + unverified, (), slots_ahead)
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
                 n -= len(request.spec_token_ids)
                 request.spec_token_ids = []
@@ -230,9 +232,9 @@ class Scheduler:
             n = min(request.num_tokens - num_cached, budget)
             if self.states is not None and n > 1:
                 n = self.states.chunk_end(request.request_id, num_cached, n, request.num_tokens)
-            lookahead = self._lookahead(num_cached + n)
+            slots_ahead = self._lookahead(num_cached + n)
             if not self.kv.allocate_slots(
-                request.request_id, request.all_token_ids, num_cached, n, cached_blocks, lookahead
+                request.request_id, request.all_token_ids, num_cached, n, cached_blocks, slots_ahead
             ):
                 break
             self.waiting.popleft()
@@ -249,15 +251,16 @@ class Scheduler:
         computed = [r.num_computed_tokens for r in scheduled]
         samples = []
         for request, n in zip(scheduled, num_new):
-            if self.states is not None and not request.spec_token_ids:  # (drafts' states are folded later)
-                self.states.after_schedule(request.request_id, request.num_computed_tokens, n)
+            drafted = len(request.spec_token_ids)  # (past its known tokens: the drafts it verifies)
+            if states is not None and not drafted:  # (drafts' states are folded later)
+                states.after_schedule(request.request_id, request.num_computed_tokens, n)
             num_computed_tokens = request.num_computed_tokens + n
             request.num_computed_tokens = num_computed_tokens
-            drafted = len(request.spec_token_ids)  # (past its known tokens: the drafts it verifies)
             pending = request.num_output_placeholders + request.num_draft_placeholders
             sample = num_computed_tokens - drafted == len(request.all_token_ids) + pending
             request.num_output_placeholders += sample
-            request.num_draft_placeholders += drafted
+            if drafted:
+                request.num_draft_placeholders += drafted
             samples.append(sample)
         block_ids = self.kv.block_ids
         block_table = [block_ids(r.request_id) for r in scheduled]
@@ -296,12 +299,13 @@ class Scheduler:
         new_tokens: list[tuple[Request, int]] = []
         finished: list[Request] = []
         live = (RequestStatus.RUNNING, RequestStatus.WAITING)
+        spec_token_ids = output.spec_token_ids
         for i, (request, token) in enumerate(zip(output.requests, sampled_token_ids)):
             if token is None or request.status not in live:
                 continue  # sampled nothing, or finished (aborted, stopped) after this step was scheduled
             request.num_output_placeholders -= 1
-            tokens = [token]
-            drafts = output.spec_token_ids[i] if output.spec_token_ids else ()
+            tokens = (token,)
+            drafts = spec_token_ids[i] if spec_token_ids else ()
             if drafts:
                 request.num_draft_placeholders -= len(drafts)
                 accepted = accepted_token_ids[i]
