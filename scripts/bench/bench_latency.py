@@ -210,6 +210,7 @@ def run_breakdown(args, batches: list[int], sizes: tuple[int, ...] | None) -> li
                 MODES[mode],
                 max_model_len=args.max_model_len,
                 max_num_seqs=max(batches),
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 async_scheduling=async_scheduling,
             )
@@ -308,6 +309,13 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="(a 35B model on an 80 GB card: 0.93)")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="a step's token budget: a smaller one lowers the start-up profile's activation peak (a model that "
+        "barely fits)",
+    )
+    p.add_argument(
         "--prompt-lens",
         default=str(PROMPT_LEN),
         help="tokens a prompt, comma-separated, each timed at every batch (the decode steps attend to "
@@ -347,6 +355,7 @@ def main() -> None:
             MODES[mode],
             max_model_len=args.max_model_len,
             max_num_seqs=max(batches),
+            max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
