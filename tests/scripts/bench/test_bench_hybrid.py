@@ -107,7 +107,7 @@ def test_gpu_check_runs_the_hybrid_steps_on_the_cpu(hybrid_dirs, tmp_path):
         [f"latency:{dense}", "env:QUANT=fp8", f"latency:{moe}", "env:QUANT=", f"longctx:{dense}", f"multiturn:{dense}"],
         LATENCY_MODES="eager",
         LATENCY_BATCHES="1,4",
-        LATENCY_ARGS="--decode-steps 8 --max-model-len 256",
+        LATENCY_ARGS="--decode-steps 8 --max-model-len 256 --max-num-batched-tokens 256",
         LONGCTX_MODES="eager",
         LONGCTX_PROMPTS="32,256",
         MULTITURN_MODES="eager",
