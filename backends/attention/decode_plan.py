@@ -38,9 +38,12 @@ def decode_num_splits(
     captured for one batch size keeps it; it is a power of two, so the kernel (specialised on it) has at most
     log2(max_splits) + 1 variants to compile. A request with a short context uses fewer (the kernel's
     `min_split_pages`). `merge_width` (`decode_merge_width`): the floats each split adds to the partials one
-    (request, kv head)'s merge reads; no more splits than keep those within MAX_MERGE_FLOATS."""
+    (request, kv head)'s merge reads; no more splits than keep those within MAX_MERGE_FLOATS, unless that would
+    leave SMs without a program (wide heads over few kv heads, Gemma 4's full layers: a handful of programs reading
+    a long context one SM each cost far more than a larger merge)."""
     if merge_width:
-        max_splits = min(max_splits, max(1, MAX_MERGE_FLOATS // merge_width))
+        one_wave = num_sms // (num_reqs * num_kv_heads)  # (one program an SM)
+        max_splits = min(max_splits, max(1, MAX_MERGE_FLOATS // merge_width, one_wave))
     per_sm = 2 if num_reqs <= FEW_REQUESTS else 4
     splits = max(1, min(max_splits, per_sm * num_sms // (num_reqs * num_kv_heads)))
     return 1 << (splits.bit_length() - 1)

@@ -36,13 +36,19 @@ DECODE_BATCHES, DECODE_CONTEXTS = (1, 16, 64, 256), (256, 2048, 8192, 32768)  # 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B's; --model sets the first three
 
 
-def use_model_shapes(model: str) -> None:
+def use_model_shapes(model: str, full_layers: bool = False) -> None:
     """The attention shapes of preset `model` for the decode points (the module's NUM_HEADS, NUM_KV_HEADS,
-    HEAD_DIM)."""
+    HEAD_DIM); `full_layers`: those of its full-attention layers where they differ (Gemma 4's: heads of
+    global_head_dim over num_global_key_value_heads)."""
     global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     p = PRESETS[model]
     NUM_HEADS, NUM_KV_HEADS = p["num_attention_heads"], p["num_key_value_heads"]
     HEAD_DIM = p.get("head_dim") or p["hidden_size"] // NUM_HEADS
+    if full_layers:
+        if "global_head_dim" not in p:
+            raise SystemExit(f"{model}'s full-attention layers have the shapes of its others: leave out --full-layers")
+        NUM_KV_HEADS = p.get("num_global_key_value_heads") or NUM_KV_HEADS
+        HEAD_DIM = p["global_head_dim"]
 
 
 def graph_time_ms(fn, iters: int = 50) -> float:

@@ -24,7 +24,8 @@
 #   | mxfp4-gemv:MODEL (scripts/dev/mxfp4_gemv.py: the MXFP4 experts as a GEMV a pair against the product kernel, after
 #     its check; MOE_TOKENS=1,2,4,8 GEMV_CONFIGS=16x128,...: its BLOCK_NxBLOCK_K tiles)
 #   | sweep (SPLIT_SWEEP=1,2,4,8 MIN_SPLIT_SWEEP=64,128 CONFIG_SWEEP=64x4x3,128x8x2: the decode kernel at other split
-#     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py)
+#     counts, smallest splits and launch configs, scripts/dev/sweep_decode.py; ATTENTION_MODEL=PRESET its shapes,
+#     SWEEP_ARGS=--full-layers those of its full layers)
 # STARTUP_MODELS=llama-3.1-8b only that model's starts, STARTUP_PROFILE=1 a cProfile of each warm start (and the Triton
 # kernels it compiled), STARTUP_PRIME=1 an unmeasured start first (the machine's OS caches warm for every cold start),
 # STARTUP_PYSPY=1 one more warm start sampled by py-spy (native frames; its wheel in .whl, /tmp/site/bin on PATH).
@@ -145,7 +146,7 @@ for step in $steps; do
       base=$(fresh "$OUT/sweep$tag")
       timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/dev/sweep_decode.py ${SPLIT_SWEEP:+--splits $SPLIT_SWEEP} \
         ${MIN_SPLIT_SWEEP:+--min-split $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--configs $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} \
-        ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} 2>&1 | tee "$base.log" | tail -n 30
+        ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${SWEEP_ARGS:-} 2>&1 | tee "$base.log" | tail -n 30
       echo "-- sweep${tag}" >> "$summary"; grep -A60 "^decode kernel alone" "$base.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \

@@ -4,7 +4,7 @@ configs in `kiln.backends.attention.triton_decode` were chosen from. GPU; each p
 calls back to back over copies of the K/V.
 
     python scripts/dev/sweep_decode.py --splits 1,2,4,8,16,32,64 [--min-split 64,128] [--configs 64x2x3,128x4x2s32]
-        [--shapes 64x256,1x8192] [--model qwen2.5-7b] [--kv-cache-dtype fp8]
+        [--shapes 64x256,1x8192] [--model qwen2.5-7b] [--full-layers] [--kv-cache-dtype fp8]
 
 A config is TILExWARPSxSTAGES, then sN (N splits at any context, the one-split cut-off off) and mN (splits of N
 tokens or more).
@@ -83,9 +83,10 @@ def main() -> None:
     p.add_argument("--shapes", default="", help="BATCHxCONTEXT points (default: the benchmark's grid)")
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an e4m3 cache")
+    p.add_argument("--full-layers", action="store_true", help="the model's full layers' shapes (Gemma 4's)")
     args = p.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
-    ba.use_model_shapes(args.model)
+    ba.use_model_shapes(args.model, args.full_layers)
     pin_triton_setup()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     shapes = shapes or [(b, c) for b in ba.DECODE_BATCHES for c in ba.DECODE_CONTEXTS if b * c <= 4 << 20]
@@ -95,7 +96,8 @@ def main() -> None:
     num_sms = get_attention_backend("triton").num_sms
     rows = [sweep(b, c, num_sms, splits, min_tokens, configs, kv_dtype) for b, c in shapes]
     device = torch.cuda.get_device_name()
-    what = f"{args.model} shapes, {kv_dtype} cache, {device}"
+    heads = f"{ba.NUM_HEADS} query heads, {ba.NUM_KV_HEADS} kv heads, head_dim {ba.HEAD_DIM}"
+    what = f"{args.model} shapes ({heads}), {kv_dtype} cache, {device}"
     print(f"\ndecode kernel alone, {what}: us a replay / eight calls back to back")
     for key, what in (("splits", "splits"), ("min_split", ">= tokens"), ("configs", "config")):
         names = list(rows[0][key]) if rows else []

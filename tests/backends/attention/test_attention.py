@@ -25,6 +25,7 @@ from kiln.backends.attention.decode_plan import (
     decode_config,
     decode_merge_width,
     decode_num_splits,
+    decode_splits,
 )
 from kiln.backends.attention.triton_decode import split_kv_decode
 from kiln.backends.attention.triton_unified import unified_attention, write_kv
@@ -256,6 +257,21 @@ def test_split_kv_decode_merge(num_heads, num_kv_heads):
     assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
 
 
+def test_split_kv_decode_merge_of_wide_heads_at_64_splits():
+    """Gemma 4's full layers (heads of 512, 8 query heads a kv head) at the 64 splits `decode_num_splits` gives them at
+    batch 1: the last split merges 64 x 8 x 512 floats of partials, in steps, against the reference."""
+    query_lens, context_lens = [1, 1], [40, 1100]
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        query_lens, context_lens, 16, 2, 512, 16, torch.float32, DEVICE
+    )
+    assert decode_splits(1, 16, 2, 512, 132) == 64
+    ref = reference_attention(q, history, query_lens, 512**-0.5)
+    out = torch.full_like(q, float("nan"))
+    split_kv_decode(q, k, v, kv_cache, metadata, 512**-0.5, out, 64, 16, unsplit_tokens=0)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL, rtol=TOL)
+    assert not arrival_counts(q.device, "decode", triton_decode.MAX_ARRIVAL_SLOTS).any()
+
+
 def test_kv_write_skips_negative_slots():
     kv_cache = torch.zeros(2, 4, 16, 2, 64, device=DEVICE)
     key = torch.randn(3, 2, 64, device=DEVICE)
@@ -311,21 +327,35 @@ def test_decode_num_splits_fills_the_gpu():
 
 
 def test_decode_num_splits_caps_the_merge():
-    """No more splits than keep the partials one (request, kv head)'s last split merges within MAX_MERGE_FLOATS;
-    below the cap the grid alone decides."""
+    """No more splits than keep the partials one (request, kv head)'s last split merges within MAX_MERGE_FLOATS,
+    unless the cap would leave SMs idle: then up to one program an SM; below the cap the grid alone decides."""
     assert decode_merge_width(28, 4, 128) == 7 * 128  # Qwen2.5-7B: 7 query heads a kv head
     assert decode_merge_width(14, 2, 80) == 7 * 128  # head_dim padded to a power of two, as the partials are
-    for heads, kv_heads, head_dim in ((28, 4, 128), (14, 2, 64), (32, 8, 128), (32, 8, 64), (64, 8, 128), (8, 1, 256)):
+    shapes = (
+        (28, 4, 128),
+        (14, 2, 64),
+        (32, 8, 128),
+        (32, 8, 64),
+        (64, 8, 128),
+        (8, 1, 256),
+        (16, 2, 512),
+        (32, 4, 512),
+    )
+    for heads, kv_heads, head_dim in shapes:
         width = decode_merge_width(heads, kv_heads, head_dim)
         for num_reqs in range(1, 300):
             grid = decode_num_splits(num_reqs, kv_heads, 132)
             splits = decode_num_splits(num_reqs, kv_heads, 132, merge_width=width)
-            assert splits * width <= MAX_MERGE_FLOATS or splits == 1
-            assert splits == grid or (splits < grid and 2 * splits * width > MAX_MERGE_FLOATS)
+            programs = num_reqs * kv_heads * splits
+            assert splits * width <= MAX_MERGE_FLOATS or splits == 1 or programs <= 132
+            capped = 2 * splits * width > MAX_MERGE_FLOATS and 2 * programs > 132  # (twice as many: past either)
+            assert splits == grid or (splits < grid and capped)
             assert splits & (splits - 1) == 0  # a power of two: few kernel variants
     # Qwen2.5-7B at batch 1 now takes 32 splits where the grid gives 64; Qwen2.5-0.5B keeps 64
     assert decode_num_splits(1, 4, 132) == 64 == decode_num_splits(1, 2, 132, merge_width=decode_merge_width(14, 2, 64))
     assert decode_num_splits(1, 4, 132, merge_width=decode_merge_width(28, 4, 128)) == 32
+    # Gemma 4's full layers at batch 1: 64 and 32 splits where the cap alone would leave 16 and 32 programs
+    assert decode_splits(1, 16, 2, 512, 132) == 64 and decode_splits(1, 32, 4, 512, 132) == 32
 
 
 def test_large_grid_config_runs_unsplit():
