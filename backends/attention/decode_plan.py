@@ -7,7 +7,8 @@ import triton
 
 # The most floats of partials the last split of a (request, kv head) merges (128 KB). It caps the split count where a
 # kv head has many query heads of 128 dims (Qwen2.5-7B: 7 a kv head), whose merging program would otherwise read
-# hundreds of KB in a row; models with 4 query heads a kv head are held at 32 splits by the grid first.
+# hundreds of KB in a row; models with 4 query heads a kv head are held at 32 splits by the grid first. It gives way
+# where it would leave SMs without a program (`decode_num_splits`).
 MAX_MERGE_FLOATS = 32 * 1024
 # The smallest split, in tokens: one key tile of the default config (a split never takes less than the launch
 # config's key tile either: a half-filled tile costs as much as a full one).
@@ -55,7 +56,8 @@ def decode_merge_width(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """The split count a decode-only batch runs with: by the grid, capped by the merge's partials."""
+    """The split count a decode-only batch runs with: by the grid, capped by the merge's partials where the GPU stays
+    full without them (`decode_num_splits`)."""
     width = decode_merge_width(num_heads, num_kv_heads, head_dim)
     return decode_num_splits(num_reqs, num_kv_heads, num_sms, merge_width=width)
 

@@ -169,7 +169,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests first, oldest first; the newest are preempted when blocks run out.
-        # (this loop runs for every running request every step: what it reads from self is read once)
+        # (this loop runs for every running request every step: what its common path reads from self is read once)
         i = 0
         max_model_len = self.max_model_len
         allocate_slots = self.kv.allocate_slots

@@ -331,6 +331,11 @@ def main() -> None:
     prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     args.max_model_len = max(args.max_model_len, max(prompt_lens) + 2 * args.decode_steps + 16)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.max_num_batched_tokens < max(batches):
+        p.error(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below batch {max(batches)}: a decode step "
+            "would then leave requests out"
+        )
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else None
     if args.from_json:
         with open(args.from_json) as f:

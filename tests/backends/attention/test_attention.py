@@ -258,9 +258,10 @@ def test_split_kv_decode_merge(num_heads, num_kv_heads):
 
 
 def test_split_kv_decode_merge_of_wide_heads_at_64_splits():
-    """Gemma 4's full layers (heads of 512, 8 query heads a kv head) at the 64 splits `decode_num_splits` gives them at
-    batch 1: the last split merges 64 x 8 x 512 floats of partials, in steps, against the reference."""
-    query_lens, context_lens = [1, 1], [40, 1100]
+    """Gemma 4's full layers (heads of 512, 8 query heads a kv head) at the 64 splits `decode_splits` gives them at
+    batch 1: the 2,048-token request's last split merges 64 x 8 x 512 floats of partials (splits of 2 pages), the
+    40-token one's 3, in steps, against the reference."""
+    query_lens, context_lens = [1, 1], [40, 2048]
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         query_lens, context_lens, 16, 2, 512, 16, torch.float32, DEVICE
     )
