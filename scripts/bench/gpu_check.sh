@@ -87,7 +87,8 @@ for step in $steps; do
     env:*)
       # the log names carry each setting, its first 32 characters without = and , (a long value, e.g. a config
       # sweep, once made a name past the 255 a file may have); a name taken twice is numbered by `fresh`
-      export "${step#env:}"; short=${step#env:}; short=${short//[=,]/}; tag="${tag}_${short:0:32}"
+      # the tag keeps its last 96 characters: settings add up, and a name past 255 leaves a step's log unwritten
+      export "${step#env:}"; short=${step#env:}; short=${short//[=,]/}; tag="${tag}_${short:0:32}"; [ ${#tag} -gt 96 ] && tag=${tag: -96}
       echo "-- from here on: ${step#env:}" >> "$summary" ;;
     install)
       # NOTE: `pip` on the device is another interpreter's; `python3 -m pip` is the one the benchmarks run
