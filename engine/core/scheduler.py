@@ -175,7 +175,7 @@ class Scheduler:
         allocate_slots = self.kv.allocate_slots
         running = self.running
         states, drafter = self.states, self.drafter
-        lookahead = getattr(drafter, "lookahead", 0)
+        lookahead = getattr(drafter, "lookahead", 0)  # (a drafter that writes ahead; the others skip `_lookahead`)
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
@@ -204,7 +204,7 @@ class Scheduler:
                     request.spec_token_ids = []
                 n += len(request.spec_token_ids)
             computed = num_computed - unverified
-            slots_ahead = max(min(lookahead, max_model_len - num_computed - n), 0) if lookahead else 0  # (_lookahead)
+            slots_ahead = self._lookahead(num_computed + n) if lookahead else 0
             fits = allocate_slots(request.request_id, all_token_ids, computed, n + unverified, (), slots_ahead)
             if not fits and request.spec_token_ids:  # no room for the drafts: verify none
                 n -= len(request.spec_token_ids)
@@ -259,8 +259,7 @@ class Scheduler:
             pending = request.num_output_placeholders + request.num_draft_placeholders
             sample = num_computed_tokens - drafted == len(request.all_token_ids) + pending
             request.num_output_placeholders += sample
-            if drafted:
-                request.num_draft_placeholders += drafted
+            request.num_draft_placeholders += drafted
             samples.append(sample)
         block_ids = self.kv.block_ids
         block_table = [block_ids(r.request_id) for r in scheduled]
