@@ -256,7 +256,8 @@ class EngineCore:
             lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
             return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner, spec.disable_by_batch_size)
         if self.executor.draft is not None:  # (an EAGLE-3 or MTP draft model, loaded with the target: startup.py)
-            return EagleProposer(self.executor.draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
+            draft, k = self.executor.draft, spec.num_speculative_tokens
+            return EagleProposer(draft, k, runner, self.num_kv_blocks, spec.disable_by_batch_size)
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _load_tokenizer(self):

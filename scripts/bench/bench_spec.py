@@ -23,6 +23,10 @@ step-cost rows of the engine's own device n-gram lookup (`DeviceNgramProposer`, 
 drafter's place: its k drafts a step cost what the device drafter's do, plus the lookup (its acceptance is the
 decisive model's, which repeats its input token: not a workload's, so it has no end-to-end rows).
 
+`--disable-by-batch-size N` sets speculative_config's `disable_by_batch_size`: end-to-end runs of N requests or more
+draft nothing (the device stand-in makes no drafts then, as EAGLE-3's proposer runs no chain), what a user who sets it
+gets, while the step-cost rows still time verification at every batch.
+
 With dummy weights the greedy choice is first made decisive (`--decisive`, `make_greedy_decisive`): their near-flat
 logits would otherwise let a verification step and a one-row step round to different tokens in bf16.
 
@@ -107,12 +111,16 @@ class DeviceDrafter(GoldenPhase):
     step's sampling each decoding request's drafts are left there, read from where its kept tokens end, which only
     the device knows yet, so the engine schedules the next step without waiting for the verdict (async scheduling
     while drafting). `continuations`: None for the blind drafter (its input token's successors), else each request's
-    prompt and greedy continuation, whose first corrupted draft (if any) the same golden-ratio phase picks."""
+    prompt and greedy continuation, whose first corrupted draft (if any) the same golden-ratio phase picks.
+    `disable_by_batch_size`: no drafts at a step of this many sampled requests or more, as `EagleProposer`."""
 
     drafts_after_step = True
 
-    def __init__(self, k: int, vocab_size: int, continuations=None, keep: float = 1.0) -> None:
+    def __init__(
+        self, k: int, vocab_size: int, continuations=None, keep: float = 1.0, disable_by_batch_size: int | None = None
+    ) -> None:
         self.k, self.vocab_size, self.keep = k, vocab_size, keep
+        self.disable_by_batch_size = disable_by_batch_size
         self.drafts, self.draft_rows = None, {}
         self.table, self.row_of = None, {}
         if continuations is not None:  # (a row a request: its prompt, then the continuation)
@@ -132,6 +140,8 @@ class DeviceDrafter(GoldenPhase):
         self.drafts, self.draft_rows = None, {}
         if step is None:
             return
+        if self.disable_by_batch_size is not None and len(sample_rows) >= self.disable_by_batch_size:
+            return  # (the scheduler drafts nothing at that size)
         device = step.next_ids.device
         offsets = torch.arange(1, self.k + 1, device=device)
         if self.table is None:
@@ -231,6 +241,8 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
     DeviceNgramProposer)."""
     engine = llm.engine
     vocab_size = engine.model_config.vocab_size
+    # a verification's cost is timed at every batch, whatever disable_by_batch_size says
+    draft_below, engine.scheduler.draft_below = engine.scheduler.draft_below, None
     drafter = None
     if drafts and kind == "ngram":
         drafter = DeviceNgramProposer(drafts, 1, 4, engine.runner)
@@ -261,6 +273,7 @@ def step_ms(llm: LLM, batch: int, drafts: int | None, steps: int, repeats: int, 
     while engine.has_unfinished_requests():
         engine.step()
     install(llm, None)
+    engine.scheduler.draft_below = draft_below
     if drafts and kind != "ngram":  # every timed step verified `drafts` drafts of every request
         assert spec_steps == batch * steps * repeats and drafted == spec_steps * drafts, (spec_steps, drafted)
     return {
@@ -301,10 +314,18 @@ def same_requests(runs: list[tuple[float, list[list[int]]]], reference: list[lis
 
 
 def end_to_end(
-    llm: LLM, batch: int, k: int, targets: list[float], max_tokens: int, repeats: int, drafters: list[str]
+    llm: LLM,
+    batch: int,
+    k: int,
+    targets: list[float],
+    max_tokens: int,
+    repeats: int,
+    drafters: list[str],
+    disable_by_batch_size: int | None = None,
 ) -> list[dict]:
     """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target, on the
-    host (OracleDrafter) and on the device (DeviceDrafter) as `drafters` say."""
+    host (OracleDrafter) and on the device (DeviceDrafter) as `drafters` say; at `disable_by_batch_size` requests or
+    more none drafts (the scheduler holds it from speculative_config; the device stand-in is told it here)."""
     vocab_size = llm.engine.model_config.vocab_size
     prompts = make_prompts(batch, vocab_size, seed=1000 + batch)
     install(llm, None)
@@ -319,7 +340,7 @@ def end_to_end(
     for drafter, target in [(d, t) for d in drafters for t in targets]:
         keep = keep_for(target, k)
         if drafter == "device":
-            install(llm, DeviceDrafter(k, vocab_size, continuations, keep))
+            install(llm, DeviceDrafter(k, vocab_size, continuations, keep, disable_by_batch_size))
         else:
             install(llm, OracleDrafter(k, continuations, keep, vocab_size))
         timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
@@ -418,6 +439,12 @@ def main() -> None:
         default="auto",
         help="make greedy decisive (make_greedy_decisive); auto: with dummy weights",
     )
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config's disable_by_batch_size: end to end, no drafts at this many requests or more",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -440,7 +467,11 @@ def main() -> None:
         # verification steps of every request's 1 + k tokens replay graphs too
         cudagraph_capture_sizes=tuple(default_capture_sizes(-(-largest_step // 2))),
         # the engine sets itself up for drafts; the scheduler's drafter is then swapped for this script's
-        speculative_config={"method": "ngram", "num_speculative_tokens": max([*ks, args.e2e_k])},
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": max([*ks, args.e2e_k]),
+            "disable_by_batch_size": args.disable_by_batch_size,
+        },
     )
     mode = "eager" if args.enforce_eager else "compiled"
     weights = "dummy weights" if llm.uses_dummy_weights else "checkpoint weights"
@@ -450,6 +481,8 @@ def main() -> None:
         weights += " (greedy made decisive)"
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     header = f"{args.model}, {dtype}, {weights}, {mode}, {device_name()}, torch {torch.__version__}"
+    if args.disable_by_batch_size is not None:
+        header += f", disable_by_batch_size {args.disable_by_batch_size} (end to end)"
     print(f"started: {header}", flush=True)
 
     step_rows = []
@@ -465,7 +498,10 @@ def main() -> None:
     e2e_rows = []
     for batch in e2e_batches:
         oracles = [d for d in drafters if d != "ngram"]
-        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles):
+        rows = end_to_end(
+            llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles, args.disable_by_batch_size
+        )
+        for row in rows:
             print(f"end to end: {row}", flush=True)
             e2e_rows.append(row)
     llm.close()

@@ -1,7 +1,8 @@
 """EAGLE-3 drafts on the tiny Llama: a tiny random draft written in both published layouts proposes what a float64
 reference of the architecture proposes from transformers' own hidden states; greedy output with its drafts equals
 the engine's without, eager and compiled (the target's three layers' states saved out of the compiled graph), with
-chunked prefill; a draft that does not fit its target is one error."""
+chunked prefill; at disable_by_batch_size requests or more no chain runs; a draft that does not fit its target is one
+error."""
 
 from __future__ import annotations
 
@@ -64,6 +65,38 @@ def test_greedy_with_eagle_drafts_equals_without(tiny_llama_dir, tmp_path, layou
     assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
     if compiled:
         assert llm.engine.startup_stats["compute_pieces"] == 2 + 1 + 3  # split at 2 attentions and 3 saved states
+
+
+def test_no_chain_past_disable_by_batch_size(tiny_llama_dir, tmp_path):
+    """disable_by_batch_size 3: while four requests decode, each step runs the draft's first pass but no chain and
+    leaves no drafts; once two are done the chain runs and its drafts are verified; outputs equal those without."""
+    draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 4, 12, 12)]
+    kwargs = dict(max_model_len=128, enforce_eager=True)
+    with LLM(str(tiny_llama_dir), **kwargs) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    k, spec = 3, {**eagle(draft_dir, 3), "disable_by_batch_size": 3}
+    with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
+        drafter, steps = llm.engine.runner.drafter, []  # (requests sampled, chain passes, requests left drafts)
+        propose, chain_pass = drafter.propose, drafter._chain_pass
+
+        def counting_chain_pass(*args):
+            steps[-1][1] += 1
+            return chain_pass(*args)
+
+        def recording(batch, sample_rows, *args):
+            steps.append([len(sample_rows), 0, 0])
+            propose(batch, sample_rows, *args)
+            steps[-1][2] = len(drafter.draft_rows)
+
+        drafter.propose, drafter._chain_pass = recording, counting_chain_pass
+        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert llm.engine.scheduler.num_draft_tokens > 0
+    assert outputs == plain
+    large = [step for step in steps if step[0] >= 3]
+    small = [step for step in steps if 0 < step[0] < 3]
+    assert len(large) >= 3 and all(chain == drafted == 0 for _, chain, drafted in large)
+    assert small and all(chain == k - 1 and drafted == n for n, chain, drafted in small)
 
 
 def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):

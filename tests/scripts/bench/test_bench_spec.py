@@ -2,7 +2,7 @@
 law it claims (against the geometric law's closed form), and gpu_check's spec step runs it end to end on a tiny model,
 its table and JSON rows checked: every step-cost point timed with exactly k drafts verified, each end-to-end target's
 measured mean accepted length near the target, and greedy outputs with drafts equal to those without (in bf16 too,
-with the weights made decisive)."""
+with the weights made decisive); `--disable-by-batch-size` leaves large batches undrafted end to end."""
 
 from __future__ import annotations
 
@@ -166,3 +166,27 @@ def test_step_cost_of_the_engines_device_ngram_lookup(tiny_llama_dir, tmp_path):
     assert steps[-1]["drafts_kept"] == 2 * 4 and result["end_to_end"] == []
     wrong = subprocess.run([*run, *args[:-2], "--drafters", "gpu"], capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "--drafters: device, host or ngram" in wrong.stderr
+
+
+def test_disable_by_batch_size_leaves_large_batches_undrafted(tiny_llama_dir, tmp_path):
+    """`--disable-by-batch-size 2`: end to end, a batch of 2 drafts nothing (mean accepted 1, none drafted) and one
+    request alone drafts as aimed; the step-cost rows still verify every request's k drafts at batch 2."""
+    json_path = tmp_path / "spec.json"
+    args = ["--model", str(tiny_llama_dir), "--enforce-eager", "--batches", "2", "--k", "2", "--steps", "2"]
+    args += ["--repeats", "1", "--e2e-batches", "1,2", "--e2e-k", "2", "--targets", "3", "--max-tokens", "24"]
+    args += ["--disable-by-batch-size", "2", "--json", str(json_path)]
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "bench_spec.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(json_path.read_text())
+    assert "disable_by_batch_size 2" in result["header"]
+    assert [r["query_tokens"] for r in result["step"] if r["drafts"] == 2] == [6, 6]
+    drafted = [r for r in result["end_to_end"] if r["target"] is not None]
+    assert [(r["batch"], r["drafter"]) for r in drafted] == [(1, "device"), (1, "host"), (2, "device"), (2, "host")]
+    for r in drafted:
+        assert r["same"] == r["batch"]
+        if r["batch"] == 2:
+            assert r["mean_accepted"] == 1.0 and r["acceptance"] == 0.0
+        else:
+            assert r["mean_accepted"] == pytest.approx(3, abs=0.25)
