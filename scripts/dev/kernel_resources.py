@@ -114,7 +114,7 @@ def shapes(model: str) -> dict:
     head_dim = p.get("head_dim") or p["hidden_size"] // p["num_attention_heads"]
     return dict(
         hidden=p["hidden_size"],
-        inter=p["intermediate_size"],
+        inter=p.get("intermediate_size") or p.get("moe_intermediate_size"),  # (a mixture of experts' own size)
         heads=p["num_attention_heads"],
         kv_heads=p["num_key_value_heads"],
         head_dim=head_dim,
