@@ -4,7 +4,8 @@
 #   install (first: the wheels carried in .whl — pyzmq, xgrammar, gguf... the device lacks — and this checkout,
 #   editable, with the device's own python3 -m pip, no build isolation: the device reaches no index)
 #   | tests | gpu-files (the gpu-marked tests a file at a time, each with its own limit) | kernel-tests | attention | startup | latency:MODEL | throughput:MODEL (eager, with the HF peer)
-#   | throughput-compiled:MODEL | ab-throughput:MODEL (BASE_SRC=DIR: this tree against another commit's source, cold
+#   | throughput-compiled:MODEL (THROUGHPUT_ARGS="--max-num-seqs 64 --gpu-memory-utilization 0.95": more arguments of
+#     bench_throughput.py, e.g. for a hybrid whose 256 recurrent states would not fit beside its weights) | ab-throughput:MODEL (BASE_SRC=DIR: this tree against another commit's source, cold
 #     and warm starts alternating, scripts/dev/throughput_runs.py) | closed-engine (what a closed engine leaves on the GPU)
 #   | serving:MODEL | soak:MODEL (SOAK_MINUTES) | gputests:FILE,FILE (GPUTESTS_ARGS="-m gpu") | breakdown:MODEL
 #   | prompt-logprobs:MODEL (PROMPT_LEN=4096) | prompt-logprobs-http:MODEL (the same over HTTP, echo + logprobs) | profile:MODEL:BATCH | inductor-code:MODEL | gemv (GEMV_SWEEP=1: also a config sweep) | resources
@@ -263,7 +264,7 @@ LLM(sys.argv[1], cudagraph_mode='none', max_model_len=512, compile_cache_dir=sys
       echo "soak: $(cat "$OUT/soak.json")" >> "$summary" ;;
     throughput-compiled:*)
       model=${step#throughput-compiled:}
-      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench/bench_throughput.py --model "$model" -tp ${TP:-1} ${QUANT:+--quantization $QUANT} \
+      timeout -s ABRT -k 15 ${THROUGHPUT_TIMEOUT:-300} python3 scripts/bench/bench_throughput.py --model "$model" -tp ${TP:-1} ${QUANT:+--quantization $QUANT} ${THROUGHPUT_ARGS:-} \
         ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} --json "$OUT/throughput.jsonl" 2>&1 \
         | tee "$OUT/throughput_compiled_${model}_tp${TP:-1}$tag.log" | tail -n 5
       echo "-- throughput-compiled:$model$tag" >> "$summary"
