@@ -254,10 +254,9 @@ class EngineCore:
             spec.method == "ngram" and async_scheduling and runner.device.type == "cuda" and runner.shifts_positions
         ):
             lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
-            return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner, spec.disable_by_batch_size)
+            return DeviceNgramProposer(spec.num_speculative_tokens, *lookup, runner)
         if self.executor.draft is not None:  # (an EAGLE-3 or MTP draft model, loaded with the target: startup.py)
-            draft, k = self.executor.draft, spec.num_speculative_tokens
-            return EagleProposer(draft, k, runner, self.num_kv_blocks, spec.disable_by_batch_size)
+            return EagleProposer(self.executor.draft, spec.num_speculative_tokens, self.runner, self.num_kv_blocks)
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _load_tokenizer(self):

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # how many of each request's device drafts are real (a device n-gram lookup's; the rest are fillers): a host
     # tensor, read once this step is done, and each request's row there; None: every draft is
     draft_counts: Any = None
+    # whether the drafter makes drafts after this step (for the next): below disable_by_batch_size running requests,
+    # counted once the step's admissions are in, so a drafter on the device skips exactly what the host will not use
+    drafting: bool = True
 
     def num_real_drafts(self, i: int) -> int:
         """Of row i's drafts, how many a drafter proposed (the acceptance metrics count those alone)."""
@@ -267,6 +270,7 @@ class Scheduler:
         output = SchedulerOutput(scheduled, num_new, block_table, preempted, computed, samples, wants)
         output.shifted_rows = shifted
         if self.drafter is not None:
+            output.drafting = self._drafting()
             output.spec_token_ids = [r.spec_token_ids if r.status == RequestStatus.RUNNING else [] for r in scheduled]
             output.device_drafts = getattr(self.drafter, "device_drafts", None)
             output.draft_counts = getattr(self.drafter, "draft_counts", None)

@@ -48,14 +48,10 @@ class EagleProposer:
         num_speculative_tokens: int,
         runner: ModelRunner,
         num_blocks: int,
-        disable_by_batch_size: int | None = None,
     ) -> None:
         """`draft`: an EAGLE-3 head or a model's MTP layer (mtp.py): `forward(ids, positions, hidden)`,
-        `first_hidden(runner, rows)`, `draft_tokens(normed)`. `disable_by_batch_size`: a step of this many sampled
-        requests or more runs the first pass (the draft's KV stays whole) but no chain (the scheduler drafts nothing
-        at that size)."""
+        `first_hidden(runner, rows)`, `draft_tokens(normed)`."""
         self.draft, self.k, self.runner = draft, num_speculative_tokens, runner
-        self.disable_by_batch_size = disable_by_batch_size
         dtype = next(draft.parameters()).dtype
         shape = (2, num_blocks, runner.block_size, draft.num_kv_heads, draft.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
@@ -113,8 +109,8 @@ class EagleProposer:
         self.drafts, self.draft_rows = None, {}
         if step is None:
             return
-        if self.disable_by_batch_size is not None and len(sample_rows) >= self.disable_by_batch_size:
-            return  # (none then: a step that drops below the size verifies none, the one after it drafts again)
+        if not batch.drafting:  # (past disable_by_batch_size: the first pass above keeps the draft's KV whole)
+            return  # (a step that drops below the size verifies none, the one after it drafts again)
         tokens = [self.draft.draft_tokens(normed.index_select(0, step.next_rows))]
         hidden = prenorm.index_select(0, step.next_rows)
         position = computed[sample_rows] + num_new[sample_rows]  # (the chain's first, as the host wrote the step)

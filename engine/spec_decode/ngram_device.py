@@ -42,11 +42,8 @@ class DeviceNgramProposer:
         prompt_lookup_min: int,
         prompt_lookup_max: int,
         runner: ModelRunner,
-        disable_by_batch_size: int | None = None,
     ) -> None:
-        """`disable_by_batch_size`: a step of this many sampled requests or more keeps the texts up to date but looks
-        nothing up (the scheduler drafts nothing at that size)."""
-        self.k, self.runner, self.disable_by_batch_size = num_speculative_tokens, runner, disable_by_batch_size
+        self.k, self.runner = num_speculative_tokens, runner
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.window = min(MAX_LOOKBACK, runner.max_model_len)  # (the host's lookback: the same matches)
         self.ring = self.window + num_speculative_tokens + 1  # (a step's rejected inputs land past the window)
@@ -129,7 +126,7 @@ class DeviceNgramProposer:
             end = end + correction
         self.history.index_put_((row_index, end % self.ring), step.next_ids.to(torch.int32))
         self.lengths = end + 1  # (each text's length, on the device: for tests)
-        if self.disable_by_batch_size is not None and len(sample_rows) >= self.disable_by_batch_size:
+        if not batch.drafting:  # (past disable_by_batch_size: the texts above stay up to date, nothing is looked up)
             return  # (none then: a step that drops below the size verifies none, the one after it drafts again)
         self.drafts, self.valid_counts = self._lookup(row_index, self.lengths, int((computed + num_new).max()) + 1)
         self.draft_rows = {batch.requests[i].request_id: j for j, i in enumerate(sample_rows)}

@@ -112,15 +112,12 @@ class DeviceDrafter(GoldenPhase):
     the device knows yet, so the engine schedules the next step without waiting for the verdict (async scheduling
     while drafting). `continuations`: None for the blind drafter (its input token's successors), else each request's
     prompt and greedy continuation, whose first corrupted draft (if any) the same golden-ratio phase picks.
-    `disable_by_batch_size`: no drafts at a step of this many sampled requests or more, as `EagleProposer`."""
+    Past disable_by_batch_size (the step's `drafting`) it makes none, as `EagleProposer`."""
 
     drafts_after_step = True
 
-    def __init__(
-        self, k: int, vocab_size: int, continuations=None, keep: float = 1.0, disable_by_batch_size: int | None = None
-    ) -> None:
+    def __init__(self, k: int, vocab_size: int, continuations=None, keep: float = 1.0) -> None:
         self.k, self.vocab_size, self.keep = k, vocab_size, keep
-        self.disable_by_batch_size = disable_by_batch_size
         self.drafts, self.draft_rows = None, {}
         self.table, self.row_of = None, {}
         if continuations is not None:  # (a row a request: its prompt, then the continuation)
@@ -140,8 +137,8 @@ class DeviceDrafter(GoldenPhase):
         self.drafts, self.draft_rows = None, {}
         if step is None:
             return
-        if self.disable_by_batch_size is not None and len(sample_rows) >= self.disable_by_batch_size:
-            return  # (the scheduler drafts nothing at that size)
+        if not batch.drafting:  # (the scheduler drafts nothing at that size)
+            return
         device = step.next_ids.device
         offsets = torch.arange(1, self.k + 1, device=device)
         if self.table is None:
@@ -321,11 +318,10 @@ def end_to_end(
     max_tokens: int,
     repeats: int,
     drafters: list[str],
-    disable_by_batch_size: int | None = None,
 ) -> list[dict]:
     """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target, on the
     host (OracleDrafter) and on the device (DeviceDrafter) as `drafters` say; at `disable_by_batch_size` requests or
-    more none drafts (the scheduler holds it from speculative_config; the device stand-in is told it here)."""
+    more none drafts (the scheduler holds it from speculative_config)."""
     vocab_size = llm.engine.model_config.vocab_size
     prompts = make_prompts(batch, vocab_size, seed=1000 + batch)
     install(llm, None)
@@ -340,7 +336,7 @@ def end_to_end(
     for drafter, target in [(d, t) for d in drafters for t in targets]:
         keep = keep_for(target, k)
         if drafter == "device":
-            install(llm, DeviceDrafter(k, vocab_size, continuations, keep, disable_by_batch_size))
+            install(llm, DeviceDrafter(k, vocab_size, continuations, keep))
         else:
             install(llm, OracleDrafter(k, continuations, keep, vocab_size))
         timed_generate(llm, prompts, 8)  # (warm-up: the first steps with drafts)
@@ -498,9 +494,7 @@ def main() -> None:
     e2e_rows = []
     for batch in e2e_batches:
         oracles = [d for d in drafters if d != "ngram"]
-        rows = end_to_end(
-            llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles, args.disable_by_batch_size
-        )
+        rows = end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles)
         for row in rows:
             print(f"end to end: {row}", flush=True)
             e2e_rows.append(row)

@@ -72,6 +72,11 @@ def bench_kiln(args, prompts, output_lens) -> dict:
         "wait_s": t.wait_seconds,
         "preemptions": llm.engine.scheduler.num_preemptions,
         "kv_blocks": llm.engine.num_kv_blocks,
+        # (what a run's arguments set, so a row of the JSON file says which run it was)
+        **{
+            k: getattr(llm.engine.config, k)
+            for k in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+        },
         "triton_compiles": compiles,
         "triton_cache_hits": hits,
     }

@@ -67,36 +67,55 @@ def test_greedy_with_eagle_drafts_equals_without(tiny_llama_dir, tmp_path, layou
         assert llm.engine.startup_stats["compute_pieces"] == 2 + 1 + 3  # split at 2 attentions and 3 saved states
 
 
-def test_no_chain_past_disable_by_batch_size(tiny_llama_dir, tmp_path):
-    """disable_by_batch_size 3: while four requests decode, each step runs the draft's first pass but no chain and
-    leaves no drafts; once two are done the chain runs and its drafts are verified; outputs equal those without."""
+def test_no_chain_past_disable_by_batch_size(tiny_llama_dir, tmp_path, monkeypatch):
+    """disable_by_batch_size 3: a step after which three or more requests run (a long prompt's chunks among them)
+    runs the draft's first pass but no chain and leaves no drafts; with fewer the chain runs and its drafts are
+    verified; the drafts made once the batch has shrunk are the float64 reference's (the first passes kept the
+    draft's KV whole); outputs equal those without."""
     draft_dir = make_eagle3_dir(tmp_path / "draft", "eagle")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 4, 12, 12)]
-    kwargs = dict(max_model_len=128, enforce_eager=True)
+    kwargs = dict(max_model_len=128, enforce_eager=True, max_num_batched_tokens=12)
     with LLM(str(tiny_llama_dir), **kwargs) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     k, spec = 3, {**eagle(draft_dir, 3), "disable_by_batch_size": 3}
     with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
-        drafter, steps = llm.engine.runner.drafter, []  # (requests sampled, chain passes, requests left drafts)
-        propose, chain_pass = drafter.propose, drafter._chain_pass
+        drafter, scheduler = llm.engine.runner.drafter, llm.engine.scheduler
+        recorded = record_drafts(monkeypatch)
+        steps = []  # (running, requests sampled, passes: the first and the chain's, chain passes, requests with drafts)
+        propose, first_pass, chain_pass = drafter.propose, drafter._pass, drafter._chain_pass
 
-        def counting_chain_pass(*args):
-            steps[-1][1] += 1
-            return chain_pass(*args)
+        def counting(index, run):
+            def counted(*args):
+                steps[-1][index] += 1
+                return run(*args)
+
+            return counted
 
         def recording(batch, sample_rows, *args):
-            steps.append([len(sample_rows), 0, 0])
+            steps.append([len(scheduler.running), len(sample_rows), 0, 0, 0])
             propose(batch, sample_rows, *args)
-            steps[-1][2] = len(drafter.draft_rows)
+            steps[-1][4] = len(drafter.draft_rows)
 
-        drafter.propose, drafter._chain_pass = recording, counting_chain_pass
-        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        assert llm.engine.scheduler.num_draft_tokens > 0
+        drafter.propose, drafter._pass, drafter._chain_pass = (
+            recording,
+            counting(2, first_pass),
+            counting(3, chain_pass),
+        )
+        results = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert scheduler.num_draft_tokens > 0
+    outputs = [o.outputs[0].token_ids for o in results]
     assert outputs == plain
-    large = [step for step in steps if step[0] >= 3]
-    small = [step for step in steps if 0 < step[0] < 3]
-    assert len(large) >= 3 and all(chain == drafted == 0 for _, chain, drafted in large)
-    assert small and all(chain == k - 1 and drafted == n for n, chain, drafted in small)
+    large = [s for s in steps if s[0] >= 3]
+    small = [s for s in steps if s[0] < 3 and s[1] > 0]
+    assert any(sampled < 3 for _, sampled, *_ in large)  # (steps the sampled count alone would have drafted after)
+    assert len(large) >= 3 and all(passes == 1 and chain == left == 0 for _, _, passes, chain, left in large)
+    assert small and all(chain == k - 1 and left == sampled for _, sampled, _, chain, left in small)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    index = {o.request_id: i for i, o in enumerate(results)}
+    later = [(index[rid.split("-")[0]], done, d) for rid, done, d in recorded if done > 4]  # (two finished at 4)
+    assert later
+    for i, done, d in later:
+        assert d == reference_drafts(draft_dir, hf, PROMPTS[i] + outputs[i][: done - 1], outputs[i][done - 1], k)
 
 
 def test_a_draft_that_does_not_fit_is_one_error(tiny_llama_dir, tmp_path):
