@@ -43,11 +43,7 @@ class EagleProposer:
     drafts_after_step = True  # (the scheduler takes a request's drafts as this proposer left them)
 
     def __init__(
-        self,
-        draft: Eagle3Draft | MtpDraft,
-        num_speculative_tokens: int,
-        runner: ModelRunner,
-        num_blocks: int,
+        self, draft: Eagle3Draft | MtpDraft, num_speculative_tokens: int, runner: ModelRunner, num_blocks: int
     ) -> None:
         """`draft`: an EAGLE-3 head or a model's MTP layer (mtp.py): `forward(ids, positions, hidden)`,
         `first_hidden(runner, rows)`, `draft_tokens(normed)`."""

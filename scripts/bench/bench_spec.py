@@ -311,13 +311,7 @@ def same_requests(runs: list[tuple[float, list[list[int]]]], reference: list[lis
 
 
 def end_to_end(
-    llm: LLM,
-    batch: int,
-    k: int,
-    targets: list[float],
-    max_tokens: int,
-    repeats: int,
-    drafters: list[str],
+    llm: LLM, batch: int, k: int, targets: list[float], max_tokens: int, repeats: int, drafters: list[str]
 ) -> list[dict]:
     """Greedy runs of `batch` requests: without drafts (the reference), then with the oracle at each target, on the
     host (OracleDrafter) and on the device (DeviceDrafter) as `drafters` say; at `disable_by_batch_size` requests or
@@ -494,8 +488,7 @@ def main() -> None:
     e2e_rows = []
     for batch in e2e_batches:
         oracles = [d for d in drafters if d != "ngram"]
-        rows = end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles)
-        for row in rows:
+        for row in end_to_end(llm, batch, args.e2e_k, targets, args.max_tokens, args.repeats, oracles):
             print(f"end to end: {row}", flush=True)
             e2e_rows.append(row)
     llm.close()

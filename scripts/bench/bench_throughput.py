@@ -20,6 +20,7 @@ import torch
 
 from kiln.compile.counters import TRITON_EVENTS
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.config import EngineConfig
 from kiln.engine.models.source import resolve_model
 
 
@@ -45,7 +46,8 @@ def bench_kiln(args, prompts, output_lens) -> dict:
         async_scheduling=not args.no_async_scheduling,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        **{k: v for k in ("gpu_memory_utilization", "max_num_batched_tokens") if (v := getattr(args, k)) is not None},
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -140,8 +142,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
     # (a model whose weights leave little room, e.g. a hybrid's recurrent states beside 65 GB on an 80 GB card)
-    p.add_argument("--gpu-memory-utilization", type=float, help="(default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="a step's token budget (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256,512", help="CUDA-graph sizes (compiled)")
