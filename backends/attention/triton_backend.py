@@ -29,7 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[int, tuple[int, int, int]]:
         """The split count (the kernel is specialised on it) and the launch config."""
         splits = decode_splits(num_reqs, num_heads, num_kv_heads, head_dim, self.num_sms)
-        return splits, decode_config(num_reqs * num_kv_heads * splits, num_reqs)
+        return splits, decode_config(num_reqs * num_kv_heads * splits, num_reqs, head_dim=head_dim)
 
     def forward(
         self,

@@ -149,7 +149,8 @@ for step in $steps; do
       timeout -s ABRT -k 15 ${ATTENTION_TIMEOUT:-200} python3 scripts/dev/sweep_decode.py ${SPLIT_SWEEP:+--splits $SPLIT_SWEEP} \
         ${MIN_SPLIT_SWEEP:+--min-split $MIN_SPLIT_SWEEP} ${CONFIG_SWEEP:+--configs $CONFIG_SWEEP} ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES} \
         ${ATTENTION_MODEL:+--model $ATTENTION_MODEL} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${SWEEP_ARGS:-} 2>&1 | tee "$base.log" | tail -n 30
-      echo "-- sweep${tag}" >> "$summary"; grep -A60 "^decode kernel alone" "$base.log" >> "$summary" ;;
+      echo "-- sweep${tag}" >> "$summary"  # (the table, or the points measured before the step's limit cut it)
+      grep -A60 "^decode kernel alone" "$base.log" >> "$summary" || grep -E "^[0-9]+x[0-9]+ \{" "$base.log" >> "$summary" ;;
     gemv)
       timeout -s ABRT -k 15 ${GEMV_TIMEOUT:-300} python3 scripts/bench/bench_gemv.py ${GEMV_SWEEP:+--sweep} --json "$OUT/gemv.json" \
         2>&1 | tee "$OUT/gemv.log" | tail -n 60

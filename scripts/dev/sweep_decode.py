@@ -60,10 +60,13 @@ def sweep(
     def timed(**kwargs) -> tuple[float, float]:
         decode = lambda cache: split_kv_decode(q, k_new, v_new, cache, metadata, scale, out, **kwargs)  # noqa: E731
         try:
-            return ba.graph_time_ms(lambda: decode(kv_cache)) * 1e3, ba.back_to_back_ms(decode, caches) * 1e3
+            times = ba.graph_time_ms(lambda: decode(kv_cache)) * 1e3, ba.back_to_back_ms(decode, caches) * 1e3
         except Exception as e:  # e.g. a tile too big for shared memory
-            print(f"{kwargs}: {type(e).__name__}: {str(e)[:200]}")
+            print(f"{kwargs}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             return float("nan"), float("nan")
+        # each point as it lands: a step cut by its time limit keeps what it measured
+        print(f"{batch}x{context} {kwargs}: {times[0]:.1f} / {times[1]:.1f} us", flush=True)
+        return times
 
     return {
         "batch": batch,

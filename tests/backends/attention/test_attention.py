@@ -22,6 +22,8 @@ from kiln.backends.attention.decode_plan import (
     DECODE_CONFIG_MANY,
     FEW_REQUESTS,
     MAX_MERGE_FLOATS,
+    WIDE_FEW_MAX_PROGRAMS,
+    WIDE_FEW_WARPS,
     decode_config,
     decode_merge_width,
     decode_num_splits,
@@ -302,6 +304,14 @@ def test_decode_config_by_grid_size():
     assert decode_config(4096, 512) == DECODE_CONFIG_MANY
     assert decode_config(512, 1) == decode_config(2047, FEW_REQUESTS) == DECODE_CONFIG_FEW != DECODE_CONFIG
     assert decode_config(512, FEW_REQUESTS + 1) == DECODE_CONFIG
+    # heads of 256 or wider at batch 1 over at most one program an SM: 8 warps (a 16-bit cache); the widest heads
+    # then take half the keys a tile
+    tile_n, _, stages = DECODE_CONFIG_FEW
+    assert decode_config(WIDE_FEW_MAX_PROGRAMS, 1, head_dim=256) == (tile_n, WIDE_FEW_WARPS, stages)
+    assert decode_config(WIDE_FEW_MAX_PROGRAMS, 1, head_dim=512) == (tile_n // 2, WIDE_FEW_WARPS, stages)
+    assert decode_config(2 * WIDE_FEW_MAX_PROGRAMS, 1, head_dim=256) == DECODE_CONFIG_FEW
+    assert decode_config(WIDE_FEW_MAX_PROGRAMS, 1, head_dim=128) == DECODE_CONFIG_FEW
+    assert decode_config(WIDE_FEW_MAX_PROGRAMS, 1, kv_bytes=1, head_dim=256)[1] == DECODE_CONFIG_FEW[1]
     # an FP8 cache: the same tile and warps, twice the tiles in flight; heads of 64 or fewer their own mid-batch config
     for programs, reqs, config in (
         (512, 1, DECODE_CONFIG_FEW),
@@ -394,6 +404,23 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
     out = torch.zeros_like(q)
     get_attention_backend(backend).forward(q, k, v, kv_cache, metadata, 128**-0.5, out)
     ref = reference_attention(q, history, query_lens, 128**-0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 2, 256), (8, 2, 512)])
+def test_wide_heads_at_batch_one_on_gpu(num_heads, num_kv_heads, head_dim):
+    """Heads of 256 and 512 at batch 1 take decode_config's wide-head warps (qwen3.6's and Gemma 4's global layers):
+    equal to the float64 reference, with a split count that fills the GPU."""
+    q, k, v, kv_cache, metadata, history = make_paged_batch(
+        [1], [5000], num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda"
+    )
+    backend = get_attention_backend("triton")
+    splits, config = backend.decode_variant(1, num_heads, num_kv_heads, head_dim)
+    assert config[1] == WIDE_FEW_WARPS and num_kv_heads * splits <= WIDE_FEW_MAX_PROGRAMS
+    out = torch.zeros_like(q)
+    backend.forward(q, k, v, kv_cache, metadata, head_dim**-0.5, out)
+    ref = reference_attention(q, history, [1], head_dim**-0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
