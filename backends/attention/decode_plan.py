@@ -18,8 +18,8 @@ MIN_SPLIT_TOKENS = 64
 UNSPLIT_TOKENS = 256
 # (TILE_N, num_warps, num_stages) of the decode kernel, from sweeps of `scripts/bench/bench_attention.py`: 2 warps beat
 # Triton's default 4 below batch 256; from 2,048 programs on a 32-key tile fits more programs an SM. Up to
-# FEW_REQUESTS requests a 128-key tile with 4 warps: with one split for a short context, a program walks its keys in
-# half as many dependent iterations.
+# FEW_REQUESTS requests a 128-key tile with 4 warps (8 at wide heads, below): with one split for a short context, a
+# program walks its keys in half as many dependent iterations.
 DECODE_CONFIG = (64, 2, 3)
 DECODE_CONFIG_FEW = (128, 4, 2)
 DECODE_CONFIG_MANY = (32, 2, 2)
@@ -27,9 +27,10 @@ DECODE_CONFIG_MANY = (32, 2, 2)
 # --prompt-len 8192): the kernel alone (scripts/dev/sweep_decode.py) ranks these configs otherwise.
 DECODE_CONFIG_FP8_SMALL_HEADS = (128, 2, 3)
 FEW_REQUESTS = 1
-# Heads of 256 or wider at batch 1 over a grid of at most one program an SM (two kv heads, or four at 32 splits):
-# 8 warps, more loads in flight a program (the kernel alone at 32k: qwen3.6-35b-a3b 13% faster, gemma-4-31b's
-# global layers 4%); at two programs an SM (Gemma 3's eight kv heads) the 4 warps stay faster.
+# Heads of 256 or wider at batch 1 over a grid of at most WIDE_FEW_MAX_PROGRAMS programs (one an SM on a 132-SM GPU:
+# two kv heads at 64 splits, four at 32): 8 warps, since a program that has an SM to itself streams a long context
+# faster with more loads in flight; a larger grid (Gemma 3's eight kv heads) keeps 4 (BENCHMARKS.md, "Decode
+# attention kernel").
 WIDE_FEW_WARPS = 8
 WIDE_FEW_MAX_PROGRAMS = 128
 
@@ -69,7 +70,8 @@ def decode_splits(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: in
 
 def decode_config(num_programs: int, num_reqs: int, kv_bytes: int = 2, head_dim: int = 128) -> tuple[int, int, int]:
     """The decode kernel's launch config for a grid of `num_programs` over `num_reqs` requests: fixed by the batch
-    size, so graph-safe. An FP8 cache (`kv_bytes` 1) takes `fp8_decode_config`'s."""
+    size, so graph-safe. Heads of 256 or wider at batch 1 on a small grid take WIDE_FEW_WARPS; heads of 512 half the
+    keys a tile. An FP8 cache (`kv_bytes` 1) takes `fp8_decode_config`'s."""
     if num_programs >= 2048:
         config = DECODE_CONFIG_MANY
     else:

@@ -128,7 +128,7 @@ def decode_variants(model: str, window: int = 0, softcap: float = 0.0, kv_bytes:
     q_per_kv = s["heads"] // s["kv_heads"]
     head_dim_p = triton.next_power_of_2(s["head_dim"])
     configs = [plan.DECODE_CONFIG, plan.DECODE_CONFIG_FEW, plan.DECODE_CONFIG_MANY]
-    if s["head_dim"] >= 256:  # (batch 1 over at most one program an SM: decode_config's wide-head warps)
+    if s["head_dim"] >= 256 and kv_bytes == 2:  # (batch 1 on a small grid: decode_config's wide-head warps)
         configs.append(plan.decode_config(plan.WIDE_FEW_MAX_PROGRAMS, 1, head_dim=256))
     for num_splits in (1, 64):
         for tile_n, warps, stages in configs:

@@ -62,7 +62,8 @@ def sweep(
         try:
             times = ba.graph_time_ms(lambda: decode(kv_cache)) * 1e3, ba.back_to_back_ms(decode, caches) * 1e3
         except Exception as e:  # e.g. a tile too big for shared memory
-            print(f"{kwargs}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            first_line = str(e).partition("\n")[0][:200]
+            print(f"{batch}x{context} {kwargs}: {type(e).__name__}: {first_line}", flush=True)
             return float("nan"), float("nan")
         # each point as it lands: a step cut by its time limit keeps what it measured
         print(f"{batch}x{context} {kwargs}: {times[0]:.1f} / {times[1]:.1f} us", flush=True)

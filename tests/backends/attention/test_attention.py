@@ -408,10 +408,10 @@ def test_backends_on_gpu_bf16_vs_fp32_reference(backend, dtype, query_lens, cont
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 2, 256), (8, 2, 512)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 2, 256), (24, 4, 256), (16, 2, 512), (32, 4, 512)])
 def test_wide_heads_at_batch_one_on_gpu(num_heads, num_kv_heads, head_dim):
-    """Heads of 256 and 512 at batch 1 take decode_config's wide-head warps (qwen3.6's and Gemma 4's global layers):
-    equal to the float64 reference, with a split count that fills the GPU."""
+    """Heads of 256 and 512 at batch 1 take decode_config's wide-head warps (qwen3.6's attention layers, Gemma 4's
+    global ones; two kv heads at 64 splits, four at 32): equal to the float64 reference."""
     q, k, v, kv_cache, metadata, history = make_paged_batch(
         [1], [5000], num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda"
     )
