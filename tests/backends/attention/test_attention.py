@@ -324,6 +324,23 @@ def test_decode_config_by_grid_size():
         assert small == (DECODE_CONFIG_FP8_SMALL_HEADS if config == DECODE_CONFIG else (tile_n, warps, stages))
 
 
+@pytest.mark.parametrize("num_sms", [132, 78])
+def test_warm_up_variants_fix_the_launched_decode_kernel(num_sms):
+    """Warm-up compiles one decode of each `decode_variant` (the smallest batch of each): every batch size that
+    shares a variant must launch the same split count and config, for either cache dtype, at the head shapes the
+    presets use (heads of 64 to 512, 1 to 16 kv heads), or a CUDA graph capture would compile mid-serving."""
+    backend = get_attention_backend("triton")
+    backend.num_sms = num_sms
+    for num_heads, num_kv_heads, head_dim in ((32, 8, 128), (16, 2, 256), (4, 1, 256), (32, 4, 512), (64, 8, 64)):
+        launched: dict = {}
+        for num_reqs in range(1, 513):
+            splits, config = backend.decode_variant(num_reqs, num_heads, num_kv_heads, head_dim)
+            programs = num_reqs * num_kv_heads * splits
+            for kv_bytes in (1, 2):
+                got = splits, decode_config(programs, num_reqs, kv_bytes, head_dim)
+                assert launched.setdefault((splits, config, kv_bytes), got) == got, (num_reqs, head_dim, kv_bytes)
+
+
 def test_decode_num_splits_fills_the_gpu():
     assert decode_num_splits(1, 8, 132) == 32  # the few-request config: two programs an SM
     assert decode_num_splits(1, 2, 132) == 64  # capped
