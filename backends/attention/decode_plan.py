@@ -27,10 +27,9 @@ DECODE_CONFIG_MANY = (32, 2, 2)
 # --prompt-len 8192): the kernel alone (scripts/dev/sweep_decode.py) ranks these configs otherwise.
 DECODE_CONFIG_FP8_SMALL_HEADS = (128, 2, 3)
 FEW_REQUESTS = 1
-# Heads of 256 or wider at batch 1 over a grid of at most WIDE_FEW_MAX_PROGRAMS programs (one an SM on a 132-SM GPU:
-# two kv heads at 64 splits, four at 32): 8 warps, since a program that has an SM to itself streams a long context
-# faster with more loads in flight; a larger grid (Gemma 3's eight kv heads) keeps 4 (BENCHMARKS.md, "Decode
-# attention kernel").
+# Heads of 256 or wider at batch 1 over a grid of at most WIDE_FEW_MAX_PROGRAMS programs (about one an SM: two kv heads
+# at 64 splits, four at 32): 8 warps, since a program with an SM to itself streams a long context faster with more
+# loads in flight; a larger grid (eight kv heads) shares its SMs and keeps 4.
 WIDE_FEW_WARPS = 8
 WIDE_FEW_MAX_PROGRAMS = 128
 
